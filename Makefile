@@ -1,0 +1,45 @@
+# Two commands for a fresh machine: `make run` (the main job) and `make test` (the whole suite).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+EXTRAS ?= dev
+RUN_DIR ?= runs/quickstart
+
+.PHONY: run test install system-deps lint bench clean
+
+# System packages: swig builds box2d-py (gymnasium[box2d]).
+system-deps:
+	@if ! command -v swig >/dev/null 2>&1; then \
+	  if command -v apt-get >/dev/null 2>&1; then \
+	    echo "installing system packages (swig)"; \
+	    (apt-get update -qq && apt-get install -y -qq swig) || sudo sh -c 'apt-get update -qq && apt-get install -y -qq swig'; \
+	  else echo "please install swig with your package manager"; fi; \
+	fi
+
+# torch first (its CPU wheel), then the package: otherwise the resolver pulls CUDA wheels.
+$(STAMP): pyproject.toml
+	$(MAKE) system-deps
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e ".[$(EXTRAS)]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# The main job: PPO on Pendulum-v1 on a local Ray started on demand (a few minutes on 2 cores).
+run: install
+	$(VENV)/bin/flowrl-ray train configs/ppo/pendulum.yaml --run-dir $(RUN_DIR)-$$(date +%Y%m%d-%H%M%S)
+
+test: install
+	$(PY) -m pytest -q -ra tests
+
+bench: install
+	$(PY) benchmarks/rollout_throughput.py
+	$(PY) benchmarks/ppo_vs_rllib.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,84 @@
+"""What every algorithm provides to the runtime, and the shared optimiser step."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+from torch import nn
+
+from flowrl_ray.batch import Batch
+from flowrl_ray.config import Config
+from flowrl_ray.envs import EnvSpec
+
+
+class Algorithm(ABC):
+    """An RL algorithm: networks, optimisers, schedulers and the update. No Ray.
+
+    The runtime calls, per policy version: ``prepare(batches)`` (advantages, old log-probs),
+    then ``update(prepared)`` (returns metrics), then ``policy_state_dict()`` to publish the
+    weights that rollout workers load into ``make_policy(cfg, spec)``.
+    ``state_dict()``/``load_state_dict()`` hold everything needed to resume bit-for-bit.
+    """
+
+    #: how rollouts are produced: "env_step" (workers step envs with a policy copy) or "group".
+    rollout_kind = "env_step"
+
+    def __init__(self, cfg: Config, spec: EnvSpec, device: torch.device):
+        self.cfg, self.spec, self.device = cfg, spec, device
+
+    @staticmethod
+    @abstractmethod
+    def make_policy(cfg: Config, spec: EnvSpec) -> nn.Module:
+        """The rollout copy of the policy: a module with ``act(obs, deterministic, generator)``."""
+
+    @property
+    @abstractmethod
+    def policy(self) -> nn.Module:
+        """The learner's policy (same class as ``make_policy`` returns)."""
+
+    def policy_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu().clone() for k, v in self.policy.state_dict().items()}
+
+    @abstractmethod
+    def prepare(self, batches: list[Batch]) -> Any: ...
+
+    @abstractmethod
+    def update(self, prepared: Any) -> dict[str, float]: ...
+
+    @abstractmethod
+    def state_dict(self) -> dict[str, Any]: ...
+
+    @abstractmethod
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def optimizer_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer,
+                   params: list[torch.nn.Parameter], max_grad_norm: float | None) -> tuple[float, bool]:
+    """Backward, clip, step. A non-finite loss or gradient skips the step (the caller counts it).
+
+    Returns (grad norm before clipping, whether the step was taken).
+    """
+    optimizer.zero_grad(set_to_none=True)
+    if not torch.isfinite(loss):
+        return float("nan"), False
+    loss.backward()
+    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm else float("inf"))
+    if not torch.isfinite(norm):
+        optimizer.zero_grad(set_to_none=True)
+        return float(norm), False
+    optimizer.step()
+    return float(norm), True
+
+
+def weight_metrics(module: nn.Module, init: dict[str, torch.Tensor] | None = None,
+                   prefix: str = "policy") -> dict[str, float]:
+    """L2 norm of all parameters, distance from `init`, parameter mean and std."""
+    flat = torch.cat([p.detach().flatten().float().cpu() for p in module.parameters()])
+    out = {f"{prefix}/weight_l2_norm": float(flat.norm()),
+           f"{prefix}/param_mean": float(flat.mean()), f"{prefix}/param_std": float(flat.std())}
+    if init is not None:
+        init_flat = torch.cat([init[n].flatten().float() for n, _ in module.named_parameters()])
+        out[f"{prefix}/weight_l2_distance_from_init"] = float((flat - init_flat).norm())
+    return out

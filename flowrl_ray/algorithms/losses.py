@@ -1,0 +1,33 @@
+"""Policy-gradient surrogates and value losses, written once and shared.
+
+Surrogates are elementwise and return the objective to *maximise*; callers average them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def ppo_clip_objective(ratio: torch.Tensor, adv: torch.Tensor, clip: float) -> torch.Tensor:
+    """PPO's clipped surrogate (Schulman et al., 2017):
+
+        L = min(r * A, clip(r, 1 - eps, 1 + eps) * A)
+    """
+    return torch.min(ratio * adv, ratio.clamp(1.0 - clip, 1.0 + clip) * adv)
+
+
+def value_loss(values: torch.Tensor, returns: torch.Tensor, old_values: torch.Tensor | None = None,
+               clip: float | None = None) -> torch.Tensor:
+    """0.5 * (V - R)^2, or with ``clip`` PPO's clipped form
+    0.5 * max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2). Elementwise."""
+    unclipped = (values - returns).pow(2)
+    if clip is None or old_values is None:
+        return 0.5 * unclipped
+    clipped = old_values + (values - old_values).clamp(-clip, clip)
+    return 0.5 * torch.max(unclipped, (clipped - returns).pow(2))
+
+
+def approx_kl(log_ratio: torch.Tensor) -> torch.Tensor:
+    """KL(old || new) estimate from log(pi_new/pi_old) of samples drawn from pi_old
+    (Schulman's k3: (r - 1) - log r, unbiased and non-negative). Mean over elements."""
+    return ((log_ratio.exp() - 1.0) - log_ratio).mean()

@@ -1,0 +1,151 @@
+"""Gaussian PPO (Schulman et al., 2017) with the usual implementation details.
+
+Clipped surrogate, optional clipped value loss, entropy bonus, GAE(lambda) with termination vs
+truncation, per-minibatch advantage normalisation, minibatch epochs, target-KL early stop,
+grad-norm clip, linear or constant learning-rate schedule. Reads top to bottom:
+
+    prepare:  V(s_t), V(s_{t+1}) (bootstrap on truncation) -> GAE -> flat [T*N] tensors
+    update:   epochs x minibatches of   -L_clip + c_v * L_V - c_e * H
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from flowrl_ray.algorithms.advantages import gae, normalize
+from flowrl_ray.algorithms.base import Algorithm, optimizer_step
+from flowrl_ray.algorithms.losses import approx_kl, ppo_clip_objective, value_loss
+from flowrl_ray.batch import Batch, concat_time_major
+from flowrl_ray.config import Config, PPOConfig
+from flowrl_ray.envs import EnvSpec
+from flowrl_ray.models.gaussian import GaussianPolicy, ValueNet
+
+
+@dataclass
+class PPOBatch:
+    """Flat training data, all [M] or [M, ...] with M = T * N."""
+    obs: torch.Tensor          # [M, D] raw observations
+    actions: torch.Tensor      # [M, A] raw (pre-squash) actions
+    logp_old: torch.Tensor     # [M]   behaviour log-probs recorded by the worker
+    values_old: torch.Tensor   # [M]
+    advantages: torch.Tensor   # [M]
+    returns: torch.Tensor      # [M]
+
+
+class PPO(Algorithm):
+    name = "ppo"
+
+    def __init__(self, cfg: Config, spec: EnvSpec, device: torch.device):
+        super().__init__(cfg, spec, device)
+        c: PPOConfig = cfg.algo
+        self.c = c
+        self._policy = self.make_policy(cfg, spec).to(device)
+        self.value_net = ValueNet(spec.obs_dim, c.hidden_sizes, c.activation).to(device)
+        self.params = list(self._policy.parameters()) + list(self.value_net.parameters())
+        self.optimizer = torch.optim.Adam(self.params, lr=c.lr, eps=1e-5)
+        total = cfg.train.iterations
+        # Linear anneal to 0 over the run, stepped once per update (CleanRL's schedule).
+        schedule = (lambda i: max(0.0, 1.0 - i / total)) if c.lr_schedule == "linear" else (lambda i: 1.0)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+        self.generator = torch.Generator().manual_seed(cfg.seed)   # minibatch shuffling
+        self.skipped_updates = 0
+
+    @staticmethod
+    def make_policy(cfg: Config, spec: EnvSpec) -> GaussianPolicy:
+        c: PPOConfig = cfg.algo
+        return GaussianPolicy(spec.obs_dim, spec.action_dim, c.hidden_sizes, c.activation,
+                              c.log_std_init, c.squash, c.normalize_obs)
+
+    @property
+    def policy(self) -> GaussianPolicy:
+        return self._policy
+
+    def values(self, obs: torch.Tensor) -> torch.Tensor:
+        """V(s) for raw obs [..., D] -> [...], with the policy's observation normaliser."""
+        flat = obs.reshape(-1, obs.shape[-1])
+        return self.value_net(self._policy.obs_norm(flat)).reshape(obs.shape[:-1])
+
+    # ------------------------------------------------------------------ prepare
+    @torch.no_grad()
+    def prepare(self, batches: list[Batch]) -> PPOBatch:
+        d = {k: torch.as_tensor(v, device=self.device) for k, v in concat_time_major(batches).items()}
+        obs = d["obs"].float()                                       # [T, N, D]
+        rewards = d["rewards"].float() * self.c.reward_scale         # [T, N]
+        terminated, truncated = d["terminated"].bool(), d["truncated"].bool()
+        values = self.values(obs)                                    # [T, N]
+        # V of what followed each step: the next obs, the last obs, or the final obs of a
+        # truncated episode (the autoreset already replaced obs[t+1] with a new episode's start).
+        next_values = torch.cat([values[1:], self.values(d["last_obs"].float())[None]], 0)
+        if truncated.any():
+            next_values[truncated] = self.values(d["final_obs"].float()[truncated])
+        adv, ret = gae(rewards, values, next_values, terminated, truncated,
+                       self.c.gamma, self.c.gae_lambda)
+        flat = lambda x: x.reshape(-1, *x.shape[2:])               # [T, N, ...] -> [T*N, ...]
+        return PPOBatch(obs=flat(obs), actions=flat(d["actions"].float()), logp_old=flat(d["logp"].float()),
+                        values_old=flat(values), advantages=flat(adv), returns=flat(ret))
+
+    # ------------------------------------------------------------------ update
+    def update(self, b: PPOBatch) -> dict[str, float]:
+        c, m = self.c, b.obs.shape[0]
+        stats: dict[str, list[float]] = {k: [] for k in
+                                         ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_fraction", "grad_norm")}
+        epochs_run, early_stop = 0, False
+        for _ in range(c.epochs):
+            epochs_run += 1
+            perm = torch.randperm(m, generator=self.generator).to(self.device)
+            for start in range(0, m, c.minibatch_size):
+                idx = perm[start:start + c.minibatch_size]
+                dist = self._policy.distribution(b.obs[idx])
+                logp = dist.log_prob(b.actions[idx]).sum(-1)                 # [mb]
+                log_ratio = logp - b.logp_old[idx]
+                ratio = log_ratio.exp()
+                adv = normalize(b.advantages[idx]) if c.normalize_advantages else b.advantages[idx]
+                policy_loss = -ppo_clip_objective(ratio, adv, c.clip).mean()
+                v_loss = value_loss(self.values(b.obs[idx]), b.returns[idx], b.values_old[idx], c.vf_clip).mean()
+                entropy = dist.entropy().sum(-1).mean()
+                loss = policy_loss + c.vf_coef * v_loss - c.ent_coef * entropy
+                grad_norm, stepped = optimizer_step(loss, self.optimizer, self.params, c.max_grad_norm)
+                self.skipped_updates += int(not stepped)
+                with torch.no_grad():
+                    kl = approx_kl(log_ratio)
+                    for k, v in (("policy_loss", policy_loss), ("value_loss", v_loss), ("entropy", entropy),
+                                 ("approx_kl", kl), ("clip_fraction", ((ratio - 1).abs() > c.clip).float().mean()),
+                                 ("grad_norm", grad_norm)):
+                        stats[k].append(float(v))
+                if c.target_kl is not None and float(kl) > c.target_kl:
+                    early_stop = True
+                    break
+            if early_stop:
+                break
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.scheduler.step()
+        # The normaliser moves after the update, so the epochs above used the statistics the
+        # batch was sampled with (first-epoch ratios are exactly 1 in synchronous mode).
+        self._policy.obs_norm.update(b.obs)
+        with torch.no_grad():
+            var_ret = b.returns.var()
+            explained = 1.0 - (b.returns - b.values_old).var() / var_ret if var_ret > 0 else torch.tensor(float("nan"))
+        out = {f"ppo/{k}": float(np.mean(v)) if v else float("nan") for k, v in stats.items()}
+        out.update({"ppo/explained_variance": float(explained), "ppo/lr": lr, "ppo/epochs_run": epochs_run,
+                    "ppo/early_stopped": float(early_stop), "ppo/skipped_updates": self.skipped_updates,
+                    "ppo/log_std_mean": float(self._policy.log_std.detach().mean()),
+                    "ppo/advantage_mean": float(b.advantages.mean()), "ppo/advantage_std": float(b.advantages.std())})
+        return out
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        return {"policy": self._policy.state_dict(), "value_net": self.value_net.state_dict(),
+                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                "generator": self.generator.get_state(), "skipped_updates": self.skipped_updates}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._policy.load_state_dict(state["policy"])
+        self.value_net.load_state_dict(state["value_net"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.generator.set_state(state["generator"])
+        self.skipped_updates = state["skipped_updates"]

@@ -1,0 +1,53 @@
+"""The unit that travels from rollout workers to the learner.
+
+A :class:`Batch` is a flat mapping of numpy arrays sharing a leading layout (``[T, N, ...]``
+time-major for env-step rollouts, ``[B, ...]`` for group rollouts), plus the ``policy_version``
+it was sampled with, the ``worker_id`` that made it and episode statistics. Workers return a
+small :class:`BatchMeta` beside it so that the driver can schedule and count without ever
+pulling the arrays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class BatchMeta:
+    policy_version: int
+    worker_id: int
+    env_steps: int
+    episode_returns: list[float] = field(default_factory=list)
+    episode_lengths: list[int] = field(default_factory=list)
+    sample_time_s: float = 0.0
+    extra: dict = field(default_factory=dict)   # family-specific episode stats (success, ...)
+
+
+@dataclass
+class Batch:
+    data: dict[str, np.ndarray]
+    meta: BatchMeta
+
+    @property
+    def policy_version(self) -> int:
+        return self.meta.policy_version
+
+    @property
+    def worker_id(self) -> int:
+        return self.meta.worker_id
+
+    def __getitem__(self, key: str) -> np.ndarray:
+        return self.data[key]
+
+
+def concat_time_major(batches: list[Batch]) -> dict[str, np.ndarray]:
+    """Join env-step batches along the env axis.
+
+    Keys starting with ``last_`` hold one entry per env ``[N, ...]`` (the observation after the
+    last step) and join on axis 0; every other key is time-major ``[T, N, ...]`` and joins on
+    axis 1.
+    """
+    return {k: np.concatenate([b.data[k] for b in batches], axis=0 if k.startswith("last_") else 1)
+            for k in batches[0].data}

@@ -1,0 +1,194 @@
+"""`flowrl-ray`: train, eval, tune, serve, plot.
+
+User errors (missing file, bad config, bad run directory) print one line and exit with status 2,
+without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from flowrl_ray.config import ConfigError, load_config
+
+EXIT_USER_ERROR = 2
+
+
+class UserError(Exception):
+    """Anything the user can fix; printed as one line."""
+
+
+def _default_run_dir(name: str) -> Path:
+    return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+# --------------------------------------------------------------------------- verbs
+
+def cmd_train(args: argparse.Namespace) -> int:
+    if args.resume:
+        run_dir = Path(args.resume)
+        if not (run_dir / "config.yaml").is_file():
+            raise UserError(f"--resume {run_dir}: not a run directory (no config.yaml)")
+        if args.config and Path(args.config).suffix in (".yaml", ".yml"):
+            raise UserError("--resume takes the run's own config; pass only key=value overrides")
+        overrides = ([args.config] if args.config else []) + args.overrides
+        cfg = load_config(run_dir / "config.yaml", overrides)
+    else:
+        if not args.config:
+            raise UserError("train needs a CONFIG file (or --resume RUN_DIR)")
+        cfg = load_config(args.config, args.overrides)
+        run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir(cfg.name)
+    from flowrl_ray.runtime.trainer import Trainer
+    trainer = Trainer(cfg, run_dir, resume=bool(args.resume), tensorboard=not args.no_tensorboard)
+    print(f"[flowrl_ray] run directory: {run_dir}", flush=True)
+    try:
+        trainer.setup()
+        summary = trainer.train()
+    finally:
+        trainer.close()
+    print(f"[flowrl_ray] done: {json.dumps(summary)}", flush=True)
+    print(f"[flowrl_ray] learning curve: {run_dir / 'plots' / 'learning_curve.png'}", flush=True)
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from flowrl_ray.checkpoint import load_policy
+    from flowrl_ray.envs import env_family
+    from flowrl_ray.envs.rollout import EnvRunner
+
+    cfg, spec, policy = load_policy(args.run_dir)
+    runner = EnvRunner(env_family(cfg.env.family), cfg.env, min(args.episodes, 8), cfg.seed, policy)
+    try:
+        result = runner.evaluate(args.episodes, deterministic=not args.stochastic)
+    finally:
+        runner.close()
+    r = np.array(result["episode_returns"])
+    out = {"run_dir": str(args.run_dir), "env": cfg.env.id, "episodes": len(r),
+           "policy": "stochastic" if args.stochastic else "deterministic",
+           "return_mean": float(r.mean()), "return_std": float(r.std()),
+           "length_mean": float(np.mean(result["episode_lengths"]))}
+    print(json.dumps(out))
+    return 0
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from flowrl_ray.tune import parse_search_space, run_sweep
+    cfg = load_config(args.config, args.overrides)       # validates before Ray starts
+    space = parse_search_space(args.grid, args.choice, args.uniform, args.loguniform, base=cfg)
+    out_dir = Path(args.out_dir) if args.out_dir else _default_run_dir(f"tune-{cfg.name}")
+    result = run_sweep(args.config, args.overrides, space, seeds=args.seeds, num_samples=args.num_samples,
+                       out_dir=out_dir, metric=args.metric, mode=args.mode,
+                       max_concurrent=args.max_concurrent)
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from flowrl_ray.serve import serve_policy
+    serve_policy(args.run_dir, host=args.host, port=args.port, block=True)
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from flowrl_ray.plotting import plot_runs
+    for d in args.run_dirs:
+        if not (Path(d) / "metrics.jsonl").is_file():
+            raise UserError(f"{d}: no metrics.jsonl (not a run directory?)")
+    out = args.out or str(Path(args.run_dirs[0]) / "plots" / f"{args.y.replace('/', '_')}.png")
+    try:
+        path = plot_runs(args.run_dirs, out, x=args.x, y=args.y, title=args.title)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    print(path)
+    return 0
+
+
+# --------------------------------------------------------------------------- parser
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="flowrl-ray", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
+
+    t = sub.add_parser("train", help="train a policy on a local or existing Ray cluster",
+                       description="Train with the algorithm and env a config names. Starts a local Ray "
+                                   "unless RAY_ADDRESS points at a cluster. Writes runs/<name>-<time>/: "
+                                   "config.yaml, metrics.jsonl, tensorboard/, checkpoints/, plots/, summary.json.")
+    t.add_argument("config", nargs="?", help="YAML config (configs/<algorithm>/<task>.yaml)")
+    t.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. train.iterations=20")
+    t.add_argument("--run-dir", help="run directory (default runs/<name>-<timestamp>)")
+    t.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest checkpoint")
+    t.add_argument("--no-tensorboard", action="store_true", help="skip TensorBoard event files")
+    t.set_defaults(func=cmd_train)
+
+    e = sub.add_parser("eval", help="evaluate a run's latest checkpoint",
+                       description="Run episodes with the latest checkpoint's policy (deterministic by "
+                                   "default) and print return statistics as JSON.")
+    e.add_argument("run_dir")
+    e.add_argument("--episodes", type=int, default=10)
+    e.add_argument("--stochastic", action="store_true", help="sample actions instead of the mean")
+    e.set_defaults(func=cmd_eval)
+
+    tu = sub.add_parser("tune", help="hyperparameter sweep with Ray Tune",
+                        description="Sweep config keys (grid or random) over several seeds. Each trial is a "
+                                    "full Trainer inside its own placement group. Writes results.csv and "
+                                    "best_config.yaml to the output directory.")
+    tu.add_argument("config")
+    tu.add_argument("overrides", nargs="*", help="fixed key.sub=value overrides for every trial")
+    tu.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
+                    help="grid over values, e.g. --grid algo.lr=1e-3,3e-4")
+    tu.add_argument("--choice", action="append", default=[], metavar="KEY=V1,V2", help="random choice")
+    tu.add_argument("--uniform", action="append", default=[], metavar="KEY=LO,HI", help="uniform sample")
+    tu.add_argument("--loguniform", action="append", default=[], metavar="KEY=LO,HI", help="log-uniform sample")
+    tu.add_argument("--seeds", type=int, default=1, help="seeds per configuration (seed, seed+1, ...)")
+    tu.add_argument("--num-samples", type=int, default=1, help="random samples (repeats of the grid)")
+    tu.add_argument("--metric", default="episode_return_mean")
+    tu.add_argument("--mode", choices=["max", "min"], default="max")
+    tu.add_argument("--max-concurrent", type=int, default=0, help="0: as many as resources allow")
+    tu.add_argument("--out-dir", help="where results go (default runs/tune-<name>-<timestamp>)")
+    tu.set_defaults(func=cmd_tune)
+
+    s = sub.add_parser("serve", help="serve a trained policy over HTTP with Ray Serve",
+                       description="Deploy the run's latest checkpoint with Ray Serve. POST /act with "
+                                   '{"observation": [...]} returns {"action": [...]}; GET /healthz answers.')
+    s.add_argument("run_dir")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.set_defaults(func=cmd_serve)
+
+    pl = sub.add_parser("plot", help="draw learning curves (PNG) of one or more runs",
+                        description="Overlay runs; runs of the same config name (seeds) become mean +- std bands.")
+    pl.add_argument("run_dirs", nargs="+")
+    pl.add_argument("--x", default="env_steps")
+    pl.add_argument("--y", default="episode_return_mean")
+    pl.add_argument("--title")
+    pl.add_argument("--out", help="PNG path (default RUN_DIR/plots/<y>.png)")
+    pl.set_defaults(func=cmd_plot)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    # Overrides may come after options (`train CFG --run-dir D a.b=1`): collect stray key=value.
+    args, extra = parser.parse_known_args(argv)
+    stray = [x for x in extra if x.startswith("-") or "=" not in x]
+    if stray or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if extra:
+        args.overrides = list(args.overrides) + extra
+    try:
+        return args.func(args)
+    except (ConfigError, UserError, FileNotFoundError) as e:
+        print(f"flowrl-ray {args.verb}: error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print(f"flowrl-ray {args.verb}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

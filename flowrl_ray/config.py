@@ -1,0 +1,325 @@
+"""Typed configuration: dataclass schema, YAML loading, `a.b=c` overrides, clear errors.
+
+A config file is YAML with the sections below. Every mistake (unknown key, wrong type,
+impossible value) raises :class:`ConfigError` whose message names the key, before Ray starts.
+
+    seed: 0
+    name: ppo-pendulum
+    algorithm: ppo            # picks the schema of the `algo` section
+    env: {family: gym, id: Pendulum-v1}
+    train: {iterations: 50}
+    runtime: {num_workers: 2, envs_per_worker: 4, rollout_length: 256, ...}
+    eval: {interval: 10, episodes: 10}
+    algo: {...}               # the algorithm's own hyperparameters
+
+Constraints live next to the fields as metadata: ``field(default=..., metadata=check(gt=0))``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A user mistake in a config file or override; the message names the offending key."""
+
+
+def check(gt: float | None = None, ge: float | None = None, le: float | None = None,
+          lt: float | None = None) -> dict:
+    """Field metadata with numeric bounds, checked by :func:`validate`."""
+    return {k: v for k, v in dict(gt=gt, ge=ge, le=le, lt=lt).items() if v is not None}
+
+
+# --------------------------------------------------------------------------- schema
+
+@dataclass
+class EnvConfig:
+    family: str = "gym"                 # adapter family (flowrl_ray.envs.ENV_FAMILIES)
+    id: str = "Pendulum-v1"
+    kwargs: dict = field(default_factory=dict)       # passed to the env constructor
+    max_episode_steps: Optional[int] = field(default=None, metadata=check(gt=0))
+
+
+@dataclass
+class TrainConfig:
+    iterations: int = field(default=100, metadata=check(gt=0))
+
+
+@dataclass
+class RuntimeConfig:
+    num_workers: int = field(default=2, metadata=check(gt=0))
+    envs_per_worker: int = field(default=4, metadata=check(gt=0))
+    rollout_length: int = field(default=256, metadata=check(gt=0))   # env steps per env per batch
+    num_cpus_per_worker: float = field(default=1.0, metadata=check(ge=0))
+    num_gpus_per_worker: float = field(default=0.0, metadata=check(ge=0))
+    learner_num_cpus: float = field(default=1.0, metadata=check(ge=0))
+    learner_num_gpus: Optional[float] = field(default=None, metadata=check(ge=0))  # None: 1 if a GPU is visible
+    mode: Literal["sync", "async"] = "sync"
+    max_staleness: int = field(default=1, metadata=check(ge=0))     # async: policy versions a batch may lag
+    max_worker_restarts: int = field(default=3, metadata=check(ge=0))
+    sample_timeout_s: float = field(default=600.0, metadata=check(gt=0))
+    checkpoint_interval: int = field(default=10, metadata=check(ge=0))  # 0: only at the end
+    keep_checkpoints: int = field(default=3, metadata=check(gt=0))
+    num_cpus: Optional[int] = field(default=None, metadata=check(gt=0))  # local Ray only
+    torch_threads: int = field(default=1, metadata=check(gt=0))          # per actor
+
+
+@dataclass
+class EvalConfig:
+    interval: int = field(default=10, metadata=check(ge=0))   # iterations; 0 disables periodic eval
+    episodes: int = field(default=10, metadata=check(gt=0))
+
+
+@dataclass
+class PPOConfig:
+    lr: float = field(default=3e-4, metadata=check(gt=0))
+    lr_schedule: Literal["constant", "linear"] = "linear"
+    gamma: float = field(default=0.99, metadata=check(ge=0, le=1))
+    gae_lambda: float = field(default=0.95, metadata=check(ge=0, le=1))
+    clip: float = field(default=0.2, metadata=check(gt=0))
+    vf_clip: Optional[float] = field(default=None, metadata=check(gt=0))  # None: unclipped value loss
+    vf_coef: float = field(default=0.5, metadata=check(ge=0))
+    ent_coef: float = field(default=0.0, metadata=check(ge=0))
+    epochs: int = field(default=10, metadata=check(gt=0))
+    minibatch_size: int = field(default=64, metadata=check(gt=0))
+    normalize_advantages: bool = True
+    target_kl: Optional[float] = field(default=None, metadata=check(gt=0))
+    max_grad_norm: float = field(default=0.5, metadata=check(gt=0))
+    hidden_sizes: list = field(default_factory=lambda: [64, 64])
+    activation: Literal["tanh", "relu"] = "tanh"
+    log_std_init: float = 0.0
+    squash: bool = False              # tanh-squash actions (else Gaussian clipped at the bounds)
+    normalize_obs: bool = True        # running mean/std, part of the policy's weights
+    reward_scale: float = field(default=1.0, metadata=check(gt=0))
+
+
+#: algorithm name -> schema of its `algo` section. Later algorithms register here.
+ALGO_CONFIGS: dict[str, type] = {"ppo": PPOConfig}
+
+
+@dataclass
+class Config:
+    algorithm: str = "ppo"
+    name: str = "run"
+    seed: int = field(default=0, metadata=check(ge=0))
+    env: EnvConfig = field(default_factory=EnvConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    algo: Any = None                  # instance of ALGO_CONFIGS[algorithm]
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# --------------------------------------------------------------------------- building
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check `value` against annotation `tp`; return it (ints widen to float)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as e:
+                errors.append(e)
+        raise errors[0]
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"config key '{key}': must be one of {list(choices)}, got {value!r}")
+        return value
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif tp in (dict, list) or origin in (dict, list):
+        if isinstance(value, origin or tp):
+            return value
+    raise ConfigError(f"config key '{key}': expected {_type_name(tp)}, got {value!r} "
+                      f"({type(value).__name__})")
+
+
+def _build(cls: type, data: dict, prefix: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"config key '{prefix.rstrip('.') or '<root>'}': expected a mapping, "
+                          f"got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else \
+                f"; valid keys: {', '.join(prefix + f for f in fields)}"
+            raise ConfigError(f"unknown config key '{prefix}{key}'{hint}")
+    kwargs = {}
+    for name, f in fields.items():
+        if name not in data:
+            continue
+        key, value, tp = prefix + name, data[name], hints[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _build(tp, value, key + ".")
+        else:
+            kwargs[name] = _coerce(value, tp, key)
+    obj = cls(**kwargs)
+    _check_bounds(obj, prefix)
+    return obj
+
+
+def _check_bounds(obj: Any, prefix: str) -> None:
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        key, m = prefix + f.name, f.metadata
+        if "gt" in m and not value > m["gt"]:
+            raise ConfigError(f"config key '{key}': must be > {m['gt']}, got {value}")
+        if "ge" in m and not value >= m["ge"]:
+            raise ConfigError(f"config key '{key}': must be >= {m['ge']}, got {value}")
+        if "lt" in m and not value < m["lt"]:
+            raise ConfigError(f"config key '{key}': must be < {m['lt']}, got {value}")
+        if "le" in m and not value <= m["le"]:
+            raise ConfigError(f"config key '{key}': must be <= {m['le']}, got {value}")
+
+
+def _cross_checks(cfg: Config) -> None:
+    """Constraints that involve more than one key."""
+    algo = cfg.algo
+    if isinstance(algo, PPOConfig):
+        if not all(isinstance(h, int) and h > 0 for h in algo.hidden_sizes):
+            raise ConfigError(f"config key 'algo.hidden_sizes': must be a list of positive ints, "
+                              f"got {algo.hidden_sizes}")
+        batch = cfg.runtime.num_workers * cfg.runtime.envs_per_worker * cfg.runtime.rollout_length
+        if algo.minibatch_size > batch:
+            raise ConfigError(f"config key 'algo.minibatch_size': {algo.minibatch_size} is larger "
+                              f"than the batch per iteration ({batch} = num_workers x "
+                              f"envs_per_worker x rollout_length)")
+    if cfg.runtime.mode == "sync" and cfg.runtime.max_staleness != 1:
+        pass  # staleness only matters in async mode; accepted and ignored in sync mode
+
+
+def config_from_dict(data: dict) -> Config:
+    if not isinstance(data, dict):
+        raise ConfigError(f"config must be a mapping at the top level, got {type(data).__name__}")
+    data = dict(data)
+    algorithm = data.get("algorithm", "ppo")
+    if algorithm not in ALGO_CONFIGS:
+        close = difflib.get_close_matches(str(algorithm), list(ALGO_CONFIGS), n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(f"config key 'algorithm': unknown algorithm {algorithm!r} "
+                          f"(known: {', '.join(ALGO_CONFIGS)}){hint}")
+    algo_data = data.pop("algo", None) or {}
+    cfg = _build(Config, data, "")
+    cfg.algo = _build(ALGO_CONFIGS[algorithm], algo_data, "algo.")
+    _cross_checks(cfg)
+    return cfg
+
+
+# --------------------------------------------------------------------------- overrides & files
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`algo.lr=1e-3` -> (['algo', 'lr'], 0.001). Values are parsed as YAML scalars/lists."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not of the form key.sub=value")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key or any(not p for p in key.split(".")):
+        raise ConfigError(f"override {text!r} has an empty key")
+    try:
+        value = yaml.load(raw, Loader=_FloatLoader) if raw.strip() != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.split("."), value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    data = _deepcopy(data)
+    for text in overrides:
+        path, value = parse_override(text)
+        node = data
+        for part in path[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {text!r}: '{part}' is not a section")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def _deepcopy(data: Any) -> Any:
+    if isinstance(data, dict):
+        return {k: _deepcopy(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_deepcopy(v) for v in data]
+    return data
+
+
+class _FloatLoader(yaml.SafeLoader):
+    """A SafeLoader that also reads `3e-4` (no dot) as a float, as people write it (YAML 1.1
+    would read it as a string)."""
+
+
+_FloatLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?(?:[eE][-+]?[0-9]+)$"),
+    list("-+0123456789"))
+
+
+def read_yaml(path: str | os.PathLike) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.load(path.read_text(), Loader=_FloatLoader) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at the top level")
+    return data
+
+
+def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> Config:
+    """Load a YAML config, apply `key.sub=value` overrides, validate; raises ConfigError."""
+    return config_from_dict(apply_overrides(read_yaml(path), overrides or []))
+
+
+def save_config(cfg: Config, path: str | os.PathLike) -> None:
+    from flowrl_ray.utils import atomic_write_text
+    atomic_write_text(path, yaml.safe_dump(cfg.to_dict(), sort_keys=False))

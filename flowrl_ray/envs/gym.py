@@ -1,0 +1,106 @@
+"""Gymnasium adapter: continuous-control envs with actions normalised to [-1, 1]."""
+
+from __future__ import annotations
+
+import functools
+import pickle
+
+import gymnasium as gym
+import numpy as np
+
+from flowrl_ray.config import ConfigError, EnvConfig
+from flowrl_ray.envs import EnvSpec
+
+
+class NormalizedActions(gym.ActionWrapper):
+    """The policy acts in [-1, 1]^A; the env receives low + (a + 1) / 2 * (high - low).
+    (A plain class rather than gymnasium's RescaleAction, whose closures do not pickle.)"""
+
+    def __init__(self, env: gym.Env):
+        super().__init__(env)
+        space = env.action_space
+        self.low, self.high = space.low.astype(np.float64), space.high.astype(np.float64)
+        self.action_space = gym.spaces.Box(-1.0, 1.0, space.shape, space.dtype)
+
+    def action(self, action: np.ndarray) -> np.ndarray:
+        a = np.clip(np.asarray(action, np.float64), -1.0, 1.0)
+        return (self.low + (a + 1.0) * 0.5 * (self.high - self.low)).astype(self.env.action_space.dtype)
+
+
+def make_env(env_cfg: EnvConfig, render_mode: str | None = None) -> gym.Env:
+    kwargs = dict(env_cfg.kwargs)
+    if env_cfg.max_episode_steps is not None:
+        kwargs["max_episode_steps"] = env_cfg.max_episode_steps
+    if render_mode is not None:
+        kwargs["render_mode"] = render_mode
+    try:
+        env = gym.make(env_cfg.id, **kwargs)
+    except gym.error.Error as e:
+        raise ConfigError(f"config key 'env.id': cannot make gymnasium env {env_cfg.id!r}: {e}") from None
+    except (ImportError, ModuleNotFoundError) as e:
+        raise ConfigError(f"config key 'env.id': {env_cfg.id!r} needs a missing package: {e}") from None
+    if not isinstance(env.action_space, gym.spaces.Box):
+        raise ConfigError(f"config key 'env.id': {env_cfg.id!r} has a {type(env.action_space).__name__} "
+                          "action space; the Gaussian policies need a continuous (Box) one")
+    if not np.all(np.isfinite(env.action_space.low)) or not np.all(np.isfinite(env.action_space.high)):
+        raise ConfigError(f"config key 'env.id': {env_cfg.id!r} has unbounded actions")
+    # The policy acts in [-1, 1]^A; the env sees its own bounds.
+    return NormalizedActions(env)
+
+
+def spec(env_cfg: EnvConfig) -> EnvSpec:
+    env = make_env(env_cfg)
+    try:
+        obs_shape = env.observation_space.shape
+        if obs_shape is None or len(obs_shape) != 1:
+            raise ConfigError(f"config key 'env.id': {env_cfg.id!r} has observation shape {obs_shape}; "
+                              "the gym adapter handles flat vector observations")
+        return EnvSpec(obs_shape=tuple(obs_shape), action_dim=int(env.action_space.shape[0]),
+                       max_episode_steps=env.spec.max_episode_steps if env.spec else None)
+    finally:
+        env.close()
+
+
+def make_vector_env(env_cfg: EnvConfig, num_envs: int) -> gym.vector.VectorEnv:
+    # functools.partial rather than a lambda: the vector env must pickle for exact resume.
+    return gym.vector.SyncVectorEnv([functools.partial(make_env, env_cfg) for _ in range(num_envs)],
+                                    autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+
+
+def _mujoco_states(vec: gym.vector.VectorEnv) -> list:
+    """Full integration state of each MuJoCo sub-env (pickling MjData does not keep it)."""
+    import mujoco
+    out = []
+    for env in vec.envs:
+        base = env.unwrapped
+        if hasattr(base, "model") and hasattr(base, "data") and isinstance(base.data, mujoco.MjData):
+            spec = mujoco.mjtState.mjSTATE_INTEGRATION
+            state = np.empty(mujoco.mj_stateSize(base.model, spec))
+            mujoco.mj_getState(base.model, base.data, state, spec)
+            out.append(state)
+        else:
+            out.append(None)
+    return out
+
+
+def snapshot(vec: gym.vector.VectorEnv) -> bytes | None:
+    """Snapshot of a vector env (simulator state and RNGs) for exact resume, or None for envs
+    whose state does not survive pickling (Box2D worlds): those are reset on resume."""
+    if any(hasattr(env.unwrapped, "world") for env in vec.envs):
+        return None
+    try:
+        return pickle.dumps({"envs": vec, "mujoco": _mujoco_states(vec)})
+    except (pickle.PicklingError, TypeError, AttributeError):
+        return None
+
+
+def restore(blob: bytes) -> gym.vector.VectorEnv:
+    import mujoco
+    saved = pickle.loads(blob)
+    vec = saved["envs"]
+    for env, state in zip(vec.envs, saved["mujoco"]):
+        if state is not None:
+            base = env.unwrapped
+            mujoco.mj_setState(base.model, base.data, state, mujoco.mjtState.mjSTATE_INTEGRATION)
+            mujoco.mj_forward(base.model, base.data)
+    return vec

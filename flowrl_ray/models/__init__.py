@@ -1,0 +1,1 @@
+"""Networks. Pure torch: no Ray here."""

@@ -1,0 +1,62 @@
+"""Diagonal Gaussian policy with a state-independent log-std, and a value network."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributions import Normal
+
+from flowrl_ray.models.mlp import RunningNorm, mlp
+
+
+class GaussianPolicy(nn.Module):
+    """pi(a|s) = N(mu(s), diag(exp(log_std))^2) over the raw (pre-squash) action.
+
+    The env receives ``tanh(a)`` when ``squash`` is on, else ``a`` clipped to [-1, 1]; log-probs
+    are always those of the raw action, which is what is stored (the tanh Jacobian depends on
+    the action only, so it cancels in every likelihood ratio).
+    """
+
+    def __init__(self, obs_dim: int, action_dim: int, hidden_sizes: list[int],
+                 activation: str = "tanh", log_std_init: float = 0.0, squash: bool = False,
+                 normalize_obs: bool = True):
+        super().__init__()
+        self.squash = squash
+        self.obs_norm = RunningNorm(obs_dim, enabled=normalize_obs)
+        self.mean_net = mlp([obs_dim, *hidden_sizes, action_dim], activation, out_gain=0.01)
+        self.log_std = nn.Parameter(torch.full((action_dim,), float(log_std_init)))
+
+    def distribution(self, obs: torch.Tensor) -> Normal:
+        """obs [B, D] (raw) -> Normal with loc/scale [B, A]."""
+        mean = self.mean_net(self.obs_norm(obs))
+        return Normal(mean, self.log_std.exp().expand_as(mean))
+
+    def log_prob(self, obs: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
+        """log pi(a|s) summed over action dims: [B]."""
+        return self.distribution(obs).log_prob(actions).sum(-1)
+
+    def to_env_action(self, actions: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(actions) if self.squash else actions.clamp(-1.0, 1.0)
+
+    @torch.no_grad()
+    def act(self, obs: torch.Tensor, deterministic: bool = False,
+            generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """obs [N, D] -> (env action [N, A] in [-1, 1], record {actions [N, A], logp [N]})."""
+        dist = self.distribution(obs)
+        if deterministic:
+            actions = dist.loc
+        else:
+            noise = torch.randn(dist.loc.shape, generator=generator, dtype=dist.loc.dtype)
+            actions = dist.loc + dist.scale * noise
+        return self.to_env_action(actions), {"actions": actions, "logp": dist.log_prob(actions).sum(-1)}
+
+
+class ValueNet(nn.Module):
+    """V(s): obs [B, D] (already normalised) -> [B]."""
+
+    def __init__(self, obs_dim: int, hidden_sizes: list[int], activation: str = "tanh"):
+        super().__init__()
+        self.net = mlp([obs_dim, *hidden_sizes, 1], activation, out_gain=1.0)
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.net(obs).squeeze(-1)

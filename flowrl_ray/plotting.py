@@ -1,0 +1,80 @@
+"""PNG learning curves: several runs overlaid, runs of one config (several seeds) as mean +- std."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+from flowrl_ray.runtime.metrics import read_metrics  # no Ray import at module level
+
+
+def _label(run_dir: Path) -> str:
+    """Runs are grouped by their config name; seeds of one config share a label."""
+    summary = run_dir / "summary.json"
+    if summary.is_file():
+        try:
+            return json.loads(summary.read_text())["name"]
+        except (KeyError, json.JSONDecodeError):
+            pass
+    config = run_dir / "config.yaml"
+    if config.is_file():
+        import yaml
+        name = (yaml.safe_load(config.read_text()) or {}).get("name")
+        if name:
+            return name
+    return run_dir.name
+
+
+def curves(run_dirs: list[str | os.PathLike], x: str = "env_steps",
+           y: str = "episode_return_mean") -> dict[str, list[tuple[np.ndarray, np.ndarray]]]:
+    """label -> [(x values, y values) per run], skipping rows where y is missing."""
+    out: dict[str, list] = defaultdict(list)
+    for d in run_dirs:
+        rows = [r for r in read_metrics(d) if r.get(y) is not None and r.get(x) is not None]
+        if rows:
+            out[_label(Path(d))].append((np.array([r[x] for r in rows], float),
+                                         np.array([r[y] for r in rows], float)))
+    return dict(out)
+
+
+def mean_std_band(runs: list[tuple[np.ndarray, np.ndarray]], points: int = 200):
+    """Interpolate every run onto a shared x grid (the range all runs cover); mean and std."""
+    lo = max(r[0][0] for r in runs)
+    hi = min(r[0][-1] for r in runs)
+    grid = np.linspace(lo, hi, points) if hi > lo else np.array([lo])
+    ys = np.stack([np.interp(grid, xs, ys) for xs, ys in runs])
+    return grid, ys.mean(0), ys.std(0)
+
+
+def plot_runs(run_dirs: list[str | os.PathLike], out_png: str | os.PathLike,
+              x: str = "env_steps", y: str = "episode_return_mean", title: str | None = None) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = curves(run_dirs, x, y)
+    if not data:
+        raise ValueError(f"no '{y}' values in {', '.join(str(d) for d in run_dirs)}")
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    for label, runs in sorted(data.items()):
+        if len(runs) == 1:
+            ax.plot(runs[0][0], runs[0][1], label=label, lw=1.6)
+        else:
+            grid, mean, std = mean_std_band(runs)
+            line, = ax.plot(grid, mean, label=f"{label} (n={len(runs)})", lw=1.6)
+            ax.fill_between(grid, mean - std, mean + std, color=line.get_color(), alpha=0.2)
+    ax.set_xlabel(x.replace("_", " "))
+    ax.set_ylabel(y.replace("_", " "))
+    ax.set_title(title or "learning curves")
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    out = Path(out_png)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)
+    return out

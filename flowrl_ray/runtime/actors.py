@@ -1,0 +1,103 @@
+"""The Ray actors: a rollout worker (env + policy copy) and the learner (the algorithm)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import ray
+import torch
+
+from flowrl_ray.algorithms import get_algorithm
+from flowrl_ray.batch import Batch, BatchMeta
+from flowrl_ray.config import Config
+from flowrl_ray.envs import EnvSpec, env_family
+from flowrl_ray.envs.rollout import EnvRunner
+from flowrl_ray.utils import default_device, seed_everything
+
+RESTART_SEED_STRIDE = 100_003   # a restarted worker gets fresh env seeds
+
+
+@ray.remote
+class RolloutWorker:
+    """Holds `envs_per_worker` envs and a policy copy; `sample()` returns (meta, batch).
+
+    The meta travels to the driver (small); the batch ref goes straight to the learner.
+    """
+
+    def __init__(self, cfg: Config, spec: EnvSpec, worker_id: int, restarts: int = 0):
+        torch.set_num_threads(cfg.runtime.torch_threads)
+        seed = cfg.seed + worker_id + RESTART_SEED_STRIDE * restarts
+        seed_everything(seed)
+        policy = get_algorithm(cfg.algorithm).make_policy(cfg, spec)
+        self.runner = EnvRunner(env_family(cfg.env.family), cfg.env, cfg.runtime.envs_per_worker,
+                                seed, policy, worker_id)
+        self.rollout_length = cfg.runtime.rollout_length
+
+    def set_weights(self, state_dict: dict, version: int) -> int:
+        # `state_dict` arrives resolved from the one ray.put the learner made for this version.
+        self.runner.set_weights(state_dict, version)
+        return version
+
+    @ray.method(num_returns=2)
+    def sample(self) -> tuple[BatchMeta, Batch]:
+        batch = self.runner.sample(self.rollout_length)
+        return batch.meta, batch
+
+    def evaluate(self, episodes: int) -> dict:
+        return self.runner.evaluate(episodes)
+
+    def policy_version(self) -> int:
+        return self.runner.policy_version
+
+    def policy_state(self) -> dict:
+        return self.runner.policy.state_dict()
+
+    def get_state(self) -> bytes:
+        return self.runner.get_state()
+
+    def set_state(self, blob: bytes) -> bool:
+        return self.runner.set_state(blob)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+@ray.remote
+class Learner:
+    """Runs the algorithm's prepare + update on batches it fetches itself (never via the driver)
+    and publishes each new policy version with one ray.put."""
+
+    def __init__(self, cfg: Config, spec: EnvSpec):
+        torch.set_num_threads(cfg.runtime.torch_threads)
+        seed_everything(cfg.seed)
+        self.device = default_device()
+        self.algo = get_algorithm(cfg.algorithm)(cfg, spec, self.device)
+        self.version = 0
+
+    def publish(self) -> tuple[list, int]:
+        """([ref to the policy weights], version). The ref is wrapped in a list so the driver
+        receives the reference, not the weights."""
+        return [ray.put(self.algo.policy_state_dict())], self.version
+
+    def update(self, batch_refs: list) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        batches: list[Batch] = ray.get(batch_refs)
+        fetched = time.perf_counter()
+        prepared = self.algo.prepare(batches)
+        metrics = self.algo.update(prepared)
+        self.version += 1
+        metrics.update({"learner/update_time_s": time.perf_counter() - fetched,
+                        "learner/fetch_time_s": fetched - t0,
+                        "learner/device": str(self.device)})
+        return metrics
+
+    def get_state(self) -> dict[str, Any]:
+        return {"algorithm": self.algo.state_dict(), "version": self.version,
+                "torch_rng": torch.get_rng_state(), "policy": self.algo.policy_state_dict()}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.algo.load_state_dict(state["algorithm"])
+        self.version = state["version"]
+        torch.set_rng_state(state["torch_rng"])

@@ -1,0 +1,114 @@
+"""Metrics sinks: metrics.jsonl, TensorBoard, Ray dashboard metrics, Tune; the progress line."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+import time
+from pathlib import Path
+
+from flowrl_ray.utils import atomic_write_text, format_duration
+
+#: keys exported to the Ray dashboard (plus every eval/* key); the rest stay in jsonl/TensorBoard
+DASHBOARD_KEYS = ("episode_return_mean", "env_steps", "env_steps_per_s", "policy_version",
+                  "worker_restarts", "dropped_batches", "learner/update_time_s")
+
+
+def _clean(value):
+    """JSON-safe: NaN/inf become null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue   # a line cut by a crash mid-write
+    return rows
+
+
+def truncate_metrics(run_dir: str | Path, last_iteration: int) -> None:
+    """Drop rows after `last_iteration` (used on resume so the file matches the checkpoint)."""
+    rows = [r for r in read_metrics(run_dir) if r.get("iteration", 0) <= last_iteration]
+    atomic_write_text(Path(run_dir) / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+
+
+class MetricsLogger:
+    """Writes each iteration's metrics to every sink that is switched on."""
+
+    def __init__(self, run_dir: Path, run_name: str, tensorboard: bool = True,
+                 ray_metrics: bool = True, tune: bool = False, purge_step: int | None = None):
+        self.run_dir, self.run_name = Path(run_dir), run_name
+        self._jsonl = open(self.run_dir / "metrics.jsonl", "a")
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=purge_step)
+        self._gauges: dict | None = {} if ray_metrics else None
+        self._tune = tune
+
+    def log(self, row: dict) -> None:
+        row = {k: _clean(v) for k, v in row.items()}
+        self._jsonl.write(json.dumps(row) + "\n")
+        self._jsonl.flush()
+        step = row.get("env_steps", row.get("iteration", 0))
+        if self._tb is not None:
+            for k, v in row.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "env_steps":
+                    self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+        if self._gauges is not None:
+            self._export_ray(row)
+        if self._tune:
+            from ray import tune
+            tune.report({k: v for k, v in row.items() if v is not None})
+
+    def _export_ray(self, row: dict) -> None:
+        from ray.util.metrics import Gauge
+        for k, v in row.items():
+            if not (k in DASHBOARD_KEYS or k.startswith("eval/")) or not isinstance(v, (int, float)):
+                continue
+            name = "flowrl_" + re.sub(r"[^a-zA-Z0-9_]", "_", k)
+            if name not in self._gauges:
+                self._gauges[name] = Gauge(name, description=f"flowrl_ray {k}", tag_keys=("run",))
+            self._gauges[name].set(float(v), tags={"run": self.run_name})
+
+    def close(self) -> None:
+        self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+class Progress:
+    """One line per iteration with throughput and ETA (readable in job logs, no terminal tricks)."""
+
+    def __init__(self, total: int, label: str, start_iteration: int = 0, stream=None):
+        self.total, self.label, self.stream = total, label, stream or sys.stdout
+        self.start_iteration, self.t0 = start_iteration, time.perf_counter()
+
+    def update(self, row: dict) -> None:
+        it = row["iteration"]
+        done = it - self.start_iteration
+        elapsed = time.perf_counter() - self.t0
+        eta = elapsed / done * (self.total - it) if done > 0 else float("nan")
+        ret = row.get("episode_return_mean")
+        parts = [f"[{self.label}] it {it}/{self.total}", f"steps {row.get('env_steps', 0):,}",
+                 f"return {ret:.1f}" if isinstance(ret, (int, float)) else "return -"]
+        if row.get("eval/return_mean") is not None:
+            parts.append(f"eval {row['eval/return_mean']:.1f}")
+        parts += [f"{row.get('env_steps_per_s', 0):,.0f} steps/s",
+                  f"elapsed {format_duration(elapsed)}",
+                  f"ETA {format_duration(eta)}" if math.isfinite(eta) else "ETA -"]
+        if row.get("worker_restarts"):
+            parts.append(f"restarts {row['worker_restarts']}")
+        print(" | ".join(parts), file=self.stream, flush=True)

@@ -1,0 +1,350 @@
+"""The driver: starts the actors, runs the loop, checkpoints, evaluates, logs.
+
+Per iteration (synchronous mode):
+    every worker: sample() -> (meta ref, batch ref)      metas come to the driver, batches don't
+    learner.update([batch refs])                          the learner fetches the batches itself
+    learner.publish() -> [weights ref], version           one ray.put per policy version
+    every worker: set_weights(weights ref, version)
+In asynchronous mode each worker samples again as soon as its batch is in, so sampling overlaps
+the update; batches more than `max_staleness` versions old are dropped and counted.
+A worker that dies or times out is replaced (up to `max_worker_restarts`), given the current
+weights, and the iteration goes on with the batches that arrived.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
+
+from flowrl_ray.batch import BatchMeta
+from flowrl_ray.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from flowrl_ray.config import Config, save_config
+from flowrl_ray.envs import EnvSpec, env_family
+from flowrl_ray.runtime.actors import Learner, RolloutWorker
+from flowrl_ray.runtime.metrics import MetricsLogger, Progress, read_metrics, truncate_metrics
+from flowrl_ray.utils import atomic_write_text
+
+RETURN_WINDOW = 100   # episode_return_mean averages the last 100 finished training episodes
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (restart budget spent, no batch at all)."""
+
+
+def required_cpus(cfg: Config) -> float:
+    rt = cfg.runtime
+    return rt.learner_num_cpus + rt.num_workers * rt.num_cpus_per_worker
+
+
+def init_ray(cfg: Config, **kwargs) -> bool:
+    """Connect to RAY_ADDRESS when set, else start a local Ray. Returns True if we started it.
+
+    A local Ray gets at least as many logical CPUs as the run's actors ask for (learner + workers),
+    so a 2-core laptop runs 2 workers + a learner, oversubscribed, instead of waiting forever.
+    """
+    if ray.is_initialized():
+        return False
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True, **kwargs)
+    else:
+        num_cpus = cfg.runtime.num_cpus or max(os.cpu_count() or 1, math.ceil(required_cpus(cfg)))
+        ray.init(num_cpus=num_cpus, log_to_driver=True, **kwargs)
+    return True
+
+
+@dataclass
+class Counters:
+    """The driver's part of a checkpoint."""
+    iteration: int = 0
+    env_steps: int = 0
+    episodes: int = 0
+    time_s: float = 0.0
+    worker_restarts: int = 0
+    learner_restarts: int = 0
+    dropped_batches: int = 0
+    recent_returns: list = field(default_factory=list)
+    best_eval_return: float | None = None
+
+
+class Trainer:
+    def __init__(self, cfg: Config, run_dir: str | os.PathLike, resume: bool = False,
+                 tune_trial: bool = False, tensorboard: bool = True, quiet: bool = False):
+        self.cfg, self.run_dir, self.resume = cfg, Path(run_dir), resume
+        self.tune_trial, self.tensorboard, self.quiet = tune_trial, tensorboard, quiet
+        # The spec is read before Ray starts: a bad env id stops here with a clear message.
+        self.spec: EnvSpec = env_family(cfg.env.family).spec(cfg.env)
+        self.counters = Counters()
+        self.workers: list = []
+        self._started_ray = False
+        self._inflight: dict = {}     # meta ref -> (worker index, batch ref), async mode
+
+    # ------------------------------------------------------------------ setup
+    def _new_worker(self, index: int, restarts: int = 0):
+        rt = self.cfg.runtime
+        return RolloutWorker.options(num_cpus=rt.num_cpus_per_worker, num_gpus=rt.num_gpus_per_worker,
+                                     name=None).remote(self.cfg, self.spec, index, restarts)
+
+    def _new_learner(self):
+        rt = self.cfg.runtime
+        gpus = rt.learner_num_gpus
+        if gpus is None:
+            gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
+        return Learner.options(num_cpus=rt.learner_num_cpus, num_gpus=gpus).remote(self.cfg, self.spec)
+
+    def setup(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._started_ray = init_ray(self.cfg)
+        self.learner = self._new_learner()
+        self.workers = [self._new_worker(i) for i in range(self.cfg.runtime.num_workers)]
+        checkpoint = latest_checkpoint(self.run_dir) if self.resume else None
+        if checkpoint is not None:
+            self._restore(load_checkpoint(checkpoint))
+        elif not self.resume:
+            save_config(self.cfg, self.run_dir / "config.yaml")
+        self._publish()
+        self.logger = MetricsLogger(self.run_dir, self.cfg.name, tensorboard=self.tensorboard,
+                                    ray_metrics=True, tune=self.tune_trial,
+                                    purge_step=self.counters.env_steps or None)
+
+    def _restore(self, ckpt: dict) -> None:
+        c = ckpt["trainer"]
+        self.counters = Counters(**c)
+        ray.get(self.learner.set_state.remote(ckpt["learner"]))
+        states = ckpt.get("workers") or []
+        ray.get([w.set_state.remote(s) for w, s in zip(self.workers, states)])
+        truncate_metrics(self.run_dir, self.counters.iteration)
+        self._log(f"resumed from iteration {self.counters.iteration} ({self.counters.env_steps:,} env steps)")
+
+    def _publish(self) -> None:
+        """One ray.put of the new weights; every worker gets the same ref."""
+        refs, self.version = ray.get(self.learner.publish.remote())
+        self.weights_ref = refs[0]
+        for w in self.workers:
+            w.set_weights.remote(self.weights_ref, self.version)
+
+    def _log(self, msg: str) -> None:
+        if not self.quiet:
+            print(f"[flowrl_ray] {msg}", flush=True)
+
+    # ------------------------------------------------------------------ fault tolerance
+    def _restart_worker(self, index: int, reason: str) -> None:
+        c = self.counters
+        if c.worker_restarts >= self.cfg.runtime.max_worker_restarts:
+            raise TrainingError(f"rollout worker {index} failed ({reason}) and the restart budget "
+                                f"runtime.max_worker_restarts={self.cfg.runtime.max_worker_restarts} is spent")
+        c.worker_restarts += 1
+        self._log(f"rollout worker {index} failed ({reason}); restarting "
+                  f"({c.worker_restarts}/{self.cfg.runtime.max_worker_restarts})")
+        try:
+            ray.kill(self.workers[index], no_restart=True)
+        except Exception:  # noqa: BLE001 - it may be gone already
+            pass
+        self.workers[index] = self._new_worker(index, restarts=c.worker_restarts)
+        self.workers[index].set_weights.remote(self.weights_ref, self.version)
+
+    def _collect(self, pending: dict, needed: int) -> tuple[list[BatchMeta], list]:
+        """Wait for `needed` batches among `pending` (meta ref -> (worker index, batch ref));
+        failed or timed-out workers are restarted. Returns (metas, batch refs)."""
+        metas, batch_refs = [], []
+        deadline = time.monotonic() + self.cfg.runtime.sample_timeout_s
+        while pending and len(metas) < needed:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:                                   # timed out: replace the stragglers
+                for ref, (index, _) in list(pending.items()):
+                    self._restart_worker(index, f"no batch within {self.cfg.runtime.sample_timeout_s}s")
+                    del pending[ref]
+                break
+            ref = ready[0]
+            index, batch_ref = pending.pop(ref)
+            try:
+                meta: BatchMeta = ray.get(ref)
+            except (RayActorError, RayError) as e:
+                self._restart_worker(index, type(e).__name__)
+                continue
+            metas.append(meta)
+            batch_refs.append(batch_ref)
+        return metas, batch_refs
+
+    # ------------------------------------------------------------------ the loop
+    def _issue_sample(self, index: int) -> None:
+        meta_ref, batch_ref = self.workers[index].sample.remote()
+        self._inflight[meta_ref] = (index, batch_ref)
+
+    def _sample(self) -> tuple[list[BatchMeta], list]:
+        rt = self.cfg.runtime
+        if rt.mode == "sync":
+            self._inflight = {}
+            for i in range(len(self.workers)):
+                self._issue_sample(i)
+            metas, refs = self._collect(self._inflight, len(self.workers))
+            self._inflight = {}
+            return metas, refs
+        # async: keep one sample in flight per worker; take the first num_workers fresh batches
+        busy = {index for index, _ in self._inflight.values()}
+        for i in range(len(self.workers)):
+            if i not in busy:
+                self._issue_sample(i)
+        metas, refs = [], []
+        while len(metas) < len(self.workers):
+            got_metas, got_refs = self._collect(self._inflight, 1)
+            for meta, ref in zip(got_metas, got_refs):
+                if self.version - meta.policy_version > rt.max_staleness:
+                    self.counters.dropped_batches += 1
+                else:
+                    metas.append(meta)
+                    refs.append(ref)
+                self._issue_sample(meta.worker_id)
+            for i in range(len(self.workers)):                 # restarted workers sample again
+                if i not in {index for index, _ in self._inflight.values()}:
+                    self._issue_sample(i)
+        return metas, refs
+
+    def _update(self, batch_refs: list) -> dict:
+        try:
+            return ray.get(self.learner.update.remote(batch_refs))
+        except RayActorError:
+            # The learner died: a new one resumes from the last checkpoint's learner state.
+            c = self.counters
+            if c.learner_restarts >= 1 or latest_checkpoint(self.run_dir) is None:
+                raise TrainingError("the learner died and there is no checkpoint to resume it from")
+            c.learner_restarts += 1
+            self._log("learner died; resuming it from the last checkpoint")
+            self.learner = self._new_learner()
+            ray.get(self.learner.set_state.remote(load_checkpoint(latest_checkpoint(self.run_dir))["learner"]))
+            return ray.get(self.learner.update.remote(batch_refs))
+
+    def _evaluate(self) -> dict:
+        episodes = self.cfg.eval.episodes
+        n = len(self.workers)
+        shares = [episodes // n + (i < episodes % n) for i in range(n)]
+        refs = {self.workers[i].evaluate.remote(s): i for i, s in enumerate(shares) if s > 0}
+        returns, lengths = [], []
+        for ref, i in refs.items():
+            try:
+                result = ray.get(ref, timeout=self.cfg.runtime.sample_timeout_s)
+            except (RayError, GetTimeoutError) as e:
+                self._restart_worker(i, f"during evaluation: {type(e).__name__}")
+                continue
+            returns += result["episode_returns"]
+            lengths += result["episode_lengths"]
+        if not returns:
+            return {}
+        return {"eval/return_mean": float(np.mean(returns)), "eval/return_std": float(np.std(returns)),
+                "eval/length_mean": float(np.mean(lengths)), "eval/episodes": len(returns)}
+
+    def checkpoint(self) -> Path:
+        if self._inflight:                       # async: let in-flight samples land first
+            ray.wait(list(self._inflight), num_returns=len(self._inflight),
+                     timeout=self.cfg.runtime.sample_timeout_s)
+        learner_state = ray.get(self.learner.get_state.remote())
+        worker_states = []
+        for i, w in enumerate(self.workers):
+            try:
+                worker_states.append(ray.get(w.get_state.remote(), timeout=self.cfg.runtime.sample_timeout_s))
+            except (RayError, GetTimeoutError):
+                worker_states.append(None)
+        payload = {"trainer": vars(self.counters).copy(), "learner": learner_state,
+                   "policy": learner_state["policy"], "workers": worker_states,
+                   "config": self.cfg.to_dict()}
+        return save_checkpoint(self.run_dir, self.counters.iteration, payload, self.cfg.runtime.keep_checkpoints)
+
+    def train(self) -> dict:
+        cfg, c = self.cfg, self.counters
+        total = cfg.train.iterations
+        progress = Progress(total, f"{cfg.algorithm} {cfg.env.id}", c.iteration,
+                            stream=open(os.devnull, "w") if self.quiet else None)
+        recent = collections.deque(c.recent_returns, maxlen=RETURN_WINDOW)
+        last_saved = c.iteration
+        while c.iteration < total:
+            t0 = time.perf_counter()
+            metas, refs = self._sample()
+            if not refs:
+                raise TrainingError("no rollout batch arrived in this iteration")
+            t_sampled = time.perf_counter()
+            learner_metrics = self._update(refs)
+            self._publish()
+            c.iteration += 1
+            steps = sum(m.env_steps for m in metas)
+            c.env_steps += steps
+            finished = [r for m in metas for r in m.episode_returns]
+            c.episodes += len(finished)
+            recent.extend(finished)
+            c.recent_returns = list(recent)
+            dt = time.perf_counter() - t0
+            c.time_s += dt
+            row = {"iteration": c.iteration, "env_steps": c.env_steps, "time_s": round(c.time_s, 3),
+                   "episode_return_mean": float(np.mean(recent)) if recent else None,
+                   "episodes_this_iter": len(finished), "episodes": c.episodes,
+                   "env_steps_per_s": steps / dt, "sample_time_s": t_sampled - t0,
+                   "policy_version": self.version,
+                   "policy_lag_mean": float(np.mean([self.version - 1 - m.policy_version for m in metas])),
+                   "batches": len(refs), "worker_restarts": c.worker_restarts,
+                   "dropped_batches": c.dropped_batches, **learner_metrics}
+            if cfg.eval.interval and (c.iteration % cfg.eval.interval == 0 or c.iteration == total):
+                row.update(self._evaluate())
+                if row.get("eval/return_mean") is not None:
+                    best = c.best_eval_return
+                    c.best_eval_return = row["eval/return_mean"] if best is None else max(best, row["eval/return_mean"])
+            self.logger.log(row)
+            progress.update(row)
+            interval = cfg.runtime.checkpoint_interval
+            if interval and c.iteration % interval == 0 and c.iteration < total:
+                self.checkpoint()
+                last_saved = c.iteration
+        if last_saved != c.iteration or latest_checkpoint(self.run_dir) is None:
+            self.checkpoint()
+        return self._finish()
+
+    def _finish(self) -> dict:
+        from flowrl_ray.plotting import plot_runs
+        rows = read_metrics(self.run_dir)
+        last = rows[-1] if rows else {}
+        evals = [r["eval/return_mean"] for r in rows if r.get("eval/return_mean") is not None]
+        summary = {"name": self.cfg.name, "algorithm": self.cfg.algorithm, "env": self.cfg.env.id,
+                   "seed": self.cfg.seed, "iterations": self.counters.iteration,
+                   "env_steps": self.counters.env_steps, "time_s": round(self.counters.time_s, 2),
+                   "first_episode_return_mean": next((r["episode_return_mean"] for r in rows
+                                                      if r.get("episode_return_mean") is not None), None),
+                   "final_episode_return_mean": last.get("episode_return_mean"),
+                   "final_eval_return_mean": evals[-1] if evals else None,
+                   "best_eval_return_mean": self.counters.best_eval_return,
+                   "worker_restarts": self.counters.worker_restarts,
+                   "dropped_batches": self.counters.dropped_batches}
+        import json
+        atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
+        try:
+            plot_runs([self.run_dir], self.run_dir / "plots" / "learning_curve.png")
+        except Exception as e:  # noqa: BLE001 - a plot must not fail a finished run
+            self._log(f"could not draw the learning curve: {e}")
+        return summary
+
+    def close(self) -> None:
+        if hasattr(self, "logger"):
+            self.logger.close()
+        for w in self.workers:
+            try:
+                ray.kill(w)
+            except Exception:  # noqa: BLE001
+                pass
+        if hasattr(self, "learner"):
+            try:
+                ray.kill(self.learner)
+            except Exception:  # noqa: BLE001
+                pass
+        if self._started_ray:
+            ray.shutdown()
+
+    def __enter__(self) -> "Trainer":
+        self.setup()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
