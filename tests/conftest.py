@@ -1,0 +1,30 @@
+"""Shared fixtures: tiny configs and one local Ray per test module that needs it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PENDULUM = REPO / "configs" / "ppo" / "pendulum.yaml"
+
+#: a PPO run small enough for a few seconds on 2 cores
+TINY = ["train.iterations=3", "runtime.num_workers=2", "runtime.envs_per_worker=2",
+        "runtime.rollout_length=64", "algo.minibatch_size=64", "algo.epochs=2",
+        "eval.interval=0", "runtime.checkpoint_interval=0"]
+
+
+def tiny_config(*overrides: str):
+    from flowrl_ray.config import load_config
+    return load_config(PENDULUM, TINY + list(overrides))
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    import ray
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()

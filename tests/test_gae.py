@@ -1,0 +1,78 @@
+"""GAE against values computed by hand from the equations."""
+
+import torch
+
+from flowrl_ray.algorithms.advantages import gae, normalize
+
+
+def _t(rows):
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+def test_gae_plain_episode_matches_hand_values():
+    # one env, 3 steps, no episode end; bootstrap V(s_3) = 0.5
+    r, v = _t([[1.0], [0.0], [2.0]]), _t([[0.5], [1.0], [1.5]])
+    nv = _t([[1.0], [1.5], [0.5]])
+    zero = torch.zeros(3, 1, dtype=torch.bool)
+    g, lam = 0.9, 0.8
+    d2 = 2.0 + g * 0.5 - 1.5            # 0.95
+    d1 = 0.0 + g * 1.5 - 1.0            # 0.35
+    d0 = 1.0 + g * 1.0 - 0.5            # 1.40
+    a2 = d2
+    a1 = d1 + g * lam * a2              # 0.35 + 0.72 * 0.95 = 1.034
+    a0 = d0 + g * lam * a1              # 1.40 + 0.72 * 1.034 = 2.14448
+    adv, ret = gae(r, v, nv, zero, zero, g, lam)
+    assert torch.allclose(adv[:, 0], _t([a0, a1, a2]))
+    assert torch.allclose(ret, adv + v)
+
+
+def test_gae_termination_does_not_bootstrap_and_cuts_the_trace():
+    r, v = _t([[1.0], [1.0], [1.0]]), _t([[2.0], [3.0], [4.0]])
+    nv = _t([[3.0], [99.0], [5.0]])           # V(s') after step 1 must be ignored (terminal)
+    term = torch.tensor([[False], [True], [False]])
+    trunc = torch.zeros(3, 1, dtype=torch.bool)
+    g, lam = 0.5, 1.0
+    a2 = 1.0 + 0.5 * 5.0 - 4.0             # -0.5 (step 2 starts a new episode)
+    a1 = 1.0 + 0.0 - 3.0                   # -2.0, nothing from step 2 flows back
+    a0 = (1.0 + 0.5 * 3.0 - 2.0) + 0.5 * a1  # 0.5 - 1.0 = -0.5
+    adv, _ = gae(r, v, nv, term, trunc, g, lam)
+    assert torch.allclose(adv[:, 0], _t([a0, a1, a2]))
+
+
+def test_gae_truncation_bootstraps_from_final_obs_value_but_cuts_the_trace():
+    r, v = _t([[1.0], [1.0]]), _t([[2.0], [3.0]])
+    nv = _t([[10.0], [7.0]])               # step 0 truncated: V(final_obs) = 10
+    term = torch.zeros(2, 1, dtype=torch.bool)
+    trunc = torch.tensor([[True], [False]])
+    g, lam = 0.5, 0.9
+    a1 = 1.0 + 0.5 * 7.0 - 3.0             # 1.5
+    a0 = 1.0 + 0.5 * 10.0 - 2.0            # 4.0, and no lam-trace from step 1
+    adv, _ = gae(r, v, nv, term, trunc, g, lam)
+    assert torch.allclose(adv[:, 0], _t([a0, a1]))
+
+
+def test_gae_envs_are_independent_columns():
+    torch.manual_seed(0)
+    r, v, nv = torch.randn(5, 3), torch.randn(5, 3), torch.randn(5, 3)
+    term, trunc = torch.rand(5, 3) < 0.2, torch.rand(5, 3) < 0.2
+    adv, _ = gae(r, v, nv, term, trunc, 0.99, 0.95)
+    for j in range(3):
+        col, _ = gae(r[:, j:j + 1], v[:, j:j + 1], nv[:, j:j + 1], term[:, j:j + 1], trunc[:, j:j + 1], 0.99, 0.95)
+        assert torch.allclose(adv[:, j], col[:, 0])
+
+
+def test_lambda_one_gives_discounted_return_minus_value():
+    r = _t([[1.0], [2.0], [3.0]])
+    v = _t([[0.3], [0.2], [0.1]])
+    nv = _t([[0.2], [0.1], [4.0]])
+    zero = torch.zeros(3, 1, dtype=torch.bool)
+    adv, ret = gae(r, v, nv, zero, zero, 0.9, 1.0)
+    mc = [1 + 0.9 * 2 + 0.81 * 3 + 0.729 * 4, 2 + 0.9 * 3 + 0.81 * 4, 3 + 0.9 * 4]
+    assert torch.allclose(ret[:, 0], _t(mc))
+
+
+def test_normalize():
+    x = torch.tensor([1.0, 2.0, 3.0])
+    y = normalize(x)
+    assert abs(float(y.mean())) < 1e-6 and abs(float(y.std()) - 1.0) < 1e-6
+    assert float(normalize(torch.tensor([5.0]))) == 0.0
