@@ -186,7 +186,9 @@ class Trainer:
                 self._issue_sample(i)
             metas, refs = self._collect(self._inflight, len(self.workers))
             self._inflight = {}
-            return metas, refs
+            # Arrival order varies from run to run; worker order keeps updates reproducible.
+            order = sorted(range(len(metas)), key=lambda i: metas[i].worker_id)
+            return [metas[i] for i in order], [refs[i] for i in order]
         # async: keep one sample in flight per worker; take the first num_workers fresh batches
         busy = {index for index, _ in self._inflight.values()}
         for i in range(len(self.workers)):
