@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from flowrl_ray.config import ConfigError, load_config
+from flowrl_ray.errors import TrainingError
 
 EXIT_USER_ERROR = 2
 
@@ -50,8 +51,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     finally:
         trainer.close()
     print(f"[flowrl_ray] done: {json.dumps(summary)}", flush=True)
+    print(f"[flowrl_ray] learning result on {cfg.env.id}: {_learning_result(summary)}", flush=True)
     print(f"[flowrl_ray] learning curve: {run_dir / 'plots' / 'learning_curve.png'}", flush=True)
     return 0
+
+
+def _learning_result(summary: dict) -> str:
+    fmt = lambda v: "-" if v is None else f"{v:.1f}"
+    return (f"training episode return {fmt(summary['first_episode_return_mean'])} (first iteration) -> "
+            f"{fmt(summary['final_episode_return_mean'])} (last 100 episodes) over {summary['env_steps']:,} env steps "
+            f"in {summary['time_s']:.0f}s; deterministic eval {fmt(summary['final_eval_return_mean'])}")
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -185,6 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, UserError, FileNotFoundError) as e:
         print(f"flowrl-ray {args.verb}: error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
+    except TrainingError as e:
+        print(f"flowrl-ray {args.verb}: failed: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"flowrl-ray {args.verb}: interrupted", file=sys.stderr)
         return 130

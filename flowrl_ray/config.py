@@ -67,6 +67,7 @@ class RuntimeConfig:
     mode: Literal["sync", "async"] = "sync"
     max_staleness: int = field(default=1, metadata=check(ge=0))     # async: policy versions a batch may lag
     max_worker_restarts: int = field(default=3, metadata=check(ge=0))
+    max_learner_restarts: int = field(default=1, metadata=check(ge=0))   # each resumes from the last checkpoint
     sample_timeout_s: float = field(default=600.0, metadata=check(gt=0))
     checkpoint_interval: int = field(default=10, metadata=check(ge=0))  # 0: only at the end
     keep_checkpoints: int = field(default=3, metadata=check(gt=0))

@@ -145,3 +145,26 @@ def test_async_mode_bounds_staleness(local_ray, tmp_path, staleness):
     else:
         # sampling overlapped the update: batches one version old were used, not dropped
         assert rows[1]["policy_lag_mean"] > 0
+
+
+def test_dead_learner_resumes_from_the_last_checkpoint(local_ray, tmp_path):
+    cfg = tiny_config("train.iterations=4", "runtime.checkpoint_interval=1")
+    trainer = Trainer(cfg, tmp_path / "run", quiet=True)
+    try:
+        trainer.setup()
+        learner_pid = ray.get(trainer.learner.pid.remote())
+
+        def kill_after_two_iterations():
+            while trainer.counters.iteration < 2:
+                time.sleep(0.01)
+            os.kill(learner_pid, signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_after_two_iterations, daemon=True)
+        killer.start()
+        summary = trainer.train()
+    finally:
+        trainer.close()
+    rows = read_metrics(tmp_path / "run")
+    assert summary["iterations"] == 4 and rows[-1]["learner_restarts"] == 1
+    # the new learner continued from the checkpoint's policy version, not from scratch
+    assert rows[-1]["policy_version"] >= 3

@@ -97,6 +97,9 @@ class Learner:
         return {"algorithm": self.algo.state_dict(), "version": self.version,
                 "torch_rng": torch.get_rng_state(), "policy": self.algo.policy_state_dict()}
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def set_state(self, state: dict[str, Any]) -> None:
         self.algo.load_state_dict(state["algorithm"])
         self.version = state["version"]

@@ -28,15 +28,12 @@ from flowrl_ray.batch import BatchMeta
 from flowrl_ray.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from flowrl_ray.config import Config, save_config
 from flowrl_ray.envs import EnvSpec, env_family
+from flowrl_ray.errors import TrainingError
 from flowrl_ray.runtime.actors import Learner, RolloutWorker
 from flowrl_ray.runtime.metrics import MetricsLogger, Progress, read_metrics, truncate_metrics
 from flowrl_ray.utils import atomic_write_text
 
 RETURN_WINDOW = 100   # episode_return_mean averages the last 100 finished training episodes
-
-
-class TrainingError(RuntimeError):
-    """The run cannot go on (restart budget spent, no batch at all)."""
 
 
 def required_cpus(cfg: Config) -> float:
@@ -125,7 +122,7 @@ class Trainer:
 
     def _publish(self) -> None:
         """One ray.put of the new weights; every worker gets the same ref."""
-        refs, self.version = ray.get(self.learner.publish.remote())
+        refs, self.version = self._learner_call("publish")
         self.weights_ref = refs[0]
         for w in self.workers:
             w.set_weights.remote(self.weights_ref, self.version)
@@ -209,19 +206,21 @@ class Trainer:
                     self._issue_sample(i)
         return metas, refs
 
-    def _update(self, batch_refs: list) -> dict:
+    def _learner_call(self, method: str, *args):
+        """ray.get of a learner method; if the learner has died, a new one resumes from the last
+        checkpoint's learner state and the call is made again (batch refs stay valid)."""
         try:
-            return ray.get(self.learner.update.remote(batch_refs))
+            return ray.get(getattr(self.learner, method).remote(*args))
         except RayActorError:
-            # The learner died: a new one resumes from the last checkpoint's learner state.
-            c = self.counters
-            if c.learner_restarts >= 1 or latest_checkpoint(self.run_dir) is None:
-                raise TrainingError("the learner died and there is no checkpoint to resume it from")
+            c, path = self.counters, latest_checkpoint(self.run_dir)
+            if path is None or c.learner_restarts >= self.cfg.runtime.max_learner_restarts:
+                raise TrainingError("the learner died and " + ("there is no checkpoint to resume it from"
+                                    if path is None else "runtime.max_learner_restarts is spent")) from None
             c.learner_restarts += 1
-            self._log("learner died; resuming it from the last checkpoint")
+            self._log(f"learner died during {method}; resuming it from {path.name}")
             self.learner = self._new_learner()
-            ray.get(self.learner.set_state.remote(load_checkpoint(latest_checkpoint(self.run_dir))["learner"]))
-            return ray.get(self.learner.update.remote(batch_refs))
+            ray.get(self.learner.set_state.remote(load_checkpoint(path)["learner"]))
+            return ray.get(getattr(self.learner, method).remote(*args))
 
     def _evaluate(self) -> dict:
         episodes = self.cfg.eval.episodes
@@ -246,7 +245,7 @@ class Trainer:
         if self._inflight:                       # async: let in-flight samples land first
             ray.wait(list(self._inflight), num_returns=len(self._inflight),
                      timeout=self.cfg.runtime.sample_timeout_s)
-        learner_state = ray.get(self.learner.get_state.remote())
+        learner_state = self._learner_call("get_state")
         worker_states = []
         for i, w in enumerate(self.workers):
             try:
@@ -271,7 +270,7 @@ class Trainer:
             if not refs:
                 raise TrainingError("no rollout batch arrived in this iteration")
             t_sampled = time.perf_counter()
-            learner_metrics = self._update(refs)
+            learner_metrics = self._learner_call("update", refs)
             self._publish()
             c.iteration += 1
             steps = sum(m.env_steps for m in metas)
@@ -289,6 +288,7 @@ class Trainer:
                    "policy_version": self.version,
                    "policy_lag_mean": float(np.mean([self.version - 1 - m.policy_version for m in metas])),
                    "batches": len(refs), "worker_restarts": c.worker_restarts,
+                   "learner_restarts": c.learner_restarts,
                    "dropped_batches": c.dropped_batches, **learner_metrics}
             if cfg.eval.interval and (c.iteration % cfg.eval.interval == 0 or c.iteration == total):
                 row.update(self._evaluate())

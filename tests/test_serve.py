@@ -1,0 +1,187 @@
+"""Ray Serve deployment: request parsing (no Ray) and a served tiny policy over real HTTP."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from flowrl_ray.config import ConfigError
+from flowrl_ray.serve import BadRequest, parse_request, rescale
+
+REPO = Path(__file__).resolve().parents[1]
+PENDULUM = REPO / "configs" / "ppo" / "pendulum.yaml"
+TINY = ["train.iterations=2", "runtime.num_workers=1", "runtime.envs_per_worker=2",
+        "runtime.rollout_length=64", "algo.minibatch_size=64", "algo.epochs=2", "eval.interval=0"]
+OBS_SHAPE = (3,)          # Pendulum-v1: cos, sin, angular velocity
+
+#: (name, raw request body): each must be answered 4xx with {"error": ...}, never 500
+BAD_BODIES = [
+    ("not json", b"this is not json"),
+    ("empty body", b""),
+    ("truncated json", b'{"observation": [1, 2'),
+    ("invalid utf-8", b"\xff\xfe\x00"),
+    ("top-level list", b"[1, 2, 3]"),
+    ("no observation key", b'{"obs": [1, 2, 3]}'),
+    ("unknown extra key", b'{"observation": [1, 2, 3], "foo": 1}'),
+    ("observation null", b'{"observation": null}'),
+    ("observation string", b'{"observation": "1,2,3"}'),
+    ("observation number", b'{"observation": 1.5}'),
+    ("wrong length", b'{"observation": [1, 2]}'),
+    ("wrong batch width", b'{"observation": [[1, 2, 3, 4], [1, 2, 3, 4]]}'),
+    ("ragged batch", b'{"observation": [[1, 2, 3], [1, 2]]}'),
+    ("mixed depth", b'{"observation": [[1, 2, 3], 4]}'),
+    ("strings inside", b'{"observation": ["a", 1, 2]}'),
+    ("numeric strings", b'{"observation": ["1", "2", "3"]}'),
+    ("bools inside", b'{"observation": [true, 1, 2]}'),
+    ("null inside", b'{"observation": [null, 1, 2]}'),
+    ("dict inside", b'{"observation": [{"x": 1}, 1, 2]}'),
+    ("NaN", b'{"observation": [NaN, 1, 2]}'),
+    ("Infinity", b'{"observation": [1, Infinity, 2]}'),
+    ("-Infinity in batch", b'{"observation": [[1, 2, 3], [1, -Infinity, 2]]}'),
+    ("overflows float64", b'{"observation": [1e999, 1, 2]}'),
+    ("overflows float32", b'{"observation": [1e39, 1, 2]}'),
+    ("huge integer", b'{"observation": [1' + b"0" * 400 + b', 1, 2]}'),
+    ("nested too deep", b'{"observation": [[[1, 2, 3]]]}'),
+    ("nested very deep", b'{"observation": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"),
+    ("empty list", b'{"observation": []}'),
+    ("empty inner list", b'{"observation": [[]]}'),
+    ("deterministic not bool", b'{"observation": [1, 2, 3], "deterministic": "yes"}'),
+]
+
+
+# --------------------------------------------------------------------------- parsing, no Ray
+
+@pytest.mark.parametrize("name,body", BAD_BODIES, ids=[n for n, _ in BAD_BODIES])
+def test_parse_rejects(name, body):
+    with pytest.raises(BadRequest) as e:
+        parse_request(body, OBS_SHAPE)
+    assert 400 <= e.value.status < 500 and str(e.value)
+
+
+def test_parse_single_and_batch():
+    obs, batch, det = parse_request(b'{"observation": [1, 0.5, -2]}', OBS_SHAPE)
+    assert obs.shape == (1, 3) and obs.dtype == np.float32 and not batch and det
+    obs, batch, det = parse_request(b'{"observation": [[1, 0, 0], [0, 1, 2]], "deterministic": false}',
+                                    OBS_SHAPE)
+    assert obs.shape == (2, 3) and batch and not det
+
+
+def test_rescale_matches_env_bounds():
+    low, high = np.array([-2.0, 0.0]), np.array([2.0, 10.0])
+    out = rescale(np.array([[-1.0, 1.0], [0.0, 0.0], [5.0, -5.0]]), low, high)
+    np.testing.assert_allclose(out, [[-2.0, 10.0], [0.0, 5.0], [2.0, 0.0]])
+
+
+def test_deploy_rejects_a_non_run_dir_before_ray(tmp_path):
+    import ray
+
+    from flowrl_ray.serve import deploy
+    with pytest.raises(ConfigError, match="not a run directory"):
+        deploy(tmp_path, port=1)
+    assert not ray.is_initialized()
+
+
+# --------------------------------------------------------------------------- served over HTTP
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, local_ray):
+    """Train a tiny run with the Trainer, then deploy it; yields (url, run_dir)."""
+    from ray import serve
+
+    from flowrl_ray.config import load_config
+    from flowrl_ray.runtime.trainer import Trainer
+    from flowrl_ray.serve import deploy, shutdown
+
+    run_dir = tmp_path_factory.mktemp("serve") / "run"
+    trainer = Trainer(load_config(PENDULUM, TINY), run_dir, tensorboard=False, quiet=True)
+    try:
+        trainer.setup()
+        trainer.train()
+    finally:
+        trainer.close()
+    port = _free_port()
+    url = deploy(run_dir, host="127.0.0.1", port=port)
+    try:
+        yield url, run_dir, port
+    finally:
+        shutdown()
+        serve.shutdown()
+
+
+@pytest.mark.slow
+def test_healthz(served):
+    import requests
+    url, run_dir, _ = served
+    r = requests.get(url + "/healthz", timeout=30)
+    assert r.status_code == 200
+    body = r.json()
+    assert body["status"] == "ok"
+    assert body["obs_shape"] == [3] and body["action_dim"] == 1
+    assert body["action_low"] == [-2.0] and body["action_high"] == [2.0]
+    assert body["checkpoint"] == "iter_000002.pt" and body["iteration"] == 2
+
+
+@pytest.mark.slow
+def test_binds_to_localhost_only(served):
+    import psutil
+    _, _, port = served
+    listening = [c for c in psutil.net_connections(kind="tcp")
+                 if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port]
+    assert listening, f"nothing listens on port {port}"
+    assert {c.laddr.ip for c in listening} == {"127.0.0.1"}
+
+
+@pytest.mark.slow
+def test_act_single_and_batch(served):
+    import requests
+    url, _, _ = served
+    r = requests.post(url + "/act", json={"observation": [1.0, 0.0, 0.5]}, timeout=30)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert len(body["action"]) == 1 and len(body["normalized_action"]) == 1
+    assert -2.0 <= body["action"][0] <= 2.0
+    assert -1.0 <= body["normalized_action"][0] <= 1.0
+    assert body["action"][0] == pytest.approx(2.0 * body["normalized_action"][0])   # [-1,1] -> [-2,2]
+    assert body["policy_version"] == 2 and body["checkpoint"] == "iter_000002.pt"
+
+    # deterministic by default: the same observation gives the same action
+    again = requests.post(url + "/act", json={"observation": [1.0, 0.0, 0.5]}, timeout=30).json()
+    assert again["action"] == body["action"]
+
+    # a batch, including extreme (finite) observations: actions stay within the bounds
+    batch = [[1.0, 0.0, 0.5], [0.0, 1.0, -8.0], [1e6, -1e6, 3e30]]
+    r = requests.post(url + "/act", json={"observation": batch, "deterministic": False}, timeout=30)
+    assert r.status_code == 200, r.text
+    actions = np.array(r.json()["action"])
+    assert actions.shape == (3, 1)
+    assert np.all(actions >= -2.0) and np.all(actions <= 2.0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,body", BAD_BODIES, ids=[n for n, _ in BAD_BODIES])
+def test_act_bad_payloads_are_4xx(served, name, body):
+    import requests
+    url, _, _ = served
+    r = requests.post(url + "/act", data=body, headers={"Content-Type": "application/json"}, timeout=30)
+    assert 400 <= r.status_code < 500, (name, r.status_code, r.text[:200])
+    assert isinstance(r.json().get("error"), str) and r.json()["error"]
+
+
+@pytest.mark.slow
+def test_wrong_method_and_path_are_not_500(served):
+    import requests
+    url, _, _ = served
+    assert requests.get(url + "/act", timeout=30).status_code == 405
+    assert requests.get(url + "/nope", timeout=30).status_code == 404
+    # the server is still fine after all the bad requests
+    assert requests.post(url + "/act", data=json.dumps({"observation": [0, 0, 0]}), timeout=30).status_code == 200
