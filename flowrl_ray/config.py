@@ -82,33 +82,6 @@ class EvalConfig:
 
 
 @dataclass
-class PPOConfig:
-    lr: float = field(default=3e-4, metadata=check(gt=0))
-    lr_schedule: Literal["constant", "linear"] = "linear"
-    gamma: float = field(default=0.99, metadata=check(ge=0, le=1))
-    gae_lambda: float = field(default=0.95, metadata=check(ge=0, le=1))
-    clip: float = field(default=0.2, metadata=check(gt=0))
-    vf_clip: Optional[float] = field(default=None, metadata=check(gt=0))  # None: unclipped value loss
-    vf_coef: float = field(default=0.5, metadata=check(ge=0))
-    ent_coef: float = field(default=0.0, metadata=check(ge=0))
-    epochs: int = field(default=10, metadata=check(gt=0))
-    minibatch_size: int = field(default=64, metadata=check(gt=0))
-    normalize_advantages: bool = True
-    target_kl: Optional[float] = field(default=None, metadata=check(gt=0))
-    max_grad_norm: float = field(default=0.5, metadata=check(gt=0))
-    hidden_sizes: list = field(default_factory=lambda: [64, 64])
-    activation: Literal["tanh", "relu"] = "tanh"
-    log_std_init: float = 0.0
-    squash: bool = False              # tanh-squash actions (else Gaussian clipped at the bounds)
-    normalize_obs: bool = True        # running mean/std, part of the policy's weights
-    reward_scale: float = field(default=1.0, metadata=check(gt=0))
-
-
-#: algorithm name -> schema of its `algo` section. Later algorithms register here.
-ALGO_CONFIGS: dict[str, type] = {"ppo": PPOConfig}
-
-
-@dataclass
 class Config:
     algorithm: str = "ppo"
     name: str = "run"
@@ -117,7 +90,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
-    algo: Any = None                  # instance of ALGO_CONFIGS[algorithm]
+    algo: Any = None                  # instance of the algorithm's `config_class`
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -218,36 +191,22 @@ def _check_bounds(obj: Any, prefix: str) -> None:
             raise ConfigError(f"config key '{key}': must be <= {m['le']}, got {value}")
 
 
-def _cross_checks(cfg: Config) -> None:
-    """Constraints that involve more than one key."""
-    algo = cfg.algo
-    if isinstance(algo, PPOConfig):
-        if not all(isinstance(h, int) and h > 0 for h in algo.hidden_sizes):
-            raise ConfigError(f"config key 'algo.hidden_sizes': must be a list of positive ints, "
-                              f"got {algo.hidden_sizes}")
-        batch = cfg.runtime.num_workers * cfg.runtime.envs_per_worker * cfg.runtime.rollout_length
-        if algo.minibatch_size > batch:
-            raise ConfigError(f"config key 'algo.minibatch_size': {algo.minibatch_size} is larger "
-                              f"than the batch per iteration ({batch} = num_workers x "
-                              f"envs_per_worker x rollout_length)")
-    if cfg.runtime.mode == "sync" and cfg.runtime.max_staleness != 1:
-        pass  # staleness only matters in async mode; accepted and ignored in sync mode
-
-
 def config_from_dict(data: dict) -> Config:
+    """Build and validate a Config. The `algo` section's schema is the `config_class` of the
+    algorithm that `algorithm` names (a built-in name, or "package.module:Class" for a plugin);
+    the algorithm's `validate_config(cfg)` then checks constraints that span sections."""
+    from flowrl_ray.algorithms import get_algorithm
     if not isinstance(data, dict):
         raise ConfigError(f"config must be a mapping at the top level, got {type(data).__name__}")
     data = dict(data)
-    algorithm = data.get("algorithm", "ppo")
-    if algorithm not in ALGO_CONFIGS:
-        close = difflib.get_close_matches(str(algorithm), list(ALGO_CONFIGS), n=1)
-        hint = f"; did you mean '{close[0]}'?" if close else ""
-        raise ConfigError(f"config key 'algorithm': unknown algorithm {algorithm!r} "
-                          f"(known: {', '.join(ALGO_CONFIGS)}){hint}")
+    algorithm_cls = get_algorithm(data.get("algorithm", "ppo"))
     algo_data = data.pop("algo", None) or {}
     cfg = _build(Config, data, "")
-    cfg.algo = _build(ALGO_CONFIGS[algorithm], algo_data, "algo.")
-    _cross_checks(cfg)
+    cfg.algo = _build(algorithm_cls.config_class, algo_data, "algo.")
+    algorithm_cls.validate_config(cfg)
+    if algorithm_cls.rollout_kind == "group" and cfg.runtime.mode != "sync":
+        raise ConfigError("config key 'runtime.mode': group rollouts (the learner generates, workers "
+                          "score) run in 'sync' mode only")
     return cfg
 
 

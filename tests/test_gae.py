@@ -76,3 +76,17 @@ def test_normalize():
     y = normalize(x)
     assert abs(float(y.mean())) < 1e-6 and abs(float(y.std()) - 1.0) < 1e-6
     assert float(normalize(torch.tensor([5.0]))) == 0.0
+
+
+def test_group_advantages_by_hand():
+    from flowrl_ray.algorithms.advantages import group_advantages
+    r = torch.tensor([1.0, 3.0, 2.0, 2.0, 0.0, 10.0])
+    # group 1: mean 2, population std 1 -> [-1, 1]; group 2: equal -> zeros; group 3: mean 5, std 5
+    adv = group_advantages(r, 2)
+    assert torch.allclose(adv, torch.tensor([-1.0, 1.0, 0.0, 0.0, -1.0, 1.0]), atol=1e-6)
+    r3 = torch.tensor([0.0, 0.0, 3.0])   # mean 1, std sqrt(2) -> [-0.7071, -0.7071, 1.4142]
+    assert torch.allclose(group_advantages(r3, 3), torch.tensor([-1, -1, 2]) / 2 ** 0.5, atol=1e-6)
+    assert torch.allclose(group_advantages(r3, 3, adv_clip_max=1.0), torch.tensor([-0.7071, -0.7071, 1.0]), atol=1e-4)
+    import pytest
+    with pytest.raises(ValueError):
+        group_advantages(torch.ones(5), 2)

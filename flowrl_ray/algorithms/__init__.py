@@ -1,11 +1,29 @@
-"""Algorithms: one module each, plus shared pieces (advantages, losses). Pure torch."""
+"""Algorithms: one module each, plus shared pieces (advantages, losses). Pure torch.
+
+A config's ``algorithm`` key names a built-in algorithm or a plugin class as
+``"package.module:Class"`` (importable on every Ray node, e.g. shipped with the job's working_dir).
+"""
 
 from __future__ import annotations
 
+import difflib
+import importlib
+
+#: built-in name -> "module:Class"; imported on first use
+BUILTIN_ALGORITHMS = {"ppo": "flowrl_ray.algorithms.ppo:PPO"}
+
 
 def get_algorithm(name: str) -> type:
-    """The Algorithm class for a config's ``algorithm`` key."""
-    if name == "ppo":
-        from flowrl_ray.algorithms.ppo import PPO
-        return PPO
-    raise KeyError(f"unknown algorithm {name!r}")
+    """The Algorithm class for a config's ``algorithm`` key; ConfigError naming the key if unknown."""
+    from flowrl_ray.config import ConfigError
+    target = BUILTIN_ALGORITHMS.get(name, name)
+    if not isinstance(name, str) or ":" not in target:
+        close = difflib.get_close_matches(str(name), list(BUILTIN_ALGORITHMS), n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(f"config key 'algorithm': unknown algorithm {name!r} (built in: "
+                          f"{', '.join(BUILTIN_ALGORITHMS)}; plugins as 'package.module:Class'){hint}")
+    module_name, attr = target.split(":", 1)
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"config key 'algorithm': cannot import {target!r}: {e}") from None

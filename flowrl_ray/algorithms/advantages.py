@@ -36,3 +36,22 @@ def normalize(x: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     if x.numel() < 2:
         return x - x.mean()
     return (x - x.mean()) / (x.std() + eps)
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, adv_clip_max: float | None = None,
+                     eps: float = 1e-8) -> torch.Tensor:
+    """Group-relative advantages (GRPO): rewards [N] in consecutive groups of `group_size`
+    (the samples of one prompt), each normalised within its group with the population std:
+
+        A_i = (r_i - mean_g) / (std_g + eps),   then clipped to [-adv_clip_max, adv_clip_max]
+
+    A group whose rewards are all equal gets zeros. Returns [N].
+    """
+    if rewards.ndim != 1 or rewards.numel() % group_size:
+        raise ValueError(f"rewards must be [N] with N a multiple of group_size={group_size}, "
+                         f"got shape {tuple(rewards.shape)}")
+    groups = rewards.reshape(-1, group_size)
+    adv = (groups - groups.mean(1, keepdim=True)) / (groups.std(1, unbiased=False, keepdim=True) + eps)
+    if adv_clip_max is not None:
+        adv = adv.clamp(-adv_clip_max, adv_clip_max)
+    return adv.reshape(-1)

@@ -22,8 +22,15 @@ class Algorithm(ABC):
     ``state_dict()``/``load_state_dict()`` hold everything needed to resume bit-for-bit.
     """
 
-    #: how rollouts are produced: "env_step" (workers step envs with a policy copy) or "group".
+    #: how rollouts are produced: "env_step" (workers step envs with a policy copy) or "group"
+    #: (the learner generates samples, rollout workers score them).
     rollout_kind = "env_step"
+    #: dataclass schema of the config's `algo` section
+    config_class: type
+
+    @staticmethod
+    def validate_config(cfg: Config) -> None:
+        """Constraints spanning sections; raise ConfigError naming the key."""
 
     def __init__(self, cfg: Config, spec: EnvSpec, device: torch.device):
         self.cfg, self.spec, self.device = cfg, spec, device

@@ -10,8 +10,8 @@ grad-norm clip, linear or constant learning-rate schedule. Reads top to bottom:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
 
 import numpy as np
 import torch
@@ -20,9 +20,36 @@ from flowrl_ray.algorithms.advantages import gae, normalize
 from flowrl_ray.algorithms.base import Algorithm, optimizer_step
 from flowrl_ray.algorithms.losses import approx_kl, ppo_clip_objective, value_loss
 from flowrl_ray.batch import Batch, concat_time_major
-from flowrl_ray.config import Config, PPOConfig
+from flowrl_ray.config import Config, ConfigError, check
 from flowrl_ray.envs import EnvSpec
 from flowrl_ray.models.gaussian import GaussianPolicy, ValueNet
+
+
+@dataclass
+class PPOConfig:
+    lr: float = field(default=3e-4, metadata=check(gt=0))
+    lr_schedule: Literal["constant", "linear"] = "linear"
+    gamma: float = field(default=0.99, metadata=check(ge=0, le=1))
+    gae_lambda: float = field(default=0.95, metadata=check(ge=0, le=1))
+    clip: float = field(default=0.2, metadata=check(gt=0))
+    vf_clip: Optional[float] = field(default=None, metadata=check(gt=0))  # None: unclipped value loss
+    vf_coef: float = field(default=0.5, metadata=check(ge=0))
+    ent_coef: float = field(default=0.0, metadata=check(ge=0))
+    epochs: int = field(default=10, metadata=check(gt=0))
+    minibatch_size: int = field(default=64, metadata=check(gt=0))
+    normalize_advantages: bool = True
+    target_kl: Optional[float] = field(default=None, metadata=check(gt=0))
+    max_grad_norm: float = field(default=0.5, metadata=check(gt=0))
+    hidden_sizes: list = field(default_factory=lambda: [64, 64])
+    activation: Literal["tanh", "relu"] = "tanh"
+    log_std_init: float = 0.0
+    squash: bool = False              # tanh-squash actions (else Gaussian clipped at the bounds)
+    normalize_obs: bool = True        # running mean/std, part of the policy's weights
+    reward_scale: float = field(default=1.0, metadata=check(gt=0))
+
+
+#: algorithm name -> schema of its `algo` section. Later algorithms register here.
+ALGO_CONFIGS: dict[str, type] = {"ppo": PPOConfig}
 
 
 @dataclass
@@ -38,6 +65,17 @@ class PPOBatch:
 
 class PPO(Algorithm):
     name = "ppo"
+    config_class = PPOConfig
+
+    @staticmethod
+    def validate_config(cfg: Config) -> None:
+        c: PPOConfig = cfg.algo
+        if not all(isinstance(h, int) and h > 0 for h in c.hidden_sizes):
+            raise ConfigError(f"config key 'algo.hidden_sizes': must be a list of positive ints, got {c.hidden_sizes}")
+        batch = cfg.runtime.num_workers * cfg.runtime.envs_per_worker * cfg.runtime.rollout_length
+        if c.minibatch_size > batch:
+            raise ConfigError(f"config key 'algo.minibatch_size': {c.minibatch_size} is larger than the batch "
+                              f"per iteration ({batch} = num_workers x envs_per_worker x rollout_length)")
 
     def __init__(self, cfg: Config, spec: EnvSpec, device: torch.device):
         super().__init__(cfg, spec, device)

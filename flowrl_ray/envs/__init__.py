@@ -1,13 +1,17 @@
 """Environment adapters. One adapter per family; a config's ``env.family`` names it.
 
-An adapter family provides ``spec(env_cfg) -> EnvSpec`` and
-``make_vector_env(env_cfg, num_envs) -> gymnasium.vector.VectorEnv`` whose actions are
-normalised to [-1, 1] and which autoresets in the same step (the episode's last observation is
-in ``infos["final_obs"]``). Adapters return numpy; policies run torch.
+An env-step family (for ``rollout_kind = "env_step"`` algorithms) provides
+``spec(env_cfg) -> EnvSpec``, ``make_vector_env(env_cfg, num_envs) -> gymnasium.vector.VectorEnv``
+whose actions are normalised to [-1, 1] and which autoresets in the same step (the episode's last
+observation is in ``infos["final_obs"]``), and ``snapshot(vec)/restore(blob)`` for exact resume.
+A scoring family (for ``rollout_kind = "group"``) provides ``spec(env_cfg)`` and
+``make_scorer(env_cfg, seed, worker_id)``: an object whose ``score(payload) -> Batch`` turns the
+learner's samples into rewards (a browser, a force field). Adapters return numpy; policies run torch.
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -26,10 +30,18 @@ class EnvSpec:
         return n
 
 
+#: built-in family name -> module; any other name is imported as a module path (a plugin family)
+BUILTIN_FAMILIES = {"gym": "flowrl_ray.envs.gym"}
+
+
 def env_family(name: str) -> ModuleType:
     """The adapter module for ``env.family`` (imported lazily: families have heavy deps)."""
-    if name == "gym":
-        from flowrl_ray.envs import gym as module
-        return module
     from flowrl_ray.config import ConfigError
-    raise ConfigError(f"config key 'env.family': unknown env family {name!r} (known: gym)")
+    module_name = BUILTIN_FAMILIES.get(name, name)
+    if "." not in module_name:
+        raise ConfigError(f"config key 'env.family': unknown env family {name!r} (built in: "
+                          f"{', '.join(BUILTIN_FAMILIES)}; plugins as 'package.module')")
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"config key 'env.family': cannot import {module_name!r}: {e}") from None

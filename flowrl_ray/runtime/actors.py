@@ -21,19 +21,26 @@ RESTART_SEED_STRIDE = 100_003   # a restarted worker gets fresh env seeds
 
 @ray.remote
 class RolloutWorker:
-    """Holds `envs_per_worker` envs and a policy copy; `sample()` returns (meta, batch).
+    """A CPU-side rollout actor.
 
-    The meta travels to the driver (small); the batch ref goes straight to the learner.
+    env-step algorithms: holds `envs_per_worker` envs and a policy copy; `sample()` steps them.
+    group algorithms: holds a scorer from the env family (a browser, a force field);
+    `score(chunk)` turns the learner's samples into rewards.
+    Both return (meta, batch): the meta goes to the driver (small), the batch ref to the learner.
     """
 
     def __init__(self, cfg: Config, spec: EnvSpec, worker_id: int, restarts: int = 0):
         torch.set_num_threads(cfg.runtime.torch_threads)
         seed = cfg.seed + worker_id + RESTART_SEED_STRIDE * restarts
         seed_everything(seed)
-        policy = get_algorithm(cfg.algorithm).make_policy(cfg, spec)
-        self.runner = EnvRunner(env_family(cfg.env.family), cfg.env, cfg.runtime.envs_per_worker,
-                                seed, policy, worker_id)
+        algorithm, family = get_algorithm(cfg.algorithm), env_family(cfg.env.family)
+        if algorithm.rollout_kind == "group":
+            self.runner = family.make_scorer(cfg.env, seed, worker_id)
+        else:
+            self.runner = EnvRunner(family, cfg.env, cfg.runtime.envs_per_worker, seed,
+                                    algorithm.make_policy(cfg, spec), worker_id)
         self.rollout_length = cfg.runtime.rollout_length
+        self.worker_id = worker_id
 
     def set_weights(self, state_dict: dict, version: int) -> int:
         # `state_dict` arrives resolved from the one ray.put the learner made for this version.
@@ -45,6 +52,15 @@ class RolloutWorker:
         batch = self.runner.sample(self.rollout_length)
         return batch.meta, batch
 
+    @ray.method(num_returns=2)
+    def score(self, chunk: dict) -> tuple[BatchMeta, Batch]:
+        """chunk: {"policy_version", "samples"} as made by Learner.generate."""
+        t0 = time.perf_counter()
+        batch = self.runner.score(chunk["samples"])
+        batch.meta.policy_version, batch.meta.worker_id = chunk["policy_version"], self.worker_id
+        batch.meta.sample_time_s = time.perf_counter() - t0
+        return batch.meta, batch
+
     def evaluate(self, episodes: int) -> dict:
         return self.runner.evaluate(episodes)
 
@@ -54,11 +70,12 @@ class RolloutWorker:
     def policy_state(self) -> dict:
         return self.runner.policy.state_dict()
 
-    def get_state(self) -> bytes:
-        return self.runner.get_state()
+    def get_state(self) -> bytes | None:
+        get = getattr(self.runner, "get_state", None)
+        return get() if get else None
 
-    def set_state(self, blob: bytes) -> bool:
-        return self.runner.set_state(blob)
+    def set_state(self, blob: bytes | None) -> bool:
+        return bool(blob is not None and hasattr(self.runner, "set_state") and self.runner.set_state(blob))
 
     def pid(self) -> int:
         return os.getpid()
@@ -80,6 +97,16 @@ class Learner:
         """([ref to the policy weights], version). The ref is wrapped in a list so the driver
         receives the reference, not the weights."""
         return [ray.put(self.algo.policy_state_dict())], self.version
+
+    def generate(self, num_chunks: int, mode: str = "train") -> list:
+        """Group algorithms: sample on the learner's device; returns refs (one ray.put per
+        chunk) of {"policy_version", "samples"} for the scoring workers. What the update needs
+        (trajectories, behaviour log-probs) stays here, in the algorithm."""
+        chunks = self.algo.generate(num_chunks, mode)
+        return [ray.put({"policy_version": self.version, "samples": c}) for c in chunks]
+
+    def eval_metrics(self, batch_refs: list) -> dict[str, float]:
+        return self.algo.eval_metrics(ray.get(batch_refs))
 
     def update(self, batch_refs: list) -> dict[str, Any]:
         t0 = time.perf_counter()

@@ -24,6 +24,7 @@ import numpy as np
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
+from flowrl_ray.algorithms import get_algorithm
 from flowrl_ray.batch import BatchMeta
 from flowrl_ray.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from flowrl_ray.config import Config, save_config
@@ -78,6 +79,7 @@ class Trainer:
         self.tune_trial, self.tensorboard, self.quiet = tune_trial, tensorboard, quiet
         # The spec is read before Ray starts: a bad env id stops here with a clear message.
         self.spec: EnvSpec = env_family(cfg.env.family).spec(cfg.env)
+        self.group_rollouts = get_algorithm(cfg.algorithm).rollout_kind == "group"
         self.counters = Counters()
         self.workers: list = []
         self._started_ray = False
@@ -124,8 +126,9 @@ class Trainer:
         """One ray.put of the new weights; every worker gets the same ref."""
         refs, self.version = self._learner_call("publish")
         self.weights_ref = refs[0]
-        for w in self.workers:
-            w.set_weights.remote(self.weights_ref, self.version)
+        if not self.group_rollouts:          # scoring workers hold no policy
+            for w in self.workers:
+                w.set_weights.remote(self.weights_ref, self.version)
 
     def _log(self, msg: str) -> None:
         if not self.quiet:
@@ -145,26 +148,31 @@ class Trainer:
         except Exception:  # noqa: BLE001 - it may be gone already
             pass
         self.workers[index] = self._new_worker(index, restarts=c.worker_restarts)
-        self.workers[index].set_weights.remote(self.weights_ref, self.version)
+        if not self.group_rollouts:
+            self.workers[index].set_weights.remote(self.weights_ref, self.version)
 
     def _collect(self, pending: dict, needed: int) -> tuple[list[BatchMeta], list]:
-        """Wait for `needed` batches among `pending` (meta ref -> (worker index, batch ref));
-        failed or timed-out workers are restarted. Returns (metas, batch refs)."""
+        """Wait for `needed` batches among `pending` (meta ref -> (worker index, batch ref,
+        chunk ref or None)); failed or timed-out workers are restarted, and a chunk to score is
+        given once more to the restarted worker. Returns (metas, batch refs)."""
         metas, batch_refs = [], []
         deadline = time.monotonic() + self.cfg.runtime.sample_timeout_s
         while pending and len(metas) < needed:
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:                                   # timed out: replace the stragglers
-                for ref, (index, _) in list(pending.items()):
+                for ref, (index, _, _) in list(pending.items()):
                     self._restart_worker(index, f"no batch within {self.cfg.runtime.sample_timeout_s}s")
                     del pending[ref]
                 break
             ref = ready[0]
-            index, batch_ref = pending.pop(ref)
+            index, batch_ref, chunk = pending.pop(ref)
             try:
                 meta: BatchMeta = ray.get(ref)
             except (RayActorError, RayError) as e:
                 self._restart_worker(index, type(e).__name__)
+                if chunk is not None:
+                    meta_ref, retry_ref = self.workers[index].score.remote(chunk)
+                    pending[meta_ref] = (index, retry_ref, None)
                 continue
             metas.append(meta)
             batch_refs.append(batch_ref)
@@ -173,10 +181,24 @@ class Trainer:
     # ------------------------------------------------------------------ the loop
     def _issue_sample(self, index: int) -> None:
         meta_ref, batch_ref = self.workers[index].sample.remote()
-        self._inflight[meta_ref] = (index, batch_ref)
+        self._inflight[meta_ref] = (index, batch_ref, None)
+
+    def _score_group(self, mode: str = "train") -> tuple[list[BatchMeta], list]:
+        """Group rollouts: the learner samples, the workers score one chunk each."""
+        chunk_refs = self._learner_call("generate", len(self.workers), mode)
+        pending = {}
+        for i, chunk in enumerate(chunk_refs):
+            index = i % len(self.workers)
+            meta_ref, batch_ref = self.workers[index].score.remote(chunk)
+            pending[meta_ref] = (index, batch_ref, chunk)
+        metas, refs = self._collect(pending, len(chunk_refs))
+        order = sorted(range(len(metas)), key=lambda i: metas[i].worker_id)
+        return [metas[i] for i in order], [refs[i] for i in order]
 
     def _sample(self) -> tuple[list[BatchMeta], list]:
         rt = self.cfg.runtime
+        if self.group_rollouts:
+            return self._score_group()
         if rt.mode == "sync":
             self._inflight = {}
             for i in range(len(self.workers)):
@@ -187,7 +209,7 @@ class Trainer:
             order = sorted(range(len(metas)), key=lambda i: metas[i].worker_id)
             return [metas[i] for i in order], [refs[i] for i in order]
         # async: keep one sample in flight per worker; take the first num_workers fresh batches
-        busy = {index for index, _ in self._inflight.values()}
+        busy = {index for index, _, _ in self._inflight.values()}
         for i in range(len(self.workers)):
             if i not in busy:
                 self._issue_sample(i)
@@ -202,7 +224,7 @@ class Trainer:
                     refs.append(ref)
                 self._issue_sample(meta.worker_id)
             for i in range(len(self.workers)):                 # restarted workers sample again
-                if i not in {index for index, _ in self._inflight.values()}:
+                if i not in {index for index, _, _ in self._inflight.values()}:
                     self._issue_sample(i)
         return metas, refs
 
@@ -223,6 +245,9 @@ class Trainer:
             return ray.get(getattr(self.learner, method).remote(*args))
 
     def _evaluate(self) -> dict:
+        if self.group_rollouts:
+            _, refs = self._score_group(mode="eval")
+            return self._learner_call("eval_metrics", refs) if refs else {}
         episodes = self.cfg.eval.episodes
         n = len(self.workers)
         shares = [episodes // n + (i < episodes % n) for i in range(n)]

@@ -1,0 +1,139 @@
+"""Anyscale job YAMLs: they load with the anyscale SDK's own model (offline), their entrypoints
+are valid `flowrl-ray` commands on existing configs, and the Containerfile matches pyproject."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import tomllib
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+JOBS = sorted((REPO / "jobs").glob("*.yaml"))
+CLI_PREFIXES = (["flowrl-ray"], ["python", "-m", "flowrl_ray.cli"])
+SHELL_WORDS = {";", "if", "then", "else", "fi", "[", "]", "&&", "||"}
+
+
+def _commands(entrypoint: str) -> list[list[str]]:
+    """Every flowrl-ray command in a (possibly compound) shell entrypoint, as argument lists
+    after the verb's program name, with `$RUN_DIR`-style variables substituted."""
+    vars_ = dict(re.findall(r"\b([A-Z_]+)=(\S+?);", entrypoint))
+    text = re.sub(r"\$([A-Z_]+)", lambda m: vars_.get(m.group(1), m.group(0)), entrypoint)
+    tokens = shlex.split(text.replace(";", " ; "))
+    found = []
+    for i in range(len(tokens)):
+        for prefix in CLI_PREFIXES:
+            if tokens[i:i + len(prefix)] == prefix:
+                args = []
+                for tok in tokens[i + len(prefix):]:
+                    if tok in SHELL_WORDS:
+                        break
+                    args.append(tok)
+                found.append(args)
+    return found
+
+
+def _load(path: Path):
+    from anyscale.job.models import JobConfig
+    return JobConfig.from_yaml(str(path))
+
+
+def test_the_ppo_jobs_are_there():
+    names = {p.name for p in JOBS}
+    for env in ("pendulum", "halfcheetah", "hopper", "bipedalwalker"):
+        assert {f"ppo_{env}_train.yaml", f"ppo_{env}_eval.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", JOBS, ids=[p.name for p in JOBS])
+def test_job_yaml(path):
+    from anyscale.compute_config.models import ComputeConfig
+
+    from flowrl_ray.cli import build_parser
+    from flowrl_ray.config import load_config
+
+    job = _load(path)
+    assert job.name and job.name.startswith("flowrl-ppo-")
+    assert job.working_dir == "."
+    assert (REPO / job.containerfile).is_file()
+    assert {".venv", "runs", ".git", "benchmarks/results"} <= set(job.excludes)
+    assert job.env_vars and all(isinstance(v, str) for v in job.env_vars.values())
+    assert isinstance(job.max_retries, int) and job.max_retries >= 0
+    assert isinstance(job.timeout_s, int) and job.timeout_s > 0
+
+    cc = job.compute_config
+    assert isinstance(cc, ComputeConfig)
+    assert cc.head_node.instance_type
+    gpu_groups = [g for g in cc.worker_nodes if re.match(r"(g4dn|g5|g6|p3|p4d|p5)\.", g.instance_type)]
+    assert gpu_groups, "a GPU worker group"
+    assert all(0 <= g.min_nodes <= g.max_nodes for g in cc.worker_nodes)
+
+    # The entrypoint is valid shell, and every flowrl-ray command in it parses with the real CLI
+    subprocess.run(["sh", "-n", "-c", job.entrypoint], check=True)
+    commands = _commands(job.entrypoint)
+    assert commands, f"no flowrl-ray command in {job.entrypoint!r}"
+    parser = build_parser()
+    verb = "train" if path.stem.endswith("_train") else "eval"
+    for args in commands:
+        assert args[0] == verb, args
+        parsed, extra = parser.parse_known_args(args)
+        assert not [x for x in extra if "=" not in x], extra
+        if verb == "train" and parsed.config:
+            # the config exists (relative to working_dir) and is valid
+            assert (REPO / parsed.config).is_file(), parsed.config
+            load_config(REPO / parsed.config, parsed.overrides)
+            assert parsed.run_dir and parsed.run_dir.startswith("/mnt/user_storage/")
+        if verb == "train" and parsed.resume:
+            assert parsed.resume.startswith("/mnt/user_storage/")
+        if verb == "eval":
+            assert parsed.episodes > 0 and parsed.run_dir.startswith("/mnt/user_storage/")
+
+
+@pytest.mark.parametrize("train", [p for p in JOBS if p.stem.endswith("_train")],
+                         ids=[p.name for p in JOBS if p.stem.endswith("_train")])
+def test_eval_job_reads_the_train_jobs_run(train):
+    from flowrl_ray.cli import build_parser
+    parser = build_parser()
+    eval_path = train.with_name(train.name.replace("_train", "_eval"))
+    train_cmds = [parser.parse_known_args(a)[0] for a in _commands(_load(train).entrypoint)]
+    (eval_cmd,) = [parser.parse_known_args(a)[0] for a in _commands(_load(eval_path).entrypoint)]
+    fresh = [c for c in train_cmds if c.config]
+    resumed = [c for c in train_cmds if c.resume]
+    assert len(fresh) == 1 and len(resumed) == 1, "train starts a run, or resumes it when it exists"
+    assert fresh[0].run_dir == resumed[0].resume == eval_cmd.run_dir
+
+
+def test_train_entrypoint_resumes_an_existing_run(tmp_path):
+    """Run the shell logic of a train entrypoint with a stub flowrl_ray.cli that prints its args."""
+    job = _load(REPO / "jobs" / "ppo_pendulum_train.yaml")
+    run_dir = tmp_path / "run"
+    script = job.entrypoint.replace("/mnt/user_storage/runs/ppo-pendulum", str(run_dir))
+    script = script.replace("python -m flowrl_ray.cli", "echo")
+    first = subprocess.run(["sh", "-c", script], capture_output=True, text=True, check=True).stdout
+    assert first.split()[:2] == ["train", "configs/ppo/pendulum.yaml"]
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("name: x\n")
+    again = subprocess.run(["sh", "-c", script], capture_output=True, text=True, check=True).stdout
+    assert again.split() == ["train", "--resume", str(run_dir)]
+
+
+def test_containerfile_matches_pyproject():
+    text = (REPO / "containers" / "Containerfile").read_text()
+    assert re.search(r"^FROM rayproject/ray:2\.60\.0-py311-gpu\s*$", text, re.M)
+    assert re.search(r"apt-get install .*\bswig\b", text)
+    pins = set(re.findall(r'"([A-Za-z0-9_.\-\[\],]+(?:[<>=!]=?[^"]*)?)"', text))
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    missing = [d for d in deps if d not in pins]
+    assert not missing, f"Containerfile lacks pyproject pins: {missing}"
+    assert re.search(r"^WORKDIR ", text, re.M)
+
+
+def test_readme_documents_both_ways():
+    readme = (REPO / "jobs" / "README.md").read_text()
+    assert "anyscale job submit -f jobs/" in readme
+    assert "ray job submit" in readme and "--working-dir ." in readme
+    assert "RAY_AUTH_MODE=token" in readme and "~/.ray/auth_token" in readme
+    for path in JOBS:
+        assert path.name in readme, path.name
