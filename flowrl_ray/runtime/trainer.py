@@ -106,8 +106,8 @@ class Trainer:
         checkpoint = latest_checkpoint(self.run_dir) if self.resume else None
         if checkpoint is not None:
             self._restore(load_checkpoint(checkpoint))
-        elif not self.resume:
-            save_config(self.cfg, self.run_dir / "config.yaml")
+        # On resume this records the overrides given then (e.g. a longer train.iterations).
+        save_config(self.cfg, self.run_dir / "config.yaml")
         self._publish()
         self.logger = MetricsLogger(self.run_dir, self.cfg.name, tensorboard=self.tensorboard,
                                     ray_metrics=True, tune=self.tune_trial,
