@@ -14,7 +14,7 @@ and the Trainer's learner and rollout actors land inside it, because Tune starts
 
 Layout of the output directory::
 
-    out_dir/tune/            Tune's experiment directory (trial results, experiment state)
+    out_dir/tune/            Tune's experiment directory (out_dir/tune/<trial id>: Tune's results)
     out_dir/trials/<id>/     each trial's run directory (config.yaml, metrics.jsonl, checkpoints)
     out_dir/results.csv      one row per trial
     out_dir/best_config.yaml the best trial's resolved config (same format as a run's config.yaml)
@@ -38,6 +38,7 @@ from typing import Any
 
 from flowrl_ray.config import (Config, ConfigError, apply_overrides, config_from_dict, load_config,
                                parse_override, read_yaml, save_config)
+from flowrl_ray.errors import TrainingError
 
 TRIAL_DRIVER_CPU = 0.01          # the function trainable itself only waits on actors
 SWEEP_FLAGS = ("grid", "choice", "uniform", "loguniform")
@@ -248,6 +249,10 @@ def _record_placement(trainer, run_dir: Path) -> dict:
     return info
 
 
+def _trial_dirname(trial) -> str:
+    return trial.trial_id
+
+
 def _run_trial(config: dict, config_path: str, overrides: list[str], trials_dir: str,
                cluster_gpus: float) -> None:
     """Tune function trainable: one full training run; metrics go to Tune every iteration."""
@@ -318,7 +323,9 @@ def run_sweep(config_path: str | os.PathLike, overrides: list[str], space: dict,
         tuner = tune.Tuner(
             trainable, param_space=param_space,
             tune_config=tune.TuneConfig(metric=metric, mode=mode, num_samples=num_samples,
-                                        max_concurrent_trials=max_concurrent or None),
+                                        max_concurrent_trials=max_concurrent or None,
+                                        # out_dir/tune/<id> next to out_dir/trials/<id>
+                                        trial_dirname_creator=_trial_dirname),
             run_config=tune.RunConfig(storage_path=str(out_dir), name="tune"))
         # The first iterations of a run may end no episode, so `episode_return_mean` is absent
         # from them; Tune's strict check would fail such a trial. The metric is checked below.
@@ -347,7 +354,7 @@ def _write_results(grid, swept: list[str], config_path: Path, overrides: list[st
     rows = []
     for result in grid:
         m = result.metrics or {}
-        trial_id = m.get("trial_id") or Path(result.path).name
+        trial_id = m.get("trial_id") or Path(result.path).name     # a trial that never reported
         rows.append({"trial_id": trial_id, "status": "ERROR" if result.error else "TERMINATED",
                      **{k: result.config.get(k) for k in swept}, "seed": result.config.get("seed"),
                      metric: _final_metric(result, metric), "env_steps": m.get("env_steps"),
@@ -366,7 +373,7 @@ def _write_results(grid, swept: list[str], config_path: Path, overrides: list[st
     if not scored:
         errors = [r["error"] for r in rows if r["error"]]
         if rows and len(errors) == len(rows):
-            raise RuntimeError(f"all {len(rows)} trials failed; first error: {errors[0]} "
+            raise TrainingError(f"all {len(rows)} trials failed; first error: {errors[0]} "
                                f"(see {out_dir / 'tune'})")
         reported = sorted({k for result in grid for k in (result.metrics or {})})
         raise ConfigError(f"--metric {metric!r}: no trial reported a finite value (results in "

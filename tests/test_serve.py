@@ -95,9 +95,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, local_ray):
-    """Train a tiny run with the Trainer, then deploy it; yields (url, run_dir)."""
-    from ray import serve
-
+    """Train a tiny run with the Trainer, then deploy it; yields (url, run_dir, port)."""
     from flowrl_ray.config import load_config
     from flowrl_ray.runtime.trainer import Trainer
     from flowrl_ray.serve import deploy, shutdown
@@ -114,8 +112,7 @@ def served(tmp_path_factory, local_ray):
     try:
         yield url, run_dir, port
     finally:
-        shutdown()
-        serve.shutdown()
+        shutdown()              # Serve off; local_ray stops Ray at the end of the module
 
 
 @pytest.mark.slow

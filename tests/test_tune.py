@@ -151,3 +151,23 @@ def test_two_trial_sweep(tmp_path):
         pgs.add(placement["trial_placement_group"])
     assert len(pgs) == 2, "each trial has its own placement group"
     assert (out / "tune").is_dir()
+
+
+@pytest.mark.slow
+def test_failed_trial_is_reported(tmp_path, local_ray):
+    """A trial that fails (an env id that does not exist) is a row with status ERROR and its
+    error; the best trial is taken among the others. Runs on the module's local Ray."""
+    base_cfg = load_config(PENDULUM, SWEEP_OVERRIDES)
+    space = parse_search_space(["env.id=Pendulum-v1,NoSuchEnv-v0"], [], [], [], base=base_cfg)
+    result = run_sweep(PENDULUM, SWEEP_OVERRIDES, space, seeds=1, out_dir=tmp_path / "sweep",
+                       max_concurrent=1)
+    assert local_ray.is_initialized()            # not ours to stop
+    with open(tmp_path / "sweep" / "results.csv") as f:
+        rows = {r["env.id"]: r for r in csv.DictReader(f)}
+    assert rows["NoSuchEnv-v0"]["status"] == "ERROR"
+    assert "NoSuchEnv-v0" in rows["NoSuchEnv-v0"]["error"]
+    assert rows["NoSuchEnv-v0"]["episode_return_mean"] == ""
+    assert rows["Pendulum-v1"]["status"] == "TERMINATED"
+    assert result["errored"] == 1 and result["trials"] == 2
+    assert "env.id=Pendulum-v1" in result["best_overrides"]
+    assert (tmp_path / "sweep" / "tune" / rows["Pendulum-v1"]["trial_id"]).is_dir()

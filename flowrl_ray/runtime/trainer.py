@@ -106,6 +106,8 @@ class Trainer:
         checkpoint = latest_checkpoint(self.run_dir) if self.resume else None
         if checkpoint is not None:
             self._restore(load_checkpoint(checkpoint))
+        elif self.resume:            # nothing saved yet: start over, without the old rows
+            truncate_metrics(self.run_dir, 0)
         # On resume this records the overrides given then (e.g. a longer train.iterations).
         save_config(self.cfg, self.run_dir / "config.yaml")
         self._publish()
