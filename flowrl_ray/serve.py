@@ -101,9 +101,9 @@ def parse_request(body: bytes, obs_shape: tuple[int, ...]) -> tuple[np.ndarray, 
 
 
 def rescale(normalized: np.ndarray, low: np.ndarray, high: np.ndarray) -> np.ndarray:
-    """[-1, 1] -> [low, high], the same map the env adapter applies (NormalizedActions)."""
-    a = np.clip(np.asarray(normalized, np.float64), -1.0, 1.0)
-    return np.clip(low + (a + 1.0) * 0.5 * (high - low), low, high)
+    """[-1, 1] -> [low, high]: the env adapter's own map, so served actions equal trained ones."""
+    from flowrl_ray.envs.gym import rescale_action
+    return rescale_action(normalized, low, high)
 
 
 # --------------------------------------------------------------------------- the deployment

@@ -23,8 +23,13 @@ class NormalizedActions(gym.ActionWrapper):
         self.action_space = gym.spaces.Box(-1.0, 1.0, space.shape, space.dtype)
 
     def action(self, action: np.ndarray) -> np.ndarray:
-        a = np.clip(np.asarray(action, np.float64), -1.0, 1.0)
-        return (self.low + (a + 1.0) * 0.5 * (self.high - self.low)).astype(self.env.action_space.dtype)
+        return rescale_action(action, self.low, self.high).astype(self.env.action_space.dtype)
+
+
+def rescale_action(normalized: np.ndarray, low: np.ndarray, high: np.ndarray) -> np.ndarray:
+    """[-1, 1] -> [low, high] (inputs outside [-1, 1] are clipped first)."""
+    a = np.clip(np.asarray(normalized, np.float64), -1.0, 1.0)
+    return low + (a + 1.0) * 0.5 * (high - low)
 
 
 def make_env(env_cfg: EnvConfig, render_mode: str | None = None) -> gym.Env:
