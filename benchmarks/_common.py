@@ -123,70 +123,134 @@ def _descendants(table: dict, root: int) -> set[int]:
 
 
 class LoadMonitor:
-    """What loaded the CPU while a benchmark ran: load averages before/after, and the CPU time
-    used by this process, by its children (Ray's raylet, GCS, workers, ...) and by every other
-    process on the machine, each as an average number of busy cores over the wall time.
+    """What loaded the CPU while a benchmark ran: load averages before/after, machine-wide CPU
+    time (split into normal, niced and hypervisor-steal time), and the CPU time used by this
+    process, by its descendants (Ray's raylet, GCS, workers, ...) and by every other process on
+    the machine, each as an average number of busy cores over the wall time.
 
-    Children are attributed by process tree when the monitor stops; processes that appeared
-    and exited in between are not seen (their time is in "unaccounted")."""
+    A background thread reads /proc every `poll_s` seconds, so processes that start and exit
+    during the run are counted too (those living less than `poll_s` may be missed; their time
+    shows as "not attributed")."""
 
-    def __init__(self) -> None:
+    def __init__(self, poll_s: float = 2.0) -> None:
+        import threading
         self.loadavg_before = os.getloadavg()
         self.t0 = time.monotonic()
-        self.busy0 = self._busy_seconds()
-        self.table0 = self._table()
+        self.stat0 = self._stat()
+        self.me = os.getpid()
+        self.seen: dict[int, list] = {}        # pid -> [name, cpu baseline, cpu at last sight, ours]
+        self.retired: list[list] = []
+        self._poll(first=True)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(poll_s,), daemon=True)
+        self._thread.start()
 
     @staticmethod
-    def _table() -> dict:
+    def _stat() -> list[int] | None:
+        """The first line of /proc/stat: user nice system idle iowait irq softirq steal (ticks)."""
         try:
-            return _proc_table()
-        except OSError:
-            return {}
+            return [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:9]]
+        except (OSError, ValueError):
+            return None
 
     @staticmethod
     def _busy_seconds() -> float | None:
-        """Machine-wide busy CPU seconds (all cores) from /proc/stat."""
+        """Machine-wide busy CPU seconds (all cores), steal excluded."""
+        v = LoadMonitor._stat()
+        return None if v is None else (v[0] + v[1] + v[2] + v[5] + v[6]) / _TICK
+
+    def _poll(self, first: bool = False) -> None:
         try:
-            vals = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-        except (OSError, ValueError):
-            return None
-        idle = vals[3] + (vals[4] if len(vals) > 4 else 0)
-        return (sum(vals[:8]) - idle) / _TICK
+            table = _proc_table()
+        except OSError:
+            return
+        ours = _descendants(table, self.me)
+        for pid, (name, _, cpu) in table.items():
+            entry = self.seen.get(pid)
+            if entry is not None and cpu < entry[2]:          # pid reused by a new process
+                self.retired.append(entry)
+                entry = None
+            if entry is None:
+                # Already running at the start: count from now; started since: count from zero.
+                self.seen[pid] = [name, cpu if first else 0.0, cpu, pid in ours]
+            else:
+                entry[0], entry[2], entry[3] = name, cpu, entry[3] or pid in ours
+
+    def _run(self, poll_s: float) -> None:
+        while not self._stop.wait(poll_s):
+            self._poll()
 
     def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join()
+        self._poll()
         wall = time.monotonic() - self.t0
-        busy1, table1 = self._busy_seconds(), self._table()
-        mine = _descendants(table1, os.getpid())
+        stat1 = self._stat()
         groups: dict[str, float] = {}
-        for pid, (name, _, cpu1) in table1.items():
-            cpu0 = self.table0.get(pid, (name, 0, 0.0))[2] if pid in self.table0 else 0.0
-            d = cpu1 - cpu0
+        for pid, (name, base_cpu, last_cpu, ours) in [*self.seen.items(), *((-1, e) for e in self.retired)]:
+            d = last_cpu - base_cpu
             if d <= 0:
                 continue
-            if pid == os.getpid():
-                key = "this process (driver / single-process baseline)"
-            elif pid in mine:
+            if pid == self.me:
+                key = "this process (driver)"
+            elif ours:
                 key = f"child: {name}"
             else:
                 key = f"other: {name}"
             groups[key] = groups.get(key, 0.0) + d
+        machine = None
+        if stat1 is not None and self.stat0 is not None:
+            d = [(b - a) / _TICK / wall for a, b in zip(self.stat0, stat1)]
+            machine = {"busy": d[0] + d[1] + d[2] + d[5] + d[6], "nice": d[1], "steal": d[7]}
         return {"wall_s": wall, "loadavg_before": self.loadavg_before, "loadavg_after": os.getloadavg(),
-                "machine_busy_cores": None if busy1 is None or self.busy0 is None else (busy1 - self.busy0) / wall,
+                "machine": machine,
                 "cores_by_process": {k: v / wall for k, v in sorted(groups.items(), key=lambda kv: -kv[1])}}
+
+
+def busy_cores(interval: float = 5.0) -> float | None:
+    """Machine-wide busy cores averaged over the next `interval` seconds."""
+    b0, t0 = LoadMonitor._busy_seconds(), time.monotonic()
+    time.sleep(interval)
+    b1 = LoadMonitor._busy_seconds()
+    return None if b0 is None or b1 is None else (b1 - b0) / (time.monotonic() - t0)
+
+
+def wait_for_quiet(max_wait_s: float, threshold: float = 0.3, interval: float = 5.0) -> str:
+    """Wait (up to `max_wait_s`) until the machine is nearly idle: fewer than `threshold` busy
+    cores over `interval` seconds. Returns a line saying what happened (for the report)."""
+    if max_wait_s <= 0:
+        return "did not wait for an idle machine (--wait-quiet 0)"
+    start = time.monotonic()
+    last = None
+    while time.monotonic() - start < max_wait_s:
+        last = busy_cores(interval)
+        if last is None:
+            return "could not read /proc/stat; did not wait"
+        if last < threshold:
+            return (f"waited {time.monotonic() - start:.0f} s for the machine to go idle "
+                    f"({last:.2f} busy cores over {interval:.0f} s when it started)")
+        print(f"[bench] machine busy ({last:.2f} cores over {interval:.0f} s); waiting up to "
+              f"{max_wait_s - (time.monotonic() - start):.0f} s more for < {threshold} ...", flush=True)
+    return (f"the machine did not go idle within {max_wait_s:.0f} s (last: {last:.2f} busy cores); "
+            f"started anyway")
 
 
 def load_lines(load: dict, top: int = 8) -> list[str]:
     """Markdown bullet lines describing a LoadMonitor.stop() result."""
     before = ", ".join(f"{x:.2f}" for x in load["loadavg_before"])
     after = ", ".join(f"{x:.2f}" for x in load["loadavg_after"])
-    lines = [f"- load average (1, 5, 15 min) before: {before}; after: {after}",
-             f"- wall time: {load['wall_s']:.1f} s"]
-    if load["machine_busy_cores"] is not None:
-        lines.append(f"- whole machine busy: {load['machine_busy_cores']:.2f} cores on average "
-                     f"(of {os.cpu_count()})")
     items = list(load["cores_by_process"].items())
     others = sum(v for k, v in items if k.startswith("other:"))
-    lines.append(f"- processes outside this benchmark: {others:.2f} cores on average")
+    ours = sum(v for k, v in items if not k.startswith("other:"))
+    lines = [f"- load average (1, 5, 15 min) before: {before}; after: {after}",
+             f"- wall time: {load['wall_s']:.1f} s",
+             f"- this benchmark (driver + its Ray/worker processes): {ours:.2f} cores on average",
+             f"- processes outside this benchmark: {others:.2f} cores on average"]
+    m = load.get("machine")
+    if m is not None:
+        lines.append(f"- whole machine busy: {m['busy']:.2f} cores on average (of {os.cpu_count()}), of which "
+                     f"{m['nice']:.2f} niced; not attributed to a process (kernel, very short-lived "
+                     f"processes): {max(0.0, m['busy'] - ours - others):.2f}; hypervisor steal: {m['steal']:.2f}")
     shown = [f"{k} {v:.2f}" for k, v in items[:top] if v >= 0.005]
     if shown:
         lines.append("- busiest processes (average cores): " + "; ".join(shown))

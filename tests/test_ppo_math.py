@@ -122,7 +122,7 @@ def test_first_epoch_ratio_is_one_and_update_improves_surrogate():
     pos = adv > adv.mean()
     assert float(after_ratio[pos].mean()) > float(after_ratio[~pos].mean())
     assert before == pytest.approx(float(adv.mean()), abs=1e-5)
-    assert metrics["ppo/approx_kl"] >= 0 and metrics["ppo/epochs_run"] == 1
+    assert metrics["ppo/approx_kl"] > -1e-6 and metrics["ppo/epochs_run"] == 1   # k3 >= 0 up to rounding
 
 
 def test_target_kl_stops_early():
