@@ -174,23 +174,16 @@ def _format_override(key: str, value: Any) -> str:
     return f"{key}={value if isinstance(value, str) else json.dumps(value)}"
 
 
-def _learner_gpus(cfg: Config, cluster_gpus: float) -> float:
-    """The learner's GPUs as the Trainer will ask for them (None: 1 if the cluster has one)."""
-    gpus = cfg.runtime.learner_num_gpus
-    if gpus is None:
-        gpus = 1.0 if cluster_gpus >= 1 else 0.0
-    return gpus
-
-
 def trial_bundles(cfg: Config, cluster_gpus: float = 0.0) -> list[dict]:
     """Placement group bundles for one trial: its driver, the learner, one per rollout worker."""
+    from flowrl_ray.runtime.trainer import learner_gpus
     rt = cfg.runtime
 
     def bundle(cpu: float, gpu: float) -> dict:
         # Zero entries are left out (a bundle may not request 0 of a resource).
         return {k: v for k, v in (("CPU", float(cpu)), ("GPU", float(gpu))) if v > 0}
 
-    bundles = [bundle(TRIAL_DRIVER_CPU, 0), bundle(rt.learner_num_cpus, _learner_gpus(cfg, cluster_gpus))]
+    bundles = [bundle(TRIAL_DRIVER_CPU, 0), bundle(rt.learner_num_cpus, learner_gpus(cfg, cluster_gpus))]
     bundles += [bundle(rt.num_cpus_per_worker, rt.num_gpus_per_worker) for _ in range(rt.num_workers)]
     return [b for b in bundles if b]
 
@@ -258,12 +251,12 @@ def _run_trial(config: dict, config_path: str, overrides: list[str], trials_dir:
     """Tune function trainable: one full training run; metrics go to Tune every iteration."""
     from ray import tune
 
-    from flowrl_ray.runtime.trainer import Trainer
+    from flowrl_ray.runtime.trainer import Trainer, learner_gpus
 
     cfg = trial_config(config_path, overrides, config)
     if cfg.runtime.learner_num_gpus is None:
         # Pin what the placement group reserved, so the learner's request fits its bundle.
-        cfg.runtime.learner_num_gpus = _learner_gpus(cfg, cluster_gpus)
+        cfg.runtime.learner_num_gpus = learner_gpus(cfg, cluster_gpus)
     run_dir = Path(trials_dir) / tune.get_context().get_trial_id()
     trainer = Trainer(cfg, run_dir, tune_trial=True, quiet=True)
     try:

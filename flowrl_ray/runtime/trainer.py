@@ -42,6 +42,14 @@ def required_cpus(cfg: Config) -> float:
     return rt.learner_num_cpus + rt.num_workers * rt.num_cpus_per_worker
 
 
+def learner_gpus(cfg: Config, cluster_gpus: float) -> float:
+    """GPUs the learner asks for: runtime.learner_num_gpus, or (None) 1 if the cluster has one."""
+    gpus = cfg.runtime.learner_num_gpus
+    if gpus is None:
+        gpus = 1.0 if cluster_gpus >= 1 else 0.0
+    return gpus
+
+
 def init_ray(cfg: Config, **kwargs) -> bool:
     """Connect to RAY_ADDRESS when set, else start a local Ray. Returns True if we started it.
 
@@ -92,11 +100,8 @@ class Trainer:
                                      name=None).remote(self.cfg, self.spec, index, restarts)
 
     def _new_learner(self):
-        rt = self.cfg.runtime
-        gpus = rt.learner_num_gpus
-        if gpus is None:
-            gpus = 1.0 if ray.cluster_resources().get("GPU", 0) >= 1 else 0.0
-        return Learner.options(num_cpus=rt.learner_num_cpus, num_gpus=gpus).remote(self.cfg, self.spec)
+        gpus = learner_gpus(self.cfg, ray.cluster_resources().get("GPU", 0))
+        return Learner.options(num_cpus=self.cfg.runtime.learner_num_cpus, num_gpus=gpus).remote(self.cfg, self.spec)
 
     def setup(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
