@@ -28,3 +28,14 @@ def local_ray():
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+def run_trainer(cfg, run_dir, **kwargs) -> dict:
+    """setup, train, close: one whole run with the Trainer (on the Ray already started)."""
+    from flowrl_ray.runtime.trainer import Trainer
+    trainer = Trainer(cfg, run_dir, quiet=True, **kwargs)
+    try:
+        trainer.setup()
+        return trainer.train()
+    finally:
+        trainer.close()

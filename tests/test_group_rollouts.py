@@ -10,7 +10,8 @@ import ray
 
 from flowrl_ray.config import ConfigError, config_from_dict
 from flowrl_ray.runtime.metrics import read_metrics
-from flowrl_ray.runtime.trainer import Trainer
+
+from conftest import run_trainer
 
 pytestmark = pytest.mark.slow
 TESTS = Path(__file__).resolve().parent
@@ -35,12 +36,7 @@ def plugin_ray():
 
 
 def test_group_algorithm_learns_from_scoring_workers(plugin_ray, tmp_path):
-    trainer = Trainer(_config(), tmp_path / "run", quiet=True, tensorboard=False)
-    try:
-        trainer.setup()
-        summary = trainer.train()
-    finally:
-        trainer.close()
+    summary = run_trainer(_config(), tmp_path / "run", tensorboard=False)
     rows = read_metrics(tmp_path / "run")
     assert rows[0]["env_steps"] == 32 and rows[-1]["env_steps"] == 12 * 32   # 4 prompts x 8 samples
     assert all(r["batches"] == 2 and r["policy_lag_mean"] == 0 for r in rows)
@@ -53,12 +49,7 @@ def test_dead_scorer_is_replaced_and_its_chunk_rescored(plugin_ray, tmp_path):
     crash = Path(os.environ["FLOWRL_TEST_CRASH_FILE"])
     crash.write_text("die")
     try:
-        trainer = Trainer(_config(), tmp_path / "run", quiet=True, tensorboard=False)
-        try:
-            trainer.setup()
-            summary = trainer.train()
-        finally:
-            trainer.close()
+        summary = run_trainer(_config(), tmp_path / "run", tensorboard=False)
     finally:
         crash.unlink(missing_ok=True)
     rows = read_metrics(tmp_path / "run")

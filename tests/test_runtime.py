@@ -15,19 +15,9 @@ from flowrl_ray.checkpoint import latest_checkpoint, load_checkpoint
 from flowrl_ray.runtime.metrics import read_metrics
 from flowrl_ray.runtime.trainer import Trainer
 
-from conftest import tiny_config
+from conftest import run_trainer, tiny_config
 
 pytestmark = pytest.mark.slow
-
-
-def _run(cfg, run_dir, **kw):
-    trainer = Trainer(cfg, run_dir, quiet=True, **kw)
-    try:
-        trainer.setup()
-        summary = trainer.train()
-    finally:
-        trainer.close()
-    return summary
 
 
 def test_weights_reach_every_worker_with_their_version(local_ray, tmp_path):
@@ -52,7 +42,7 @@ def test_weights_reach_every_worker_with_their_version(local_ray, tmp_path):
 
 def test_run_directory_contents(local_ray, tmp_path):
     run = tmp_path / "run"
-    summary = _run(tiny_config("eval.interval=2", "eval.episodes=3", "runtime.checkpoint_interval=2",
+    summary = run_trainer(tiny_config("eval.interval=2", "eval.episodes=3", "runtime.checkpoint_interval=2",
                                "train.iterations=4"), run)
     rows = read_metrics(run)
     assert [r["iteration"] for r in rows] == [1, 2, 3, 4]
@@ -96,7 +86,7 @@ def test_killed_worker_is_restarted_and_the_run_finishes(local_ray, tmp_path):
     assert min(r["batches"] for r in rows) == 1 and rows[-1]["batches"] == 2
 
 
-def test_restart_budget_spent_stops_the_run(local_ray, tmp_path):
+def test_restart_budget_spent_stops_therun_trainer(local_ray, tmp_path):
     from flowrl_ray.runtime.trainer import TrainingError
     cfg = tiny_config("train.iterations=3", "runtime.max_worker_restarts=0")
     trainer = Trainer(cfg, tmp_path / "run", quiet=True)
@@ -109,17 +99,17 @@ def test_restart_budget_spent_stops_the_run(local_ray, tmp_path):
         trainer.close()
 
 
-def test_resume_gives_the_same_next_iteration_as_an_uninterrupted_run(local_ray, tmp_path):
+def test_resume_gives_the_same_next_iteration_as_an_uninterruptedrun_trainer(local_ray, tmp_path):
     cfg = tiny_config("train.iterations=3", "runtime.checkpoint_interval=2", "eval.interval=3")
     full = tmp_path / "full"
-    _run(cfg, full)
+    run_trainer(cfg, full)
     # An interrupted run is one that stopped right after its iteration-2 checkpoint.
     part = tmp_path / "part"
     (part / "checkpoints").mkdir(parents=True)
     shutil.copy(full / "config.yaml", part / "config.yaml")
     shutil.copy(full / "metrics.jsonl", part / "metrics.jsonl")
     shutil.copy(full / "checkpoints" / "iter_000002.pt", part / "checkpoints" / "iter_000002.pt")
-    _run(cfg, part, resume=True)
+    run_trainer(cfg, part, resume=True)
     a, b = read_metrics(full), read_metrics(part)
     assert [r["iteration"] for r in b] == [1, 2, 3]
     skip = {"time_s", "env_steps_per_s", "sample_time_s", "learner/update_time_s", "learner/fetch_time_s"}
@@ -135,7 +125,7 @@ def test_resume_gives_the_same_next_iteration_as_an_uninterrupted_run(local_ray,
 @pytest.mark.parametrize("staleness", [0, 1])
 def test_async_mode_bounds_staleness(local_ray, tmp_path, staleness):
     cfg = tiny_config("train.iterations=4", "runtime.mode=async", f"runtime.max_staleness={staleness}")
-    summary = _run(cfg, tmp_path / "run")
+    summary = run_trainer(cfg, tmp_path / "run")
     rows = read_metrics(tmp_path / "run")
     assert summary["iterations"] == 4
     assert all(r["policy_lag_mean"] <= staleness for r in rows)
