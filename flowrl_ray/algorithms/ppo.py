@@ -16,10 +16,11 @@ from typing import Any, Literal, Optional
 import numpy as np
 import torch
 
-from flowrl_ray.algorithms.advantages import gae, normalize
+from flowrl_ray.algorithms.advantages import normalize
 from flowrl_ray.algorithms.base import Algorithm, optimizer_step
 from flowrl_ray.algorithms.losses import approx_kl, ppo_clip_objective, value_loss
-from flowrl_ray.batch import Batch, concat_time_major
+from flowrl_ray.algorithms.onpolicy import advantages_from_rollouts
+from flowrl_ray.batch import Batch
 from flowrl_ray.config import Config, ConfigError, check
 from flowrl_ray.envs import EnvSpec
 from flowrl_ray.models.gaussian import GaussianPolicy, ValueNet
@@ -108,23 +109,10 @@ class PPO(Algorithm):
         return self.value_net(self._policy.obs_norm(flat)).reshape(obs.shape[:-1])
 
     # ------------------------------------------------------------------ prepare
-    @torch.no_grad()
     def prepare(self, batches: list[Batch]) -> PPOBatch:
-        d = {k: torch.as_tensor(v, device=self.device) for k, v in concat_time_major(batches).items()}
-        obs = d["obs"].float()                                       # [T, N, D]
-        rewards = d["rewards"].float() * self.c.reward_scale         # [T, N]
-        terminated, truncated = d["terminated"].bool(), d["truncated"].bool()
-        values = self.values(obs)                                    # [T, N]
-        # V of what followed each step: the next obs, the last obs, or the final obs of a
-        # truncated episode (the autoreset already replaced obs[t+1] with a new episode's start).
-        next_values = torch.cat([values[1:], self.values(d["last_obs"].float())[None]], 0)
-        if truncated.any():
-            next_values[truncated] = self.values(d["final_obs"].float()[truncated])
-        adv, ret = gae(rewards, values, next_values, terminated, truncated,
-                       self.c.gamma, self.c.gae_lambda)
-        flat = lambda x: x.reshape(-1, *x.shape[2:])               # [T, N, ...] -> [T*N, ...]
-        return PPOBatch(obs=flat(obs), actions=flat(d["actions"].float()), logp_old=flat(d["logp"].float()),
-                        values_old=flat(values), advantages=flat(adv), returns=flat(ret))
+        c = self.c
+        return PPOBatch(**advantages_from_rollouts(batches, self.values, c.gamma, c.gae_lambda,
+                                                   c.reward_scale, self.device))
 
     # ------------------------------------------------------------------ update
     def update(self, b: PPOBatch) -> dict[str, float]:
