@@ -10,10 +10,11 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PENDULUM = REPO / "configs" / "ppo" / "pendulum.yaml"
 
-#: a PPO run small enough for a few seconds on 2 cores
-TINY = ["train.iterations=3", "runtime.num_workers=2", "runtime.envs_per_worker=2",
-        "runtime.rollout_length=64", "algo.minibatch_size=64", "algo.epochs=2",
-        "eval.interval=0", "runtime.checkpoint_interval=0"]
+#: a run small enough for a few seconds on 2 cores (any algorithm) ...
+TINY_RUNTIME = ["train.iterations=3", "runtime.num_workers=2", "runtime.envs_per_worker=2",
+                "runtime.rollout_length=64", "eval.interval=0", "runtime.checkpoint_interval=0"]
+#: ... and a PPO one
+TINY = TINY_RUNTIME + ["algo.minibatch_size=64", "algo.epochs=2"]
 
 
 def tiny_config(*overrides: str):

@@ -9,7 +9,7 @@ import pytest
 
 from flowrl_ray.runtime.metrics import read_metrics
 
-from conftest import REPO, TINY
+from conftest import REPO, TINY, TINY_RUNTIME
 
 CLI = [sys.executable, "-m", "flowrl_ray.cli"]
 
@@ -53,3 +53,16 @@ def test_train_resume_eval_plot(tmp_path):
 
     proc = _cli("plot", str(tmp_path / "nothing"))
     assert proc.returncode == 2 and "metrics.jsonl" in proc.stderr
+
+
+@pytest.mark.slow
+def test_cma_ppo_trains_and_evaluates_through_the_cli(tmp_path):
+    run = tmp_path / "cma"
+    proc = _cli("train", "configs/cma_ppo/pendulum.yaml", *TINY_RUNTIME, "env.max_episode_steps=50", "eval.interval=2",
+                "eval.episodes=2", "algo.batch_size=64", "--run-dir", str(run), "--no-tensorboard")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_metrics(run)
+    assert [r["iteration"] for r in rows] == [1, 2, 3]
+    assert rows[-1]["cma_ppo/history_len"] == 3 and "episode_reward" in rows[1]
+    proc = _cli("eval", str(run), "--episodes", "2")
+    assert proc.returncode == 0 and json.loads(proc.stdout.strip().splitlines()[-1])["episodes"] == 2

@@ -41,10 +41,13 @@ def _load(path: Path):
     return JobConfig.from_yaml(str(path))
 
 
-def test_the_ppo_jobs_are_there():
+def test_every_config_has_train_and_eval_jobs():
     names = {p.name for p in JOBS}
-    for env in ("pendulum", "halfcheetah", "hopper", "bipedalwalker"):
-        assert {f"ppo_{env}_train.yaml", f"ppo_{env}_eval.yaml"} <= names
+    configs = sorted((REPO / "configs").glob("*/*.yaml"))
+    assert configs
+    for cfg in configs:
+        stem = f"{cfg.parent.name}_{cfg.stem}"
+        assert {f"{stem}_train.yaml", f"{stem}_eval.yaml"} <= names, stem
 
 
 @pytest.mark.parametrize("path", JOBS, ids=[p.name for p in JOBS])
@@ -55,7 +58,7 @@ def test_job_yaml(path):
     from flowrl_ray.config import load_config
 
     job = _load(path)
-    assert job.name and job.name.startswith("flowrl-ppo-")
+    assert job.name and job.name.startswith("flowrl-")
     assert job.working_dir == "."
     assert (REPO / job.containerfile).is_file()
     assert {".venv", "runs", ".git", "benchmarks/results"} <= set(job.excludes)

@@ -10,7 +10,8 @@ import difflib
 import importlib
 
 #: built-in name -> "module:Class"; imported on first use
-BUILTIN_ALGORITHMS = {"ppo": "flowrl_ray.algorithms.ppo:PPO"}
+BUILTIN_ALGORITHMS = {"ppo": "flowrl_ray.algorithms.ppo:PPO",
+                      "cma_ppo": "flowrl_ray.algorithms.cma_ppo:CMAPPO"}
 
 
 def get_algorithm(name: str) -> type:

@@ -270,7 +270,8 @@ class Trainer:
             lengths += result["episode_lengths"]
         if not returns:
             return {}
-        return {"eval/return_mean": float(np.mean(returns)), "eval/return_std": float(np.std(returns)),
+        return {"eval/return_mean": float(np.mean(returns)), "episode_reward": float(np.mean(returns)),
+                "eval/return_std": float(np.std(returns)),
                 "eval/length_mean": float(np.mean(lengths)), "eval/episodes": len(returns)}
 
     def checkpoint(self) -> Path:
