@@ -1,4 +1,4 @@
-"""`flowrl-ray`: train, eval, tune, serve, plot.
+"""`flowrl-ray`: train, eval, tune, compare, serve, plot.
 
 User errors (missing file, bad config, bad run directory) print one line and exit with status 2,
 without a traceback.
@@ -97,6 +97,19 @@ def cmd_tune(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    from flowrl_ray.compare import run_comparison
+    items = list(args.items) + list(getattr(args, "overrides", []))
+    configs = [x for x in items if "=" not in x]
+    overrides = [x for x in items if "=" in x]
+    if not configs:
+        raise UserError("compare needs at least one CONFIG file")
+    out_dir = Path(args.out_dir) if args.out_dir else _default_run_dir("compare")
+    run_comparison(configs, overrides, args.seeds, out_dir)
+    print(f"[flowrl_ray] comparison: {out_dir / 'comparison.md'} and {out_dir / 'comparison.png'}")
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from flowrl_ray.serve import serve_policy
     serve_policy(args.run_dir, host=args.host, port=args.port, block=True)
@@ -160,6 +173,16 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--max-concurrent", type=int, default=0, help="0: as many as resources allow")
     tu.add_argument("--out-dir", help="where results go (default runs/tune-<name>-<timestamp>)")
     tu.set_defaults(func=cmd_tune)
+
+    c = sub.add_parser("compare", help="run several configs with the same seeds; table + plot",
+                       description="Run every CONFIG with the same N seeds (seed, seed+1, ...) on one Ray, then "
+                                   "write comparison.md/.csv (final return mean ± std, area under the learning "
+                                   "curve, env steps, wall-clock) and comparison.png (mean ± std bands). "
+                                   "key=value overrides apply to every config.")
+    c.add_argument("items", nargs="+", metavar="CONFIG_OR_OVERRIDE", help="CONFIG files and key=value overrides")
+    c.add_argument("--seeds", type=int, default=3)
+    c.add_argument("--out-dir", help="default runs/compare-<timestamp>")
+    c.set_defaults(func=cmd_compare)
 
     s = sub.add_parser("serve", help="serve a trained policy over HTTP with Ray Serve",
                        description="Deploy the run's latest checkpoint with Ray Serve. POST /act with "

@@ -19,7 +19,7 @@ def _cli(*args, timeout=300):
     return subprocess.run([*CLI, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
 
 
-@pytest.mark.parametrize("verb", ["train", "eval", "tune", "serve", "plot"])
+@pytest.mark.parametrize("verb", ["train", "eval", "tune", "compare", "serve", "plot"])
 def test_every_verb_explains_itself(verb):
     proc = _cli(verb, "--help")
     assert proc.returncode == 0 and "usage: flowrl-ray " + verb in proc.stdout
@@ -66,3 +66,25 @@ def test_cma_ppo_trains_and_evaluates_through_the_cli(tmp_path):
     assert rows[-1]["cma_ppo/history_len"] == 3 and "episode_reward" in rows[1]
     proc = _cli("eval", str(run), "--episodes", "2")
     assert proc.returncode == 0 and json.loads(proc.stdout.strip().splitlines()[-1])["episodes"] == 2
+
+
+@pytest.mark.slow
+def test_compare_runs_every_config_with_the_same_seeds(tmp_path):
+    out = tmp_path / "cmp"
+    proc = _cli("compare", "configs/ppo/pendulum.yaml", "configs/cma_ppo/pendulum.yaml", *TINY_RUNTIME,
+                "train.iterations=2", "env.max_episode_steps=50", "--seeds", "2", "--out-dir", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[compare] run 4/4" in proc.stdout
+    table = json.loads((out / "comparison.json").read_text())
+    assert [r["config"] for r in table] == ["ppo-pendulum", "cma-ppo-pendulum"]
+    for row in table:
+        assert row["seeds"] == 2 and row["env_steps"] == 2 * 2 * 2 * 64 and row["final_return_mean"] < 0
+    assert sorted(p.name for p in (out / "ppo-pendulum").iterdir()) == ["seed0", "seed1"]
+    assert (out / "comparison.png").stat().st_size > 1000 and "± " in (out / "comparison.md").read_text()
+
+
+def test_learning_curve_area_by_hand():
+    from flowrl_ray.compare import learning_curve_area
+    rows = [{"env_steps": 0, "episode_return_mean": 0.0}, {"env_steps": 10, "episode_return_mean": 10.0},
+            {"env_steps": 20, "episode_return_mean": None}, {"env_steps": 30, "episode_return_mean": 10.0}]
+    assert learning_curve_area(rows) == pytest.approx((50 + 200) / 30)
