@@ -40,6 +40,12 @@ def check(gt: float | None = None, ge: float | None = None, le: float | None = N
     return {k: v for k, v in dict(gt=gt, ge=ge, le=le, lt=lt).items() if v is not None}
 
 
+def check_layer_sizes(sizes: Any, key: str) -> None:
+    """A network's hidden sizes: a non-empty list of positive ints, else ConfigError naming `key`."""
+    if not sizes or not all(isinstance(h, int) and not isinstance(h, bool) and h > 0 for h in sizes):
+        raise ConfigError(f"config key '{key}': must be a non-empty list of positive ints, got {sizes}")
+
+
 # --------------------------------------------------------------------------- schema
 
 @dataclass

@@ -140,3 +140,10 @@ def test_cli_user_errors_are_one_line_without_traceback_and_before_ray(args, nee
     assert len(lines) == 1, proc.stderr
     assert needle in lines[0] and "Traceback" not in proc.stderr
     assert "Started a local Ray" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("config", ["ppo/pendulum.yaml", "cma_ppo/pendulum.yaml"])
+@pytest.mark.parametrize("sizes", ["[]", "[64, 0]", "[64, -3]", "[true]"])
+def test_hidden_sizes_must_be_positive_ints(config, sizes):
+    with pytest.raises(ConfigError, match="algo.hidden_sizes"):
+        load_config(REPO / "configs" / config, [f"algo.hidden_sizes={sizes}"])

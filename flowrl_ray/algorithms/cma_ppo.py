@@ -25,7 +25,7 @@ import torch
 from flowrl_ray.algorithms.base import Algorithm, optimizer_step, weight_metrics
 from flowrl_ray.algorithms.onpolicy import advantages_from_rollouts
 from flowrl_ray.batch import Batch
-from flowrl_ray.config import Config, ConfigError, check
+from flowrl_ray.config import Config, check, check_layer_sizes
 from flowrl_ray.envs import EnvSpec
 from flowrl_ray.models.cma import CMAPolicy
 
@@ -92,9 +92,7 @@ class CMAPPO(Algorithm):
     @staticmethod
     def validate_config(cfg: Config) -> None:
         c: CMAPPOConfig = cfg.algo
-        if not all(isinstance(h, int) and h > 0 for h in c.hidden_sizes) or not c.hidden_sizes:
-            raise ConfigError(f"config key 'algo.hidden_sizes': must be a non-empty list of positive ints, "
-                              f"got {c.hidden_sizes}")
+        check_layer_sizes(c.hidden_sizes, "algo.hidden_sizes")
 
     def __init__(self, cfg: Config, spec: EnvSpec, device: torch.device):
         super().__init__(cfg, spec, device)

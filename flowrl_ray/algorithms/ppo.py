@@ -21,7 +21,7 @@ from flowrl_ray.algorithms.base import Algorithm, optimizer_step
 from flowrl_ray.algorithms.losses import approx_kl, ppo_clip_objective, value_loss
 from flowrl_ray.algorithms.onpolicy import advantages_from_rollouts
 from flowrl_ray.batch import Batch
-from flowrl_ray.config import Config, ConfigError, check
+from flowrl_ray.config import Config, ConfigError, check, check_layer_sizes
 from flowrl_ray.envs import EnvSpec
 from flowrl_ray.models.gaussian import GaussianPolicy, ValueNet
 
@@ -71,8 +71,7 @@ class PPO(Algorithm):
     @staticmethod
     def validate_config(cfg: Config) -> None:
         c: PPOConfig = cfg.algo
-        if not all(isinstance(h, int) and h > 0 for h in c.hidden_sizes):
-            raise ConfigError(f"config key 'algo.hidden_sizes': must be a list of positive ints, got {c.hidden_sizes}")
+        check_layer_sizes(c.hidden_sizes, "algo.hidden_sizes")
         batch = cfg.runtime.num_workers * cfg.runtime.envs_per_worker * cfg.runtime.rollout_length
         if c.minibatch_size > batch:
             raise ConfigError(f"config key 'algo.minibatch_size': {c.minibatch_size} is larger than the batch "
