@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
+from flowrl_ray.models.gaussian import diag_gaussian_log_prob
 from flowrl_ray.models.mlp import RunningNorm
 
-LOG_2PI = math.log(2 * math.pi)
 MIN_LOG_VAR = -12.0    # keeps the Gaussian from collapsing to a point (std >= 2.5e-3)
 
 
@@ -67,7 +65,7 @@ class CMAPolicy(nn.Module):
     @staticmethod
     def gaussian_log_prob(actions: torch.Tensor, mean: torch.Tensor, var: torch.Tensor) -> torch.Tensor:
         """log N(a; mean, diag(var)) summed over action dims: [B]."""
-        return (-0.5 * ((actions - mean).pow(2) / var + var.log() + LOG_2PI)).sum(-1)
+        return diag_gaussian_log_prob(actions, mean, 0.5 * var.log())
 
     def log_prob(self, obs: torch.Tensor, actions: torch.Tensor) -> torch.Tensor:
         mean, var = self.get_mean_var(obs)

@@ -13,6 +13,13 @@ from flowrl_ray.models.mlp import RunningNorm, mlp
 HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
 
 
+def diag_gaussian_log_prob(actions: torch.Tensor, mean: torch.Tensor, log_std: torch.Tensor) -> torch.Tensor:
+    """log N(a; mean, diag(exp(log_std))^2) summed over the last dim: [B, A] -> [B].
+        sum_j (-z_j^2 / 2 - log sigma_j - log(2 pi) / 2),   z = (a - mean) / sigma"""
+    z = (actions - mean) * torch.exp(-log_std)
+    return (-0.5 * z.pow(2) - log_std - HALF_LOG_2PI).sum(-1)
+
+
 class GaussianPolicy(nn.Module):
     """pi(a|s) = N(mu(s), diag(exp(log_std))^2) over the raw (pre-squash) action.
 
@@ -49,7 +56,6 @@ class GaussianPolicy(nn.Module):
 
         Written out rather than through torch.distributions: this runs once per env step, and
         the distribution objects cost more than the MLP (same numbers, tested against log_prob).
-            a = mu + sigma * z,   log pi(a|s) = sum_j (-z_j^2 / 2 - log sigma_j - log(2 pi) / 2)
         """
         mean = self.mean_net(self.obs_norm(obs))
         log_std = self.log_std.expand_as(mean)
@@ -58,7 +64,7 @@ class GaussianPolicy(nn.Module):
         else:
             noise = torch.randn(mean.shape, generator=generator, dtype=mean.dtype)
         actions = mean + log_std.exp() * noise
-        logp = (-0.5 * noise.pow(2) - log_std - HALF_LOG_2PI).sum(-1)
+        logp = diag_gaussian_log_prob(actions, mean, log_std)
         return self.to_env_action(actions), {"actions": actions, "logp": logp}
 
 
