@@ -33,17 +33,14 @@ made; learning results from one seed are indicative only.
 from __future__ import annotations
 
 import argparse
-import math
 import os
-import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (REPO_ROOT, LoadMonitor, git_revision, load_lines, md_table, wait_for_quiet,  # noqa: E402
-                     write_results)
+from _common import REPO_ROOT, git_revision, load_lines, md_table, wait_for_quiet, write_results  # noqa: E402
+from _runners import run_flowrl, run_rllib  # noqa: E402
 
 CONFIG = REPO_ROOT / "configs" / "ppo" / "halfcheetah.yaml"
 ENV_ID = "HalfCheetah-v5"
@@ -106,11 +103,6 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def _mean(xs):
-    xs = [x for x in xs if x is not None and math.isfinite(x)]
-    return statistics.fmean(xs) if xs else None
-
-
 def _curve_at(curve: list[tuple[int, float | None]], fractions, budget) -> list[float | None]:
     """Training return at the first iteration that reached each fraction of the budget."""
     out = []
@@ -120,163 +112,15 @@ def _curve_at(curve: list[tuple[int, float | None]], fractions, budget) -> list[
     return out
 
 
-# --------------------------------------------------------------------------- flowrl_ray
-
-def run_flowrl(args: argparse.Namespace) -> dict:
-    import numpy as np
-    import ray
-
-    import flowrl_ray.runtime.trainer as trainer_mod
-    from flowrl_ray.checkpoint import load_policy
-    from flowrl_ray.config import load_config
-    from flowrl_ray.envs import env_family
-    from flowrl_ray.envs.rollout import EnvRunner
-    from flowrl_ray.runtime.metrics import read_metrics
-
-    iterations = math.ceil(args.steps / STEPS_PER_ITER)
-    cfg = load_config(CONFIG, [f"train.iterations={iterations}", f"seed={args.seed}",
-                               "eval.interval=0", "runtime.checkpoint_interval=0", *args.flowrl_override])
-    run_dir = Path(args.run_dir) if args.run_dir else Path(tempfile.mkdtemp(prefix="bench-flowrl-ppo-"))
-    print(f"[bench] flowrl_ray: {iterations} iterations x {STEPS_PER_ITER} steps; run dir {run_dir}", flush=True)
-    trainer_mod.RETURN_WINDOW = args.return_window   # module constant read by Trainer.train()
-
-    monitor = LoadMonitor()
-    t0 = time.perf_counter()
-    trainer = trainer_mod.Trainer(cfg, run_dir)
-    try:
-        trainer.setup()
-        # setup() returns once the learner has published; wait for the rollout workers'
-        # constructors as well, so that worker start-up counts as startup, not as training.
-        ray.get([w.policy_version.remote() for w in trainer.workers])
-        t1 = time.perf_counter()
-        summary = trainer.train()
-        t2 = time.perf_counter()
-        load = monitor.stop()          # before Ray shuts down, so its processes are attributed
-    finally:
-        trainer.close()
-
-    rows = read_metrics(run_dir)
-    # Deterministic eval of the final policy (the final checkpoint), as `flowrl-ray eval` does.
-    e0 = time.perf_counter()
-    ecfg, _, policy = load_policy(run_dir)
-    runner = EnvRunner(env_family(ecfg.env.family), ecfg.env, min(args.eval_episodes, 8), ecfg.seed, policy)
-    try:
-        ev = runner.evaluate(args.eval_episodes, deterministic=True)
-    finally:
-        runner.close()
-    eval_s = time.perf_counter() - e0
-    steps = summary["env_steps"]
-    return {"name": "flowrl_ray", "steps": steps, "iterations": summary["iterations"],
-            "startup_s": t1 - t0, "loop_s": t2 - t1,
-            "iteration_time_sum_s": summary["time_s"],
-            "final_train_return": summary["final_episode_return_mean"],
-            "eval_return": float(np.mean(ev["episode_returns"])), "eval_std": float(np.std(ev["episode_returns"])),
-            "eval_episodes": len(ev["episode_returns"]), "eval_s": eval_s,
-            "sample_s": _mean([r.get("sample_time_s") for r in rows]),
-            "update_s": _mean([r.get("learner/update_time_s") for r in rows]),
-            "iter_s": _mean([r["time_s"] - p["time_s"] for p, r in zip([{"time_s": 0.0}] + rows, rows)]),
-            "curve": [(r["env_steps"], r.get("episode_return_mean")) for r in rows],
-            "load": load, "run_dir": str(run_dir)}
+def run_flowrl_side(args: argparse.Namespace) -> dict:
+    result = run_flowrl(CONFIG, args.steps, args.seed, args.flowrl_override, args.eval_episodes,
+                        args.return_window, args.run_dir)
+    return {**result, "name": "flowrl_ray"}
 
 
-# --------------------------------------------------------------------------- RLlib
-
-def rllib_config(args: argparse.Namespace):
-    import torch
-    from ray.rllib.algorithms.ppo import PPOConfig
-    from ray.rllib.connectors.env_to_module.mean_std_filter import MeanStdFilter
-    from ray.rllib.core.rl_module.default_model_config import DefaultModelConfig
-
-    return (
-        PPOConfig()
-        .api_stack(enable_rl_module_and_learner=True, enable_env_runner_and_connector_v2=True)
-        .environment(ENV_ID)
-        .env_runners(num_env_runners=2, num_envs_per_env_runner=1, num_cpus_per_env_runner=1,
-                     rollout_fragment_length="auto",
-                     env_to_module_connector=lambda env, spaces, device: MeanStdFilter())
-        .learners(num_learners=0)
-        .training(train_batch_size_per_learner=STEPS_PER_ITER, num_epochs=10, minibatch_size=64,
-                  lr=[[0, 3e-4], [args.steps, 0.0]], gamma=0.99, lambda_=0.95, clip_param=0.2,
-                  vf_loss_coeff=0.25, vf_clip_param=float("inf"), entropy_coeff=0.0,
-                  use_kl_loss=False, kl_coeff=0.0, grad_clip=0.5, grad_clip_by="global_norm",
-                  use_gae=True, use_critic=True)
-        .rl_module(model_config=DefaultModelConfig(
-            fcnet_hiddens=[64, 64], fcnet_activation="tanh", vf_share_layers=False, free_log_std=True,
-            fcnet_kernel_initializer=torch.nn.init.orthogonal_,
-            fcnet_kernel_initializer_kwargs={"gain": math.sqrt(2)},
-            fcnet_bias_initializer=torch.nn.init.zeros_))
-        .evaluation(evaluation_interval=None, evaluation_num_env_runners=1,
-                    evaluation_duration=args.eval_episodes, evaluation_duration_unit="episodes",
-                    evaluation_config=PPOConfig.overrides(explore=False))
-        .reporting(metrics_num_episodes_for_smoothing=args.return_window)
-        .debugging(seed=args.seed)
-    )
-
-
-def run_rllib(args: argparse.Namespace) -> dict:
-    import ray
-    import torch
-
-    torch.set_num_threads(1)
-    monitor = LoadMonitor()
-    t0 = time.perf_counter()
-    ray.init(num_cpus=4, log_to_driver=True)
-    algo = rllib_config(args).build_algo()
-    t1 = time.perf_counter()
-    curve, sample_s, update_s, iter_s, keys_seen = [], [], [], [], {}
-    steps, it = 0, 0
-    try:
-        last_print = 0.0
-        while steps < args.steps:
-            i0 = time.perf_counter()
-            result = algo.train()
-            iter_s.append(time.perf_counter() - i0)
-            it += 1
-            env = result.get("env_runners", {})
-            steps = int(result.get("num_env_steps_sampled_lifetime",
-                                   env.get("num_env_steps_sampled_lifetime", 0)))
-            ret = env.get("episode_return_mean")
-            ret = float(ret) if ret is not None and math.isfinite(ret) else None
-            curve.append((steps, ret))
-            timers = result.get("timers", {})
-            sample_s.append(timers.get("env_runner_sampling_timer"))
-            update_s.append(timers.get("learner_update_timer"))
-            if it == 1:
-                keys_seen = {"num_env_steps_sampled_lifetime": "num_env_steps_sampled_lifetime" in result,
-                             "env_runners/episode_return_mean": "episode_return_mean" in env,
-                             "env_runners/num_env_steps_sampled_lifetime": "num_env_steps_sampled_lifetime" in env,
-                             "env_runners/num_env_steps_sampled (per iteration)": env.get("num_env_steps_sampled")}
-            if time.perf_counter() - last_print > 10 or steps >= args.steps:
-                last_print = time.perf_counter()
-                el = last_print - t1
-                print(f"[rllib ppo {ENV_ID}] it {it} | steps {steps:,} | return "
-                      f"{'-' if ret is None else f'{ret:.1f}'} | {steps / el:,.0f} steps/s | elapsed {el:.0f}s | "
-                      f"ETA {el / steps * max(0, args.steps - steps):.0f}s", flush=True)
-        t2 = time.perf_counter()
-        load = monitor.stop()          # before Ray shuts down, so its processes are attributed
-        e0 = time.perf_counter()
-        # algo.evaluate() does not copy the training MeanStdFilter statistics to the evaluation
-        # EnvRunner in Ray 2.60 (checked: its filter held only the eval episodes' own pushes and
-        # the deterministic return collapsed), so copy them from the local EnvRunner, which holds
-        # the merged training statistics after every iteration.
-        from ray.rllib.core import COMPONENT_ENV_TO_MODULE_CONNECTOR
-        filter_state = algo.env_runner.get_state(components=[COMPONENT_ENV_TO_MODULE_CONNECTOR])
-        algo.eval_env_runner_group.foreach_env_runner(lambda w: w.set_state(filter_state),
-                                                      local_env_runner=False)
-        ev = algo.evaluate()
-        eval_s = time.perf_counter() - e0
-        ev_env = ev.get("env_runners", ev.get("evaluation", {}).get("env_runners", {}))
-    finally:
-        algo.stop()
-        ray.shutdown()
-    # RLlib's sampling/update timers are smoothed per iteration; their mean is a fair summary.
-    return {"name": "RLlib (new API stack)", "steps": steps, "iterations": it,
-            "startup_s": t1 - t0, "loop_s": t2 - t1, "iteration_time_sum_s": sum(iter_s),
-            "final_train_return": curve[-1][1] if curve else None,
-            "eval_return": ev_env.get("episode_return_mean"), "eval_std": None,
-            "eval_episodes": ev_env.get("num_episodes"), "eval_s": eval_s,
-            "sample_s": _mean(sample_s), "update_s": _mean(update_s), "iter_s": _mean(iter_s),
-            "curve": curve, "load": load, "keys_seen": keys_seen}
+def run_rllib_side(args: argparse.Namespace) -> dict:
+    result = run_rllib(CONFIG, args.steps, args.seed, args.eval_episodes, args.return_window)
+    return {**result, "name": "RLlib (new API stack)"}
 
 
 # --------------------------------------------------------------------------- report
@@ -343,7 +187,7 @@ def report(results: list[dict], args: argparse.Namespace, elapsed: float, quiet:
 def main() -> None:
     args = parse_args()
     os.chdir(REPO_ROOT)
-    sides = {"flowrl": run_flowrl, "rllib": run_rllib}
+    sides = {"flowrl": run_flowrl_side, "rllib": run_rllib_side}
     order = ["rllib", "flowrl"] if args.order == "rllib-first" else ["flowrl", "rllib"]
     if args.only != "both":
         order = [args.only]

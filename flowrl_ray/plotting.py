@@ -52,13 +52,19 @@ def mean_std_band(runs: list[tuple[np.ndarray, np.ndarray]], points: int = 200):
 
 def plot_runs(run_dirs: list[str | os.PathLike], out_png: str | os.PathLike,
               x: str = "env_steps", y: str = "episode_return_mean", title: str | None = None) -> Path:
+    data = curves(run_dirs, x, y)
+    if not data:
+        raise ValueError(f"no '{y}' values in {', '.join(str(d) for d in run_dirs)}")
+    return plot_curves(data, out_png, x.replace("_", " "), y.replace("_", " "), title)
+
+
+def plot_curves(data: dict[str, list[tuple[np.ndarray, np.ndarray]]], out_png: str | os.PathLike,
+                xlabel: str = "env steps", ylabel: str = "episode return mean", title: str | None = None) -> Path:
+    """label -> runs [(x, y), ...]: one line per label, a mean +- std band where it has several."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    data = curves(run_dirs, x, y)
-    if not data:
-        raise ValueError(f"no '{y}' values in {', '.join(str(d) for d in run_dirs)}")
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
     for label, runs in sorted(data.items()):
         if len(runs) == 1:
@@ -67,8 +73,8 @@ def plot_runs(run_dirs: list[str | os.PathLike], out_png: str | os.PathLike,
             grid, mean, std = mean_std_band(runs)
             line, = ax.plot(grid, mean, label=f"{label} (n={len(runs)})", lw=1.6)
             ax.fill_between(grid, mean - std, mean + std, color=line.get_color(), alpha=0.2)
-    ax.set_xlabel(x.replace("_", " "))
-    ax.set_ylabel(y.replace("_", " "))
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.set_title(title or "learning curves")
     ax.grid(alpha=0.3)
     ax.legend(loc="best", fontsize=8)

@@ -15,7 +15,7 @@ from flowrl_ray.checkpoint import latest_checkpoint, load_checkpoint
 from flowrl_ray.runtime.metrics import read_metrics
 from flowrl_ray.runtime.trainer import Trainer
 
-from conftest import run_trainer, tiny_config
+from conftest import REPO, TINY_RUNTIME, run_trainer, tiny_config
 
 pytestmark = pytest.mark.slow
 
@@ -86,7 +86,7 @@ def test_killed_worker_is_restarted_and_the_run_finishes(local_ray, tmp_path):
     assert min(r["batches"] for r in rows) == 1 and rows[-1]["batches"] == 2
 
 
-def test_restart_budget_spent_stops_therun_trainer(local_ray, tmp_path):
+def test_restart_budget_spent_stops_the_run(local_ray, tmp_path):
     from flowrl_ray.runtime.trainer import TrainingError
     cfg = tiny_config("train.iterations=3", "runtime.max_worker_restarts=0")
     trainer = Trainer(cfg, tmp_path / "run", quiet=True)
@@ -99,8 +99,20 @@ def test_restart_budget_spent_stops_therun_trainer(local_ray, tmp_path):
         trainer.close()
 
 
-def test_resume_gives_the_same_next_iteration_as_an_uninterruptedrun_trainer(local_ray, tmp_path):
-    cfg = tiny_config("train.iterations=3", "runtime.checkpoint_interval=2", "eval.interval=3")
+def _resume_config(algorithm: str):
+    resume = ["train.iterations=3", "runtime.checkpoint_interval=2", "eval.interval=3"]
+    if algorithm == "ppo":
+        return tiny_config(*resume)
+    from flowrl_ray.config import load_config
+    # history_size 2: the checkpoint at iteration 2 holds a full history that iteration 3 reuses.
+    return load_config(REPO / "configs" / "cma_ppo" / "pendulum.yaml",
+                       TINY_RUNTIME + resume + ["algo.batch_size=64", "algo.n_updates=2", "algo.history_size=2",
+                                                "algo.hidden_sizes=[16, 16]", "algo.mirror_sampling=resample"])
+
+
+@pytest.mark.parametrize("algorithm", ["ppo", "cma_ppo"])
+def test_resume_gives_the_same_next_iteration_as_an_uninterrupted_run(local_ray, tmp_path, algorithm):
+    cfg = _resume_config(algorithm)
     full = tmp_path / "full"
     run_trainer(cfg, full)
     # An interrupted run is one that stopped right after its iteration-2 checkpoint.

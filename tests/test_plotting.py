@@ -1,0 +1,22 @@
+"""Learning-curve aggregation by hand: interpolation onto the shared range, mean and std."""
+
+import numpy as np
+import pytest
+
+from flowrl_ray.plotting import mean_std_band, plot_curves
+
+
+def test_mean_std_band_interpolates_onto_the_range_every_run_covers():
+    a = (np.array([0.0, 10.0, 20.0]), np.array([0.0, 10.0, 20.0]))       # y = x
+    b = (np.array([5.0, 15.0]), np.array([15.0, 35.0]))                   # y = 2x + 5
+    grid, mean, std = mean_std_band([a, b], points=3)
+    assert grid.tolist() == [5.0, 10.0, 15.0]                           # [max start, min end]
+    # at x: runs give x and 2x + 5 -> mean 1.5x + 2.5, std |x + 5| / 2
+    assert mean == pytest.approx([10.0, 17.5, 25.0])
+    assert std == pytest.approx([5.0, 7.5, 10.0])
+
+
+def test_plot_curves_writes_a_png_with_single_runs_and_bands(tmp_path):
+    x = np.linspace(0, 100, 11)
+    out = plot_curves({"one seed": [(x, x)], "three seeds": [(x, x + k) for k in range(3)]}, tmp_path / "c.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
