@@ -195,7 +195,8 @@ def run_rllib(ppo_config_path, steps: int, seed: int, eval_episodes: int = 10, r
     return {"name": "RLlib PPO", "algorithm": "rllib_ppo", "env": env_id, "seed": seed,
             "steps": done, "iterations": it,
             "startup_s": t1 - t0, "loop_s": t2 - t1, "iteration_time_sum_s": sum(iter_s),
-            "final_train_return": curve[-1][1] if curve else None,
+            # an iteration in which no episode ended reports no return: take the last one reported
+            "final_train_return": next((r for _, r in reversed(curve) if r is not None), None),
             "eval_return": ev_env.get("episode_return_mean"), "eval_std": None,
             "eval_episodes": ev_env.get("num_episodes"), "eval_s": eval_s,
             "sample_s": mean_finite(sample_s), "update_s": mean_finite(update_s), "iter_s": mean_finite(iter_s),

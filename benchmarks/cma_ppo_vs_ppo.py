@@ -145,7 +145,9 @@ def report(runs: list[dict], args: argparse.Namespace, elapsed: float, quiet: st
         "- every side runs in this one process, one run after another, Ray started and shut down per run; "
         "training loop = from the moment every actor is up to the end of the last iteration",
         f"- before starting: {quiet}",
-        f"- total benchmark time: {elapsed / 60:.1f} min",
+        f"- wall time of the runs (startup + training + final eval, summed): "
+        f"{sum(r['startup_s'] + r['loop_s'] + r['eval_s'] for r in runs) / 60:.1f} min; this invocation: "
+        f"{elapsed / 60:.1f} min",
     ]
     parts = ["## Setup\n\n" + "\n".join(setup)]
     for task in args.tasks:
@@ -162,10 +164,10 @@ def main() -> None:
     store = RESULTS_DIR / f"{args.output}.json"
     runs = json.loads(store.read_text()) if args.resume and store.is_file() else []
     done = {(r["task"], r["side"], r["seed"]) for r in runs}
-    quiet = wait_for_quiet(args.wait_quiet)
-    print(f"[bench] {quiet}", flush=True)
     plan = [(t, s, seed) for t in args.tasks for seed in range(args.seeds) for s in args.sides
             if (t, s, seed) not in done]
+    quiet = wait_for_quiet(args.wait_quiet) if plan else "every run was already in the results file (--resume)"
+    print(f"[bench] {quiet}", flush=True)
     t0 = time.perf_counter()
     for i, (task, side, seed) in enumerate(plan, 1):
         print(f"[bench] === run {i}/{len(plan)}: {TASKS[task]} {LABELS[side]} seed {seed} "
