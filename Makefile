@@ -5,18 +5,22 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
-EXTRAS ?= dev
+# What `make test` needs: dev (pytest) and robot (robosuite, h5py).
+EXTRAS ?= dev,robot
 RUN_DIR ?= runs/quickstart
 
 .PHONY: run test install system-deps lint bench clean
 
-# System packages: swig builds box2d-py (gymnasium[box2d]).
+# System packages: swig builds box2d-py (gymnasium[box2d]); gcc and the kernel headers build evdev
+# (a robosuite dependency, from source); Mesa's EGL and OSMesa render robosuite cameras on the CPU.
+SYSTEM_PACKAGES := swig gcc linux-libc-dev libegl1 libgl1-mesa-dri libosmesa6
 system-deps:
-	@if ! command -v swig >/dev/null 2>&1; then \
+	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || printf "%s " $$p; done); \
+	if [ -n "$$missing" ]; then \
 	  if command -v apt-get >/dev/null 2>&1; then \
-	    echo "installing system packages (swig)"; \
-	    (apt-get update -qq && apt-get install -y -qq swig) || sudo sh -c 'apt-get update -qq && apt-get install -y -qq swig'; \
-	  else echo "please install swig with your package manager"; fi; \
+	    echo "installing system packages: $$missing"; \
+	    (apt-get update -qq && apt-get install -y -qq $$missing) || sudo sh -c "apt-get update -qq && apt-get install -y -qq $$missing"; \
+	  else echo "please install with your package manager: $$missing"; fi; \
 	fi
 
 # torch first (its CPU wheel), then the package: otherwise the resolver pulls CUDA wheels.
@@ -40,6 +44,7 @@ test: install
 bench: install
 	$(PY) benchmarks/rollout_throughput.py
 	$(PY) benchmarks/ppo_vs_rllib.py
+	$(PY) benchmarks/cma_ppo_vs_ppo.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -54,6 +54,14 @@ class EnvConfig:
     id: str = "Pendulum-v1"
     kwargs: dict = field(default_factory=dict)       # passed to the env constructor
     max_episode_steps: Optional[int] = field(default=None, metadata=check(gt=0))
+    # Robot family (flowrl_ray.envs.robot); the other families ignore these.
+    obs_mode: Literal["low_dim", "image"] = "low_dim"
+    cameras: list = field(default_factory=lambda: ["agentview"])   # image mode
+    image_size: int = field(default=84, metadata=check(gt=0))      # image mode: H = W pixels
+    horizon_steps: int = field(default=1, metadata=check(gt=0))    # action chunk the policy emits
+    act_steps: int = field(default=1, metadata=check(gt=0))        # rows of it executed per step
+    dataset: Optional[str] = None       # robomimic hdf5 whose min/max normalise obs and actions
+    terminate_on_success: bool = True   # False: run to max_episode_steps, reward 1 per solved step
 
 
 @dataclass

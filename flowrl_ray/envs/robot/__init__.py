@@ -1,0 +1,138 @@
+"""Robot family: robosuite manipulation tasks (Lift, Can, Square) with robomimic conventions.
+
+Config (``env`` section; the conventions are in :mod:`flowrl_ray.envs.robot.env`)::
+
+    env:
+      family: robot
+      id: lift                 # lift | can | square (or Lift | PickPlaceCan | NutAssemblySquare)
+      obs_mode: low_dim        # or image: {"state": proprioception [9], "rgb": [3 * cams, H, W]}
+      cameras: [agentview]     # image mode: agentview and/or robot0_eye_in_hand
+      image_size: 84
+      horizon_steps: 16        # the policy's action chunk
+      act_steps: 8             # rows of it the env executes per step
+      dataset: demos/lift.hdf5 # robomimic hdf5 whose min/max normalise observations and actions
+      max_episode_steps: null  # low-level (20 Hz) steps; null: 300 lift, 300 can, 400 square
+      kwargs: {}               # extra robosuite.make arguments
+
+The vector env follows the env-step family contract (:mod:`flowrl_ray.envs`): same-step
+autoreset with the last observation in ``infos["final_obs"]`` and the last step's infos in
+``infos["final_info"]``; :func:`episode_success` reads both. ``EnvSpec.action_dim`` is the
+per-step action width (7); the vector env's actions are chunks ``[N, horizon_steps, 7]``.
+"""
+
+from __future__ import annotations
+
+import functools
+import pickle
+from pathlib import Path
+
+import gymnasium as gym
+import numpy as np
+
+from flowrl_ray.config import ConfigError, EnvConfig
+from flowrl_ray.envs import EnvSpec
+from flowrl_ray.envs.robomimic_data import NormStats, env_args, read_stats
+from flowrl_ray.envs.robot.env import (ACTION_DIM, CAMERAS, LOW_DIM_KEYS, PROPRIO_KEYS, TASKS,
+                                       RobotEnv, Task, get_task, max_steps, obs_keys)
+
+__all__ = ["ACTION_DIM", "LOW_DIM_KEYS", "PROPRIO_KEYS", "TASKS", "RobotEnv", "Task", "get_task",
+           "check_config", "load_norm", "spec", "observation_shapes", "make_env",
+           "make_vector_env", "episode_success", "snapshot", "restore"]
+
+
+def check_config(env_cfg: EnvConfig) -> Task:
+    """Validate the robot-family keys of ``env``; raises ConfigError naming the key."""
+    task = get_task(env_cfg.id)
+    if env_cfg.act_steps > env_cfg.horizon_steps:
+        raise ConfigError(f"config key 'env.act_steps': must be <= env.horizon_steps "
+                          f"({env_cfg.horizon_steps}), got {env_cfg.act_steps}")
+    if env_cfg.obs_mode == "image":
+        if not env_cfg.cameras:
+            raise ConfigError("config key 'env.cameras': image mode needs at least one camera")
+        bad = [c for c in env_cfg.cameras if c not in CAMERAS]
+        if bad or len(set(env_cfg.cameras)) != len(env_cfg.cameras):
+            raise ConfigError(f"config key 'env.cameras': unknown or repeated camera(s) "
+                              f"{bad or env_cfg.cameras}; choose from {', '.join(CAMERAS)}")
+    if env_cfg.dataset is not None:
+        path = Path(env_cfg.dataset)
+        if not path.is_file():
+            raise ConfigError(f"config key 'env.dataset': no such file {str(path)!r}")
+        try:
+            name = env_args(path)["env_name"]
+        except (OSError, KeyError, ValueError) as e:
+            raise ConfigError(f"config key 'env.dataset': {str(path)!r} is not a robomimic hdf5 "
+                              f"dataset ({e})") from None
+        if name != task.env_name:
+            raise ConfigError(f"config key 'env.dataset': {str(path)!r} holds {name} demos, "
+                              f"but env.id is {task.name} ({task.env_name})")
+    return task
+
+
+def load_norm(env_cfg: EnvConfig) -> NormStats | None:
+    """The dataset's normalisation statistics for this observation mode, or None."""
+    if env_cfg.dataset is None:
+        return None
+    try:
+        return read_stats(env_cfg.dataset, obs_keys(env_cfg.obs_mode))
+    except (OSError, KeyError, ValueError) as e:
+        raise ConfigError(f"config key 'env.dataset': cannot read normalisation statistics "
+                          f"from {env_cfg.dataset!r}: {e}") from None
+
+
+def make_env(env_cfg: EnvConfig, norm: NormStats | None = None) -> RobotEnv:
+    """One env. ``norm`` defaults to the configured dataset's statistics."""
+    check_config(env_cfg)
+    return RobotEnv(env_cfg, norm if norm is not None else load_norm(env_cfg))
+
+
+def observation_shapes(env_cfg: EnvConfig) -> dict[str, tuple[int, ...]]:
+    """{"state": (D,)} and, in image mode, {"rgb": (3 * cameras, H, W)} (no simulator needed)."""
+    task = check_config(env_cfg)
+    if env_cfg.obs_mode == "low_dim":
+        return {"state": (3 + 4 + 2 + task.object_dim,)}
+    s = env_cfg.image_size
+    return {"state": (3 + 4 + 2,), "rgb": (3 * len(env_cfg.cameras), s, s)}
+
+
+def spec(env_cfg: EnvConfig) -> EnvSpec:
+    """Shapes of the configured task; ``obs_shape`` is the state vector's (image mode: also see
+    :func:`observation_shapes`), ``action_dim`` the per-step action width."""
+    task = check_config(env_cfg)
+    load_norm(env_cfg)            # a bad dataset fails here, before any actor starts
+    return EnvSpec(obs_shape=observation_shapes(env_cfg)["state"], action_dim=ACTION_DIM,
+                   max_episode_steps=max_steps(task, env_cfg))
+
+
+def make_vector_env(env_cfg: EnvConfig, num_envs: int) -> gym.vector.VectorEnv:
+    check_config(env_cfg)
+    return _vector_env(env_cfg, load_norm(env_cfg), num_envs)   # statistics read once, shared
+
+
+def _vector_env(env_cfg: EnvConfig, norm: NormStats | None, num_envs: int) -> gym.vector.VectorEnv:
+    # functools.partial rather than a lambda: the factories must pickle.
+    return gym.vector.SyncVectorEnv([functools.partial(RobotEnv, env_cfg, norm)
+                                     for _ in range(num_envs)],
+                                    autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
+
+
+def episode_success(infos: dict, done: np.ndarray) -> np.ndarray:
+    """[N] bool: for the envs whose episode ended at this step (``done``), whether it was solved.
+    With same-step autoreset the last step's infos are under ``final_info``."""
+    final = infos.get("final_info", {})
+    success = np.asarray(final.get("success", np.zeros(len(done), bool)), bool)
+    return np.asarray(done, bool) & success
+
+
+def snapshot(vec: gym.vector.VectorEnv) -> bytes:
+    """Simulator and RNG state of every env, for exact resume (robosuite envs do not pickle)."""
+    first = vec.envs[0]
+    return pickle.dumps({"env_cfg": first.env_cfg, "norm": first.norm,
+                         "envs": [env.get_state() for env in vec.envs]})
+
+
+def restore(blob: bytes) -> gym.vector.VectorEnv:
+    saved = pickle.loads(blob)
+    vec = _vector_env(saved["env_cfg"], saved["norm"], len(saved["envs"]))
+    for env, state in zip(vec.envs, saved["envs"]):
+        env.set_state(state)
+    return vec

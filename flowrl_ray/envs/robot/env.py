@@ -1,0 +1,300 @@
+"""One robosuite manipulation env with robomimic's observation conventions and action chunks.
+
+Tasks (Panda, OSC_POSE arm controller + gripper, 20 Hz, sparse success reward):
+
+    lift    robosuite Lift               object [10]  state [19]  300 steps
+    can     robosuite PickPlaceCan       object [14]  state [23]  300 steps
+    square  robosuite NutAssemblySquare  object [14]  state [23]  400 steps
+
+Observation vector ("state"), in this fixed order (robomimic's low-dim keys, as DPPO orders them):
+``robot0_eef_pos [3], robot0_eef_quat [4] (x, y, z, w), robot0_gripper_qpos [2], object [..]``
+where ``object`` is, as in robomimic's datasets (robosuite <= 1.4 observables):
+
+    lift        cube_pos [3], cube_quat [4], eef_pos - cube_pos [3]
+    can/square  obj_pos [3], obj_quat [4], object pose in the gripper frame: pos [3], quat [4]
+
+The values are computed here from the simulator state at the moment they are returned, as
+robomimic's dataset tools do (set the state, then observe). robosuite 1.5's own ``object-state``
+is not used: it orders the slices differently, flips the sign of Lift's relative position, and
+its relative-pose entries read the object pose cached at the previous observation. The gripper
+frame is robosuite 1.5's grip site (``robot0_eef_quat``). In ``image`` mode the object slice is
+left out (pixels replace it) and the observation is a dict
+``{"state": [9], "rgb": [3 * n_cameras, H, W] uint8}`` (cameras stacked on channels, upright as
+robomimic stores them).
+
+Actions: the policy emits a chunk ``[horizon_steps, 7]`` in [-1, 1]; the env executes its first
+``act_steps`` rows (DPPO's multi-step convention), each mapped to the robosuite action range
+through the dataset's action min/max when a dataset is configured (else robosuite's own [-1, 1]).
+The chunk's reward is the sum of the per-step sparse rewards (1 while the task is solved); the
+episode terminates at the first successful step (``terminate_on_success``) or is truncated once
+``max_episode_steps`` low-level steps have run, possibly in the middle of a chunk.
+``info["success"]`` says whether the episode has been solved at any step so far and
+``info["substeps"]`` how many low-level steps the chunk ran.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import gymnasium as gym
+import mujoco
+import numpy as np
+
+from flowrl_ray.config import ConfigError, EnvConfig
+from flowrl_ray.envs.gym import rescale_action
+from flowrl_ray.envs.robomimic_data import NormStats
+
+PROPRIO_KEYS = ("robot0_eef_pos", "robot0_eef_quat", "robot0_gripper_qpos")
+LOW_DIM_KEYS = PROPRIO_KEYS + ("object",)
+PROPRIO_DIM = 3 + 4 + 2
+ACTION_DIM = 7                     # OSC_POSE delta (x, y, z, ax, ay, az) + gripper (-1 open, 1 close)
+CONTROL_FREQ = 20
+CAMERAS = ("agentview", "robot0_eye_in_hand", "frontview", "birdview", "sideview")
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str                  # short name used in configs
+    env_name: str              # robosuite environment class
+    max_episode_steps: int
+    object_dim: int            # width of robomimic's "object" key
+
+
+TASKS = {t.name: t for t in (Task("lift", "Lift", 300, 10),
+                             Task("can", "PickPlaceCan", 300, 14),
+                             Task("square", "NutAssemblySquare", 400, 14))}
+
+
+def get_task(name: str) -> Task:
+    """A task by short name or robosuite name, any case ("can", "PickPlaceCan")."""
+    for task in TASKS.values():
+        if name.lower() in (task.name, task.env_name.lower()):
+            return task
+    raise ConfigError(f"config key 'env.id': unknown robot task {name!r}; choose one of "
+                      f"{', '.join(f'{t.name} ({t.env_name})' for t in TASKS.values())}")
+
+
+def obs_keys(obs_mode: str) -> tuple[str, ...]:
+    """The low-dim keys that make the observation vector, in order."""
+    return LOW_DIM_KEYS if obs_mode == "low_dim" else PROPRIO_KEYS
+
+
+def import_robosuite():
+    """robosuite, imported quietly: at import it warns that no private macro file exists (the
+    file is optional) and it logs every controller file it loads at INFO."""
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)
+    try:
+        import robosuite
+    finally:
+        logging.disable(previous)
+    logging.getLogger("robosuite_logs").setLevel(logging.WARNING)
+    return robosuite
+
+
+def robosuite_kwargs(task: Task, env_cfg: EnvConfig) -> dict:
+    """The robosuite.make arguments; also stored as robomimic's env_args["env_kwargs"]."""
+    from robosuite.controllers import load_composite_controller_config
+    image = env_cfg.obs_mode == "image"
+    kwargs = dict(robots="Panda",
+                  # Panda's default composite controller: OSC_POSE on the arm (delta pose in the
+                  # robot base frame, up to 5 cm and 0.5 rad a step) plus the gripper.
+                  controller_configs=load_composite_controller_config(robot="Panda"),
+                  control_freq=CONTROL_FREQ, reward_shaping=False, use_object_obs=True,
+                  # Images are rendered here, only when an observation is returned (once a chunk),
+                  # not by robosuite's camera observables at every control step.
+                  use_camera_obs=False, has_renderer=False, has_offscreen_renderer=image,
+                  # Episode length is handled here; hard_reset=False keeps the model loaded across
+                  # resets (reloading it costs time and memory).
+                  ignore_done=True, hard_reset=False, horizon=max_steps(task, env_cfg))
+    kwargs.update(env_cfg.kwargs)
+    return kwargs
+
+
+def max_steps(task: Task, env_cfg: EnvConfig) -> int:
+    return env_cfg.max_episode_steps or task.max_episode_steps
+
+
+class RobotEnv(gym.Env):
+    """A robosuite task as a gymnasium env (see the module docstring for the conventions).
+
+    ``norm``: dataset statistics for observation and action normalisation, or None for raw
+    observations and robosuite's own [-1, 1] actions (what the scripted experts use).
+    """
+
+    metadata = {"render_modes": []}
+
+    def __init__(self, env_cfg: EnvConfig, norm: NormStats | None = None):
+        self.task = get_task(env_cfg.id)
+        self.env_cfg, self.norm = env_cfg, norm
+        self.image = env_cfg.obs_mode == "image"
+        self.cameras = tuple(env_cfg.cameras) if self.image else ()
+        self.image_size = env_cfg.image_size
+        self.horizon_steps, self.act_steps = env_cfg.horizon_steps, env_cfg.act_steps
+        self.max_episode_steps = max_steps(self.task, env_cfg)
+        self.keys = obs_keys(env_cfg.obs_mode)
+        # Rendering (image mode) is on the CPU through Mesa: robosuite selects MUJOCO_GL=egl at
+        # import unless MUJOCO_GL=osmesa (with PYOPENGL_PLATFORM=osmesa) is set beforehand.
+        robosuite = import_robosuite()
+        self.robosuite_version = robosuite.__version__
+        self.robosuite_kwargs = robosuite_kwargs(self.task, env_cfg)
+        try:
+            self.raw = robosuite.make(self.task.env_name, **self.robosuite_kwargs)
+        except (TypeError, ValueError, AssertionError) as e:
+            raise ConfigError(f"config key 'env.kwargs': robosuite.make({self.task.env_name!r}) "
+                              f"failed: {e}") from None
+        from robosuite.utils import transform_utils
+        self._transforms = transform_utils
+        # Observations are computed in raw_obs; robosuite's observables would only cost time
+        # at every physics substep.
+        for name in list(self.raw._observables):
+            self.raw.modify_observable(name, "enabled", False)
+        state_dim = PROPRIO_DIM + (0 if self.image else self.task.object_dim)
+        state_space = gym.spaces.Box(-np.inf, np.inf, (state_dim,), np.float32)
+        if self.image:
+            rgb = gym.spaces.Box(0, 255, (3 * len(self.cameras), self.image_size, self.image_size),
+                                 np.uint8)
+            self.observation_space = gym.spaces.Dict({"state": state_space, "rgb": rgb})
+        else:
+            self.observation_space = state_space
+        self.action_space = gym.spaces.Box(-1.0, 1.0, (self.horizon_steps, ACTION_DIM), np.float32)
+        # Without a dataset the policy's [-1, 1] is robosuite's own range.
+        low, high = self.raw.action_spec
+        self.action_low = norm.action_min if norm is not None else np.asarray(low, np.float64)
+        self.action_high = norm.action_max if norm is not None else np.asarray(high, np.float64)
+        self.steps = 0                 # low-level steps in this episode
+        self.solved = False            # success reached at some step of this episode
+
+    # ------------------------------------------------------------------ observations
+
+    def object_body_id(self) -> int:
+        """MuJoCo body id of the task's object (the cube, the can, the square nut)."""
+        raw = self.raw
+        if self.task.name == "lift":
+            return raw.cube_body_id
+        obj = raw.objects[raw.object_id] if self.task.name == "can" else raw.nuts[raw.nut_id]
+        return raw.obj_body_id[obj.name]
+
+    def raw_obs(self) -> dict[str, np.ndarray]:
+        """robomimic's low-dim keys (+ ``<camera>_image`` [H, W, 3] uint8 in image mode), from
+        the current simulator state (see the module docstring for the ``object`` layout)."""
+        T = self._transforms
+        data, robot = self.raw.sim.data, self.raw.robots[0]
+        site = robot.eef_site_id["right"]
+        eef_pos = np.array(data.site_xpos[site])
+        eef_quat = T.mat2quat(np.array(data.site_xmat[site]).reshape(3, 3))          # x, y, z, w
+        body = self.object_body_id()
+        obj_pos = np.array(data.body_xpos[body])
+        obj_quat = T.convert_quat(np.array(data.body_xquat[body]), to="xyzw")
+        if self.task.name == "lift":
+            obj = [obj_pos, obj_quat, eef_pos - obj_pos]
+        else:
+            world_in_eef = T.pose_inv(T.pose2mat((eef_pos, eef_quat)))
+            rel = T.pose_in_A_to_pose_in_B(T.pose2mat((obj_pos, obj_quat)), world_in_eef)
+            obj = [obj_pos, obj_quat, *T.mat2pose(rel)]
+        out = {"robot0_eef_pos": eef_pos, "robot0_eef_quat": eef_quat,
+               "robot0_gripper_qpos": np.array(data.qpos[robot._ref_gripper_joint_pos_indexes["right"]]),
+               "object": np.concatenate(obj)}
+        for cam in self.cameras:
+            out[f"{cam}_image"] = self.render_camera(cam)
+        return out
+
+    def render_camera(self, camera: str) -> np.ndarray:
+        """[H, W, 3] uint8, upright (OpenGL reads rows bottom-up; robomimic stores them flipped)."""
+        img = self.raw.sim.render(width=self.image_size, height=self.image_size, camera_name=camera)
+        return np.ascontiguousarray(img[::-1])
+
+    def observation(self, raw: dict[str, np.ndarray]):
+        state = np.concatenate([np.asarray(raw[k], np.float64).ravel() for k in self.keys])
+        state = self.norm.normalize_obs(state) if self.norm is not None else state.astype(np.float32)
+        if not self.image:
+            return state
+        rgb = np.concatenate([raw[f"{cam}_image"].transpose(2, 0, 1) for cam in self.cameras])
+        return {"state": state, "rgb": rgb}
+
+    # ------------------------------------------------------------------ gymnasium API
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        super().reset(seed=seed)
+        if seed is not None:
+            # robosuite's placement samplers hold this Generator; reseed it in place.
+            self.raw.rng.bit_generator.state = np.random.default_rng(seed).bit_generator.state
+        self.raw.reset()
+        self.steps, self.solved = 0, False
+        return self.observation(self.raw_obs()), {"success": False}
+
+    def step(self, action: np.ndarray):
+        """action: [T, 7] with T >= act_steps (a chunk; rows past act_steps are ignored) or [7]
+        when act_steps == 1. Returns the observation after the last executed row."""
+        chunk = np.asarray(action, np.float64)
+        if chunk.ndim == 1:
+            chunk = chunk[None]
+        if chunk.ndim != 2 or chunk.shape[1] != ACTION_DIM or chunk.shape[0] < self.act_steps:
+            raise ValueError(f"expected an action chunk [>= {self.act_steps}, {ACTION_DIM}], "
+                             f"got shape {np.shape(action)}")
+        reward, terminated, truncated, substeps = 0.0, False, False, 0
+        for row in chunk[:self.act_steps]:
+            success = self.step_raw(rescale_action(row, self.action_low, self.action_high))
+            substeps += 1
+            reward += float(success)
+            terminated = success and self.env_cfg.terminate_on_success
+            truncated = self.steps >= self.max_episode_steps
+            if terminated or truncated:
+                break
+        info = {"success": self.solved, "substeps": substeps}
+        return self.observation(self.raw_obs()), reward, terminated, truncated, info
+
+    def step_raw(self, env_action: np.ndarray) -> bool:
+        """One 20 Hz control step with an action in robosuite's units; returns task success."""
+        self.raw.step(env_action)
+        # MuJoCo's last substep leaves positions-derived quantities (body and site poses) one
+        # physics step behind the integrated state; recompute them so the success check and the
+        # observation describe the state the next action starts from. (This changes nothing in
+        # the dynamics: every substep recomputes them before acting.)
+        self.raw.sim.forward()
+        self.steps += 1
+        success = bool(self.raw._check_success())
+        self.solved |= success
+        return success
+
+    def close(self) -> None:
+        self.raw.close()
+
+    # ------------------------------------------------------------------ exact resume
+
+    def get_state(self) -> dict:
+        """Everything the next steps depend on: the MuJoCo integration state (which includes
+        the actuator controls and the solver's warm start), robosuite's RNG (object placement
+        at the next reset), the gripper's ramped command, the controllers' arrays (the OSC pulls
+        the arm's null space towards the episode's initial joints, and caches kinematics), the
+        step counters."""
+        model, data = self.raw.sim.model._model, self.raw.sim.data._data
+        spec = mujoco.mjtState.mjSTATE_INTEGRATION
+        sim = np.empty(mujoco.mj_stateSize(model, spec))
+        mujoco.mj_getState(model, data, sim, spec)
+        robot = self.raw.robots[0]
+        controllers = {name: {k: (v.copy() if isinstance(v, np.ndarray) else v)
+                              for k, v in vars(c).items()
+                              if isinstance(v, np.ndarray) or k == "new_update"}
+                       for name, c in robot.composite_controller.part_controllers.items()}
+        return {"sim": sim, "rng": self.raw.rng.bit_generator.state, "controllers": controllers,
+                "gripper": {arm: np.array(robot.gripper[arm].current_action) for arm in robot.arms},
+                "timestep": self.raw.timestep, "cur_time": self.raw.cur_time,
+                "steps": self.steps, "solved": self.solved}
+
+    def set_state(self, state: dict) -> None:
+        self.raw.reset()          # sets up robosuite's per-episode bookkeeping
+        model, data = self.raw.sim.model._model, self.raw.sim.data._data
+        mujoco.mj_setState(model, data, state["sim"], mujoco.mjtState.mjSTATE_INTEGRATION)
+        self.raw.sim.forward()
+        self.raw.rng.bit_generator.state = state["rng"]
+        robot = self.raw.robots[0]
+        for arm, command in state["gripper"].items():
+            robot.gripper[arm].current_action = np.array(command)
+        parts = robot.composite_controller.part_controllers
+        for name, attrs in state["controllers"].items():
+            for key, value in attrs.items():
+                setattr(parts[name], key, value.copy() if isinstance(value, np.ndarray) else value)
+        self.raw.timestep, self.raw.cur_time = state["timestep"], state["cur_time"]
+        self.steps, self.solved = state["steps"], state["solved"]

@@ -1,0 +1,235 @@
+"""Robot family: robosuite tasks with robomimic conventions, action chunks, exact resume, the
+robomimic hdf5 layout and the scripted experts (real robosuite / MuJoCo throughout)."""
+
+import json
+
+import h5py
+import numpy as np
+import pytest
+
+pytest.importorskip("robosuite")
+
+from flowrl_ray.config import ConfigError, EnvConfig, config_from_dict       # noqa: E402
+from flowrl_ray.envs import env_family                                       # noqa: E402
+from flowrl_ray.envs import robomimic_data as rd                             # noqa: E402
+from flowrl_ray.envs import robot                                            # noqa: E402
+from flowrl_ray.envs.robot.experts import collect_demos                      # noqa: E402
+
+from conftest import tiny_config                                             # noqa: E402
+
+
+def _cfg(**kw) -> EnvConfig:
+    return EnvConfig(family="robot", **{"id": "lift", **kw})
+
+
+@pytest.fixture(scope="module")
+def lift_demos(tmp_path_factory):
+    path = tmp_path_factory.mktemp("demos") / "lift.hdf5"
+    stats = collect_demos("lift", episodes=2, out_path=path, seed=0, noise=0.1)
+    return path, stats
+
+
+@pytest.mark.parametrize("task,dim,steps", [("lift", 19, 300), ("can", 23, 300), ("square", 23, 400)])
+def test_observation_dims_per_task(task, dim, steps):
+    cfg = _cfg(id=task)
+    spec = robot.spec(cfg)
+    assert spec.obs_shape == (dim,) and spec.action_dim == 7 and spec.max_episode_steps == steps
+    env = robot.make_env(cfg)
+    obs, _ = env.reset(seed=0)
+    raw = env.raw_obs()
+    # the fixed key order: eef_pos [3], eef_quat [4], gripper_qpos [2], object [..]
+    assert obs.shape == (dim,) and obs.dtype == np.float32
+    assert np.allclose(obs, np.concatenate([raw[k] for k in robot.LOW_DIM_KEYS]))
+    assert env.observation_space.shape == (dim,) and env.action_space.shape == (1, 7)
+    env.close()
+
+
+def test_image_observations_render_on_the_cpu():
+    cfg = _cfg(obs_mode="image", cameras=["agentview", "robot0_eye_in_hand"], image_size=84,
+               horizon_steps=2, act_steps=2)
+    assert robot.observation_shapes(cfg) == {"state": (9,), "rgb": (6, 84, 84)}
+    assert robot.spec(cfg).obs_shape == (9,)
+    env = robot.make_env(cfg)
+    obs, _ = env.reset(seed=0)
+    assert env.observation_space.contains(obs)
+    rgb = obs["rgb"]
+    assert rgb.dtype == np.uint8 and rgb.shape == (6, 84, 84)
+    assert rgb[:3].std() > 10 and rgb[3:].std() > 10               # real pictures, not blank
+    assert not np.array_equal(rgb[:3], rgb[3:])                     # two different cameras
+    chunk = np.zeros((2, 7))
+    chunk[:, 2] = 1.0                                               # move up: the pictures change
+    obs2, *_ = env.step(chunk)
+    assert obs2["rgb"].shape == (6, 84, 84) and not np.array_equal(obs2["rgb"][3:], rgb[3:])
+    env.close()
+
+
+def test_family_is_registered():
+    assert env_family("robot") is robot
+
+
+def test_action_normalisation_round_trip_and_env_uses_dataset_range():
+    stats = rd.NormStats(("x",), np.zeros(1), np.ones(1), action_min=np.array([-0.5, 0, 1, -1, -1, -1, 2]),
+                         action_max=np.array([0.5, 1, 1, 1, 1, 1, 2]))   # two constant dims
+    a = np.random.default_rng(0).uniform(stats.action_min, stats.action_max, (50, 7))
+    a[:, [2, 6]] = stats.action_min[[2, 6]]
+    u = stats.normalize_action(a)
+    assert u.min() >= -1 and u.max() <= 1
+    assert np.allclose(stats.unnormalize_action(u), a, atol=1e-6)
+    # the env maps the policy's [-1, 1] through the dataset's range before robosuite sees it
+    env = robot.RobotEnv(_cfg(), norm=stats)
+    env.reset(seed=0)
+    seen = []
+    step = env.raw.step
+    env.raw.step = lambda act: (seen.append(np.array(act)), step(act))[1]
+    env.step(np.ones((1, 7)))
+    env.step(-np.ones((1, 7)))
+    assert np.allclose(seen[0], stats.action_max) and np.allclose(seen[1], stats.action_min)
+    env.close()
+
+
+def test_chunked_step_executes_act_steps_substeps():
+    env = robot.make_env(_cfg(horizon_steps=4, act_steps=3))
+    env.reset(seed=0)
+    assert env.action_space.shape == (4, 7)
+    seen = []
+    step = env.raw.step
+    env.raw.step = lambda act: (seen.append(np.array(act)), step(act))[1]
+    chunk = np.linspace(-0.5, 0.5, 28).reshape(4, 7)
+    _, reward, terminated, truncated, info = env.step(chunk)
+    assert info["substeps"] == 3 and env.steps == 3 and env.raw.timestep == 3
+    assert np.allclose(np.stack(seen), chunk[:3])      # the first act_steps rows, in order
+    assert reward == 0.0 and not terminated and not truncated and not info["success"]
+    with pytest.raises(ValueError, match="chunk"):
+        env.step(np.zeros((2, 7)))                      # shorter than act_steps
+    env.close()
+
+
+def test_autoreset_puts_the_last_observation_in_final_obs():
+    vec = robot.make_vector_env(_cfg(horizon_steps=2, act_steps=2, max_episode_steps=5), 2)
+    obs, _ = vec.reset(seed=0)
+    up = np.zeros((2, 2, 7))
+    up[..., 2] = 0.5                                               # move up: every step shows
+    for _ in range(2):
+        obs, _, term, trunc, infos = vec.step(up)
+        assert not (term | trunc).any()
+    last = [env.raw_obs()["robot0_eef_pos"] for env in vec.envs]
+    obs, _, term, trunc, infos = vec.step(up)                      # 1 of 2 rows hits the limit
+    assert trunc.all() and not term.any()
+    assert all(env.steps == 0 for env in vec.envs)                 # already reset ...
+    assert infos["final_info"]["substeps"].tolist() == [1, 1]
+    for i in range(2):                                             # ... the episode's end is kept
+        final = infos["final_obs"][i]
+        assert final.shape == (19,) and not np.allclose(final, obs[i])
+        assert not np.allclose(final[:3], last[i])                 # it moved on one more step
+    assert not robot.episode_success(infos, term | trunc).any()
+    vec.close()
+
+
+def test_snapshot_restore_continues_identically_through_the_rollout_runner():
+    from flowrl_ray.algorithms.ppo import PPO
+    from flowrl_ray.envs.rollout import EnvRunner
+    cfg = tiny_config("env.family=robot", "env.id=can", "env.max_episode_steps=12")
+    spec = robot.spec(cfg.env)
+
+    def runner(seed):
+        return EnvRunner(robot, cfg.env, 2, seed, PPO.make_policy(cfg, spec))
+
+    r1 = runner(3)
+    r1.sample(8)
+    blob = r1.get_state()
+    r2 = runner(99)                   # a different seed: everything must come from the state
+    r2.set_weights(r1.policy.state_dict(), 0)
+    assert r2.set_state(blob)
+    b1, b2 = r1.sample(10), r2.sample(10)     # crosses an autoreset (robosuite's RNG places objects)
+    assert b1["truncated"].any()
+    for k in b1.data:
+        assert np.array_equal(b1[k], b2[k]), k
+    r1.close()
+    r2.close()
+
+
+def test_robomimic_hdf5_round_trip(tmp_path):
+    path = tmp_path / "d.hdf5"
+    rng = np.random.default_rng(0)
+    demos = []
+    args = {"env_name": "Lift", "env_version": "1.5.2", "type": 1, "env_kwargs": {"control_freq": 20}}
+    with rd.DemoWriter(path, args) as w:
+        for t in (5, 7):
+            obs = {"robot0_eef_pos": rng.normal(size=(t, 3)), "robot0_eef_quat": rng.normal(size=(t, 4)),
+                   "robot0_gripper_qpos": rng.normal(size=(t, 2)), "object": rng.normal(size=(t, 10)),
+                   "agentview_image": rng.integers(0, 255, (t, 8, 8, 3), dtype=np.uint8)}
+            demo = dict(obs=obs, actions=rng.uniform(-1, 1, (t, 7)), rewards=np.eye(t)[-1],
+                        dones=np.eye(t)[-1], states=rng.normal(size=(t, 32)))
+            w.add(**demo)
+            demos.append(demo)
+    with h5py.File(path, "a") as f:            # robomimic's train/valid split keys
+        f.create_dataset("mask/valid", data=np.array([b"demo_1"]))
+        assert f["data"].attrs["total"] == 12
+        assert [f[f"data/demo_{i}"].attrs["num_samples"] for i in (0, 1)] == [5, 7]
+        assert f["data/demo_1/obs/agentview_image"].dtype == np.uint8
+    assert rd.env_args(path) == args
+    keys = list(robot.LOW_DIM_KEYS) + ["agentview_image"]
+    loaded = rd.load_demos(path, keys)
+    for demo, back in zip(demos, loaded):
+        for k in keys:
+            assert np.array_equal(back["obs"][k], demo["obs"][k])
+        assert np.allclose(back["actions"], demo["actions"]) and np.allclose(back["dones"], demo["dones"])
+        assert back["state"].shape == (len(demo["actions"]), 19)      # low-dim keys concatenated in order
+        assert np.allclose(back["state"][:, :3], demo["obs"]["robot0_eef_pos"])
+    assert [len(d["actions"]) for d in rd.load_demos(path, keys, filter_key="valid")] == [7]
+    with pytest.raises(KeyError, match="nope"):
+        rd.load_demos(path, ["nope"])
+    # statistics: computed from the demos, stored, read back; other keys are recomputed
+    stats = rd.compute_stats(path, robot.LOW_DIM_KEYS)
+    all_state = np.concatenate([d["state"] for d in loaded])
+    assert np.allclose(stats.obs_min, all_state.min(0)) and np.allclose(stats.obs_max, all_state.max(0))
+    rd.write_stats(path, stats)
+    again = rd.read_stats(path, robot.LOW_DIM_KEYS)
+    assert np.array_equal(again.obs_min, stats.obs_min) and np.array_equal(again.action_max, stats.action_max)
+    assert rd.read_stats(path, robot.PROPRIO_KEYS).obs_min.shape == (9,)
+
+
+def test_lift_expert_writes_loadable_demos_and_normalised_env(lift_demos):
+    path, stats = lift_demos
+    assert stats.successes == 2 and stats.attempts >= 2
+    args = rd.env_args(path)
+    assert args["env_name"] == "Lift" and args["type"] == 1
+    assert args["env_kwargs"]["control_freq"] == 20
+    demos = rd.load_demos(path, robot.LOW_DIM_KEYS)
+    assert len(demos) == 2
+    for d in demos:
+        assert d["state"].shape[1] == 19 and d["actions"].shape[1] == 7
+        assert d["rewards"][-1] == 1 and d["dones"][-1] == 1 and d["rewards"][:-1].sum() == 0
+    with h5py.File(path) as f:
+        assert json.loads(f["stats"].attrs["obs_keys"]) == list(robot.LOW_DIM_KEYS)
+        assert f["data/demo_0/states"].shape[0] == len(demos[0]["actions"])
+    # an env normalised by the dataset: its first observation lies in (about) [-1, 1]
+    env = robot.make_env(_cfg(dataset=str(path)))
+    obs, _ = env.reset(seed=0)
+    assert np.abs(obs).max() < 1.5
+    env.close()
+
+
+@pytest.mark.parametrize("task", ["can", "square"])
+def test_scripted_experts_succeed(task, tmp_path):
+    stats = collect_demos(task, episodes=1, out_path=tmp_path / f"{task}.hdf5", seed=0, noise=0.05,
+                          max_attempts=3)
+    assert stats.successes == 1, f"{task} expert: {stats}"
+    demos = rd.load_demos(tmp_path / f"{task}.hdf5", robot.LOW_DIM_KEYS)
+    assert demos[0]["state"].shape[1] == 23
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("id", "Pendulum-v1", "env.id"),
+    ("act_steps", 5, "env.act_steps"),
+    ("obs_mode", "pixels", "env.obs_mode"),
+    ("cameras", ["agentview", "nocam"], "env.cameras"),
+    ("dataset", "/nonexistent/demos.hdf5", "env.dataset"),
+    ("horizon", 4, "env.horizon"),                 # unknown key (a close match is suggested)
+    ("image_size", 0, "env.image_size"),
+])
+def test_bad_config_keys_name_the_key(key, value, match):
+    env = {"family": "robot", "id": "lift", "horizon_steps": 4, "act_steps": 2, "obs_mode": "image", key: value}
+    with pytest.raises(ConfigError, match=match.replace(".", r"\.")):
+        cfg = config_from_dict({"env": env})      # schema errors (types, bounds, unknown keys) ...
+        robot.spec(cfg.env)                       # ... and the family's own checks
