@@ -38,10 +38,15 @@ class TokenScorer:
         self.crash_file = os.environ.get("FLOWRL_TEST_CRASH_FILE")
 
     def score(self, samples: dict) -> Batch:
-        # A test can make one scorer die mid-iteration: the first to see the file removes it and exits.
+        # A test can make one scorer die mid-iteration: the one whose remove() succeeds exits (two
+        # scorers may both see the file; only one can remove it).
         if self.crash_file and os.path.exists(self.crash_file):
-            os.remove(self.crash_file)
-            os._exit(1)
+            try:
+                os.remove(self.crash_file)
+            except FileNotFoundError:
+                pass
+            else:
+                os._exit(1)
         rewards = (samples["tokens"] == right_token(samples["prompts"])).astype(np.float32)
         meta = BatchMeta(policy_version=-1, worker_id=self.worker_id, env_steps=len(rewards),
                          episode_returns=rewards.tolist(), episode_lengths=[1] * len(rewards))
