@@ -72,20 +72,29 @@ def make_vector_env(env_cfg: EnvConfig, num_envs: int) -> gym.vector.VectorEnv:
                                     autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
 
 
-def _mujoco_states(vec: gym.vector.VectorEnv) -> list:
-    """Full integration state of each MuJoCo sub-env (pickling MjData does not keep it)."""
+def get_mujoco_state(model, data) -> np.ndarray:
+    """MuJoCo's full integration state (qpos, qvel, act, controls, warm start, ...): what the next
+    step depends on. Pickling MjData does not keep all of it."""
     import mujoco
-    out = []
-    for env in vec.envs:
-        base = env.unwrapped
-        if hasattr(base, "model") and hasattr(base, "data") and isinstance(base.data, mujoco.MjData):
-            spec = mujoco.mjtState.mjSTATE_INTEGRATION
-            state = np.empty(mujoco.mj_stateSize(base.model, spec))
-            mujoco.mj_getState(base.model, base.data, state, spec)
-            out.append(state)
-        else:
-            out.append(None)
-    return out
+    spec = mujoco.mjtState.mjSTATE_INTEGRATION
+    state = np.empty(mujoco.mj_stateSize(model, spec))
+    mujoco.mj_getState(model, data, state, spec)
+    return state
+
+
+def set_mujoco_state(model, data, state: np.ndarray) -> None:
+    """Inverse of get_mujoco_state, then mj_forward so derived quantities match the state."""
+    import mujoco
+    mujoco.mj_setState(model, data, state, mujoco.mjtState.mjSTATE_INTEGRATION)
+    mujoco.mj_forward(model, data)
+
+
+def _mujoco_states(vec: gym.vector.VectorEnv) -> list:
+    """Integration state of each MuJoCo sub-env, None for the others."""
+    import mujoco
+    return [get_mujoco_state(env.unwrapped.model, env.unwrapped.data)
+            if isinstance(getattr(env.unwrapped, "data", None), mujoco.MjData) else None
+            for env in vec.envs]
 
 
 def snapshot(vec: gym.vector.VectorEnv) -> bytes | None:
@@ -100,12 +109,9 @@ def snapshot(vec: gym.vector.VectorEnv) -> bytes | None:
 
 
 def restore(blob: bytes) -> gym.vector.VectorEnv:
-    import mujoco
     saved = pickle.loads(blob)
     vec = saved["envs"]
     for env, state in zip(vec.envs, saved["mujoco"]):
         if state is not None:
-            base = env.unwrapped
-            mujoco.mj_setState(base.model, base.data, state, mujoco.mjtState.mjSTATE_INTEGRATION)
-            mujoco.mj_forward(base.model, base.data)
+            set_mujoco_state(env.unwrapped.model, env.unwrapped.data, state)
     return vec

@@ -38,11 +38,10 @@ import logging
 from dataclasses import dataclass
 
 import gymnasium as gym
-import mujoco
 import numpy as np
 
 from flowrl_ray.config import ConfigError, EnvConfig
-from flowrl_ray.envs.gym import rescale_action
+from flowrl_ray.envs.gym import get_mujoco_state, rescale_action, set_mujoco_state
 from flowrl_ray.envs.robomimic_data import NormStats
 
 PROPRIO_KEYS = ("robot0_eef_pos", "robot0_eef_quat", "robot0_gripper_qpos")
@@ -269,10 +268,7 @@ class RobotEnv(gym.Env):
         at the next reset), the gripper's ramped command, the controllers' arrays (the OSC pulls
         the arm's null space towards the episode's initial joints, and caches kinematics), the
         step counters."""
-        model, data = self.raw.sim.model._model, self.raw.sim.data._data
-        spec = mujoco.mjtState.mjSTATE_INTEGRATION
-        sim = np.empty(mujoco.mj_stateSize(model, spec))
-        mujoco.mj_getState(model, data, sim, spec)
+        sim = get_mujoco_state(self.raw.sim.model._model, self.raw.sim.data._data)
         robot = self.raw.robots[0]
         controllers = {name: {k: (v.copy() if isinstance(v, np.ndarray) else v)
                               for k, v in vars(c).items()
@@ -285,9 +281,7 @@ class RobotEnv(gym.Env):
 
     def set_state(self, state: dict) -> None:
         self.raw.reset()          # sets up robosuite's per-episode bookkeeping
-        model, data = self.raw.sim.model._model, self.raw.sim.data._data
-        mujoco.mj_setState(model, data, state["sim"], mujoco.mjtState.mjSTATE_INTEGRATION)
-        self.raw.sim.forward()
+        set_mujoco_state(self.raw.sim.model._model, self.raw.sim.data._data, state["sim"])
         self.raw.rng.bit_generator.state = state["rng"]
         robot = self.raw.robots[0]
         for arm, command in state["gripper"].items():
