@@ -51,3 +51,30 @@ def concat_time_major(batches: list[Batch]) -> dict[str, np.ndarray]:
     """
     return {k: np.concatenate([b.data[k] for b in batches], axis=0 if k.startswith("last_") else 1)
             for k in batches[0].data}
+
+
+# Observations may be arrays or dicts of arrays (an image policy's {"state", "rgb"}). In a
+# Batch a dict observation under name "obs" is stored flat as "obs/state", "obs/rgb", so every
+# value stays one array that joins and slices like the others.
+
+def flatten_obs(name: str, obs) -> dict:
+    """{name: obs} for an array, {f"{name}/{key}": value} for a dict."""
+    if isinstance(obs, dict):
+        return {f"{name}/{k}": v for k, v in obs.items()}
+    return {name: obs}
+
+
+def gather_obs(data: dict, name: str):
+    """The inverse of :func:`flatten_obs`: data[name], or the dict of its "name/..." keys."""
+    if name in data:
+        return data[name]
+    prefix = name + "/"
+    parts = {k[len(prefix):]: v for k, v in data.items() if k.startswith(prefix)}
+    if not parts:
+        raise KeyError(name)
+    return parts
+
+
+def map_obs(fn, obs):
+    """``fn`` applied to an array observation or to each value of a dict one."""
+    return {k: fn(v) for k, v in obs.items()} if isinstance(obs, dict) else fn(obs)

@@ -93,6 +93,9 @@ class RuntimeConfig:
 class EvalConfig:
     interval: int = field(default=10, metadata=check(ge=0))   # iterations; 0 disables periodic eval
     episodes: int = field(default=10, metadata=check(gt=0))
+    # zero: deterministic actions (a Gaussian's mean, a flow integrated from eps = 0);
+    # random: sampled as in training
+    sampling: Literal["zero", "random"] = "zero"
 
 
 @dataclass

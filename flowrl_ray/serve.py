@@ -7,7 +7,9 @@
     GET  /healthz  -> 200 {"status": "ok", ...}
 
 `action` is in the env's own action bounds; `normalized_action` is the policy's output in
-[-1, 1]. Bad input (malformed JSON, missing key, wrong shape, non-numbers, NaN/inf) gets a 4xx
+[-1, 1]. A flow policy (FPO++) answers with an action chunk [horizon_steps, A] per observation
+(deterministic: integrated from eps = 0); the robot env executes its first ``act_steps`` rows
+(both reported by /healthz). Bad input (malformed JSON, missing key, wrong shape, non-numbers, NaN/inf) gets a 4xx
 answer with {"error": "..."}, never a 500.
 
 The policy is loaded on the driver (a bad run directory fails before Serve starts) and shipped
@@ -155,11 +157,16 @@ def _make_deployment():
 
 
 def action_bounds(cfg) -> tuple[np.ndarray, np.ndarray]:
-    """The env's own action bounds (low, high), read from one env built from the run's config."""
+    """The env's own action bounds (low, high), read from one env built from the run's config.
+    An env whose policy acts in normalised chunks (the robot family) names the per-step bounds
+    it maps [-1, 1] to as ``action_low``/``action_high``; a chunk [Ta, A] is rescaled row by row."""
     from flowrl_ray.envs import env_family
     env = env_family(cfg.env.family).make_env(cfg.env)
     try:
-        space = env.unwrapped.action_space
+        raw = env.unwrapped
+        if hasattr(raw, "action_low"):
+            return np.asarray(raw.action_low, np.float64), np.asarray(raw.action_high, np.float64)
+        space = raw.action_space
         return np.asarray(space.low, np.float64), np.asarray(space.high, np.float64)
     finally:
         env.close()
@@ -178,6 +185,8 @@ def policy_info(run_dir: str | Path) -> tuple[Any, dict]:
     info = {"run_dir": str(run_dir.resolve()), "name": cfg.name, "algorithm": cfg.algorithm,
             "env": cfg.env.id, "obs_shape": list(spec.obs_shape), "action_dim": spec.action_dim,
             "action_low": low.tolist(), "action_high": high.tolist(), "checkpoint": path.name,
+            # action chunks (flow policies): the client executes the first act_steps rows
+            "horizon_steps": cfg.env.horizon_steps, "act_steps": cfg.env.act_steps,
             "iteration": ckpt.get("trainer", {}).get("iteration"),
             "policy_version": ckpt.get("learner", {}).get("version")}
     return cfg, policy, info

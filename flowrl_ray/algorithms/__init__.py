@@ -11,7 +11,8 @@ import importlib
 
 #: built-in name -> "module:Class"; imported on first use
 BUILTIN_ALGORITHMS = {"ppo": "flowrl_ray.algorithms.ppo:PPO",
-                      "cma_ppo": "flowrl_ray.algorithms.cma_ppo:CMAPPO"}
+                      "cma_ppo": "flowrl_ray.algorithms.cma_ppo:CMAPPO",
+                      "fpopp": "flowrl_ray.algorithms.fpopp:FPOPP"}
 
 
 def get_algorithm(name: str) -> type:

@@ -32,6 +32,11 @@ class Algorithm(ABC):
     def validate_config(cfg: Config) -> None:
         """Constraints spanning sections; raise ConfigError naming the key."""
 
+    @staticmethod
+    def preflight(cfg: Config, spec: EnvSpec) -> None:
+        """Checks of what the config points at (files it loads), run by the Trainer before Ray
+        starts; raise ConfigError naming the key. Loading a config does not need the files."""
+
     def __init__(self, cfg: Config, spec: EnvSpec, device: torch.device):
         self.cfg, self.spec, self.device = cfg, spec, device
 
@@ -61,21 +66,26 @@ class Algorithm(ABC):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-def optimizer_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer,
+def optimizer_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer],
                    params: list[torch.nn.Parameter], max_grad_norm: float | None) -> tuple[float, bool]:
-    """Backward, clip, step. A non-finite loss or gradient skips the step (the caller counts it).
+    """Backward, clip, step (one optimiser or several, e.g. actor and critic with their own
+    learning rates). A non-finite loss or gradient skips the step (the caller counts it).
 
-    Returns (grad norm before clipping, whether the step was taken).
+    Returns (grad norm of ``params`` before clipping, whether the step was taken).
     """
-    optimizer.zero_grad(set_to_none=True)
+    optimizers = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
+    for o in optimizers:
+        o.zero_grad(set_to_none=True)
     if not torch.isfinite(loss):
         return float("nan"), False
     loss.backward()
     norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm else float("inf"))
     if not torch.isfinite(norm):
-        optimizer.zero_grad(set_to_none=True)
+        for o in optimizers:
+            o.zero_grad(set_to_none=True)
         return float(norm), False
-    optimizer.step()
+    for o in optimizers:
+        o.step()
     return float(norm), True
 
 

@@ -31,3 +31,17 @@ def approx_kl(log_ratio: torch.Tensor) -> torch.Tensor:
     """KL(old || new) estimate from log(pi_new/pi_old) of samples drawn from pi_old
     (Schulman's k3: (r - 1) - log r, unbiased and non-negative). Mean over elements."""
     return ((log_ratio.exp() - 1.0) - log_ratio).mean()
+
+
+def spo_objective(ratio: torch.Tensor, adv: torch.Tensor, clip: float) -> torch.Tensor:
+    """Simple Policy Optimization's surrogate (FPO++ Eq. 11):
+
+        L = r * A - |A| / (2 eps) * (r - 1)^2
+
+    Unlike PPO's clip, its gradient pulls r back toward 1 outside the trust region."""
+    return ratio * adv - adv.abs() / (2.0 * clip) * (ratio - 1.0).pow(2)
+
+
+def aspo_objective(ratio: torch.Tensor, adv: torch.Tensor, clip: float) -> torch.Tensor:
+    """FPO++'s asymmetric trust region (Eq. 12): PPO's clip where A >= 0, SPO where A < 0."""
+    return torch.where(adv >= 0, ppo_clip_objective(ratio, adv, clip), spo_objective(ratio, adv, clip))

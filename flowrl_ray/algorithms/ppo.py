@@ -110,8 +110,9 @@ class PPO(Algorithm):
     # ------------------------------------------------------------------ prepare
     def prepare(self, batches: list[Batch]) -> PPOBatch:
         c = self.c
-        return PPOBatch(**advantages_from_rollouts(batches, self.values, c.gamma, c.gae_lambda,
-                                                   c.reward_scale, self.device))
+        d = advantages_from_rollouts(batches, self.values, c.gamma, c.gae_lambda, c.reward_scale, self.device)
+        d["logp_old"] = d.pop("logp")
+        return PPOBatch(**d)
 
     # ------------------------------------------------------------------ update
     def update(self, b: PPOBatch) -> dict[str, float]:

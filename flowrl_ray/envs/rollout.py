@@ -13,18 +13,28 @@ import numpy as np
 import torch
 from torch import nn
 
-from flowrl_ray.batch import Batch, BatchMeta
+from flowrl_ray.batch import Batch, BatchMeta, flatten_obs, map_obs
 from flowrl_ray.config import EnvConfig
 
 EVAL_SEED_OFFSET = 1_000_003
+
+
+def _to_tensor(x: np.ndarray) -> torch.Tensor:
+    """float32 for the policy; images stay uint8 (the encoder scales them)."""
+    x = np.asarray(x)
+    return torch.as_tensor(x) if x.dtype == np.uint8 else torch.as_tensor(x, dtype=torch.float32)
 
 
 class EnvRunner:
     """Steps ``num_envs`` envs of one family with a policy copy; returns time-major batches.
 
     Batch keys (T = rollout_length, N = num_envs):
-        obs [T, N, D], actions [T, N, A], logp [T, N], rewards [T, N], terminated [T, N],
-        truncated [T, N], final_obs [T, N, D] (valid where truncated), last_obs [N, D].
+        obs [T, N, D], rewards [T, N], terminated [T, N], truncated [T, N],
+        final_obs [T, N, D] (valid where truncated), last_obs [N, D], and the policy's record
+        of each step (a Gaussian policy's actions [T, N, A] and logp [T, N]; a flow policy's
+        action chunks and Monte Carlo pairs). Dict observations are stored as "obs/<key>".
+    Families with ``episode_success(infos, done)`` also report each finished episode's success
+    in ``meta.extra["successes"]``.
     """
 
     def __init__(self, family, env_cfg: EnvConfig, num_envs: int, seed: int, policy: nn.Module,
@@ -43,23 +53,30 @@ class EnvRunner:
         self.policy.load_state_dict(state_dict)
         self.policy_version = version
 
-    def _act(self, obs: np.ndarray, deterministic: bool) -> tuple[np.ndarray, dict]:
-        action, record = self.policy.act(torch.as_tensor(obs, dtype=torch.float32),
-                                         deterministic=deterministic, generator=self.generator)
+    def _act(self, obs, deterministic: bool, generator: torch.Generator) -> tuple[np.ndarray, dict]:
+        action, record = self.policy.act(map_obs(_to_tensor, obs), deterministic=deterministic,
+                                         generator=generator)
         return action.numpy(), record
+
+    def _successes(self, infos: dict, done: np.ndarray) -> list[bool] | None:
+        """Success of each episode that ended this step, for families that define it."""
+        fn = getattr(self.family, "episode_success", None)
+        return None if fn is None else fn(infos, done)[done].tolist()
 
     def sample(self, num_steps: int) -> Batch:
         start = time.perf_counter()
-        n, obs_shape = self.num_envs, self.obs.shape[1:]
-        buf = {"obs": np.zeros((num_steps, n, *obs_shape), np.float32),
-               "rewards": np.zeros((num_steps, n), np.float32),
+        n = self.num_envs
+        buf = {"rewards": np.zeros((num_steps, n), np.float32),
                "terminated": np.zeros((num_steps, n), bool),
-               "truncated": np.zeros((num_steps, n), bool),
-               "final_obs": np.zeros((num_steps, n, *obs_shape), np.float32)}
-        returns, lengths = [], []
+               "truncated": np.zeros((num_steps, n), bool)}
+        for name in ("obs", "final_obs"):            # [T, N, ...] per observation array
+            for k, v in flatten_obs(name, self.obs).items():
+                buf[k] = np.zeros((num_steps, *v.shape), v.dtype if v.dtype == np.uint8 else np.float32)
+        returns, lengths, successes = [], [], []
         for t in range(num_steps):
-            buf["obs"][t] = self.obs
-            action, record = self._act(self.obs, deterministic=False)
+            for k, v in flatten_obs("obs", self.obs).items():
+                buf[k][t] = v
+            action, record = self._act(self.obs, False, self.generator)
             for k, v in record.items():
                 if k not in buf:
                     buf[k] = np.zeros((num_steps, *v.shape), v.numpy().dtype)
@@ -72,22 +89,27 @@ class EnvRunner:
             if done.any():
                 if truncated.any():
                     # Same-step autoreset: self.obs already starts the next episode.
-                    final = np.stack([np.asarray(o) if o is not None else np.zeros(obs_shape)
-                                      for o in info["final_obs"]])
-                    buf["final_obs"][t][truncated] = final[truncated]
+                    for i in np.flatnonzero(truncated):
+                        for k, v in flatten_obs("final_obs", info["final_obs"][i]).items():
+                            buf[k][t, i] = v
                 returns.extend(self.episode_return[done].tolist())
                 lengths.extend(self.episode_length[done].tolist())
+                successes.extend(self._successes(info, done) or [])
                 self.episode_return[done] = 0.0
                 self.episode_length[done] = 0
-        buf["last_obs"] = np.asarray(self.obs, np.float32).copy()
+        for k, v in flatten_obs("last_obs", self.obs).items():
+            buf[k] = np.array(v, v.dtype if v.dtype == np.uint8 else np.float32)
         meta = BatchMeta(policy_version=self.policy_version, worker_id=self.worker_id,
                          env_steps=num_steps * n, episode_returns=returns, episode_lengths=lengths,
                          sample_time_s=time.perf_counter() - start)
+        if successes:
+            meta.extra["successes"] = successes
         return Batch(buf, meta)
 
     def evaluate(self, episodes: int, deterministic: bool = True) -> dict:
         """Run `episodes` full episodes on separate, freshly seeded eval envs (training envs
-        keep their state). Returns returns and lengths of each episode."""
+        keep their state). Returns returns and lengths of each episode (and, for families that
+        report success, ``episode_successes``)."""
         if self._eval_envs is None:
             self._eval_envs = self.family.make_vector_env(self.env_cfg, min(self.num_envs, episodes))
         envs = self._eval_envs
@@ -97,21 +119,27 @@ class EnvRunner:
         quota = np.array([episodes // n + (i < episodes % n) for i in range(n)])
         done_count = np.zeros(n, dtype=np.int64)
         ret, length = np.zeros(n), np.zeros(n, dtype=np.int64)
-        returns, lengths = [], []
+        returns, lengths, successes = [], [], []
         eval_gen = torch.Generator().manual_seed(self.seed + EVAL_SEED_OFFSET)
         while (done_count < quota).any():
-            action, _ = self.policy.act(torch.as_tensor(obs, dtype=torch.float32),
-                                        deterministic=deterministic, generator=eval_gen)
-            obs, reward, terminated, truncated, _ = envs.step(action.numpy())
+            action, _ = self._act(obs, deterministic, eval_gen)
+            obs, reward, terminated, truncated, info = envs.step(action)
             ret += reward
             length += 1
             done = terminated | truncated
-            for i in np.flatnonzero(done & (done_count < quota)):
+            counted = done & (done_count < quota)
+            for i in np.flatnonzero(counted):
                 returns.append(float(ret[i]))
                 lengths.append(int(length[i]))
+            success = self._successes(info, counted) if counted.any() else None
+            if success is not None:
+                successes.extend(success)
             done_count += done
             ret[done], length[done] = 0.0, 0
-        return {"episode_returns": returns[:episodes], "episode_lengths": lengths[:episodes]}
+        out = {"episode_returns": returns[:episodes], "episode_lengths": lengths[:episodes]}
+        if hasattr(self.family, "episode_success"):
+            out["episode_successes"] = successes[:episodes]
+        return out
 
     # Exact resume: the envs (simulator state and RNGs, through the family's snapshot), the
     # action-noise RNG and the running episode statistics. Envs the family cannot snapshot are

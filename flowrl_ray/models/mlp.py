@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU}
+ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "mish": nn.Mish}
 
 
 def mlp(sizes: list[int], activation: str = "tanh", out_gain: float = 1.0) -> nn.Sequential:

@@ -41,6 +41,7 @@ class RolloutWorker:
                                     algorithm.make_policy(cfg, spec), worker_id)
         self.rollout_length = cfg.runtime.rollout_length
         self.worker_id = worker_id
+        self.eval_sampling = cfg.eval.sampling
 
     def set_weights(self, state_dict: dict, version: int) -> int:
         # `state_dict` arrives resolved from the one ray.put the learner made for this version.
@@ -62,7 +63,7 @@ class RolloutWorker:
         return batch.meta, batch
 
     def evaluate(self, episodes: int) -> dict:
-        return self.runner.evaluate(episodes)
+        return self.runner.evaluate(episodes, deterministic=self.eval_sampling == "zero")
 
     def policy_version(self) -> int:
         return self.runner.policy_version

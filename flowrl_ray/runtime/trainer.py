@@ -77,7 +77,21 @@ class Counters:
     learner_restarts: int = 0
     dropped_batches: int = 0
     recent_returns: list = field(default_factory=list)
+    recent_successes: list = field(default_factory=list)   # families that report success
     best_eval_return: float | None = None
+
+
+def _success_summary(rows: list[dict]) -> dict:
+    """First and last training success rate and last eval success rate, for families that
+    report success (empty otherwise)."""
+    train = [r["success_rate"] for r in rows if r.get("success_rate") is not None]
+    evals = [r["eval/success_rate"] for r in rows if r.get("eval/success_rate") is not None]
+    out = {}
+    if train:
+        out.update(first_success_rate=train[0], final_success_rate=train[-1])
+    if evals:
+        out.update(first_eval_success_rate=evals[0], final_eval_success_rate=evals[-1])
+    return out
 
 
 class Trainer:
@@ -87,7 +101,9 @@ class Trainer:
         self.tune_trial, self.tensorboard, self.quiet = tune_trial, tensorboard, quiet
         # The spec is read before Ray starts: a bad env id stops here with a clear message.
         self.spec: EnvSpec = env_family(cfg.env.family).spec(cfg.env)
-        self.group_rollouts = get_algorithm(cfg.algorithm).rollout_kind == "group"
+        algorithm = get_algorithm(cfg.algorithm)
+        algorithm.preflight(cfg, self.spec)
+        self.group_rollouts = algorithm.rollout_kind == "group"
         self.counters = Counters()
         self.workers: list = []
         self._started_ray = False
@@ -259,7 +275,7 @@ class Trainer:
         n = len(self.workers)
         shares = [episodes // n + (i < episodes % n) for i in range(n)]
         refs = {self.workers[i].evaluate.remote(s): i for i, s in enumerate(shares) if s > 0}
-        returns, lengths = [], []
+        returns, lengths, successes = [], [], []
         for ref, i in refs.items():
             try:
                 result = ray.get(ref, timeout=self.cfg.runtime.sample_timeout_s)
@@ -268,11 +284,15 @@ class Trainer:
                 continue
             returns += result["episode_returns"]
             lengths += result["episode_lengths"]
+            successes += result.get("episode_successes", [])
         if not returns:
             return {}
-        return {"eval/return_mean": float(np.mean(returns)), "episode_reward": float(np.mean(returns)),
-                "eval/return_std": float(np.std(returns)),
-                "eval/length_mean": float(np.mean(lengths)), "eval/episodes": len(returns)}
+        out = {"eval/return_mean": float(np.mean(returns)), "episode_reward": float(np.mean(returns)),
+               "eval/return_std": float(np.std(returns)),
+               "eval/length_mean": float(np.mean(lengths)), "eval/episodes": len(returns)}
+        if successes:
+            out["eval/success_rate"] = float(np.mean(successes))
+        return out
 
     def checkpoint(self) -> Path:
         if self._inflight:                       # async: let in-flight samples land first
@@ -296,6 +316,7 @@ class Trainer:
         progress = Progress(total, f"{cfg.algorithm} {cfg.env.id}", c.iteration,
                             stream=open(os.devnull, "w") if self.quiet else None)
         recent = collections.deque(c.recent_returns, maxlen=RETURN_WINDOW)
+        recent_success = collections.deque(c.recent_successes, maxlen=RETURN_WINDOW)
         last_saved = c.iteration
         while c.iteration < total:
             t0 = time.perf_counter()
@@ -312,6 +333,8 @@ class Trainer:
             c.episodes += len(finished)
             recent.extend(finished)
             c.recent_returns = list(recent)
+            recent_success.extend(s for m in metas for s in m.extra.get("successes", []))
+            c.recent_successes = list(recent_success)
             dt = time.perf_counter() - t0
             c.time_s += dt
             row = {"iteration": c.iteration, "env_steps": c.env_steps, "time_s": round(c.time_s, 3),
@@ -323,6 +346,8 @@ class Trainer:
                    "batches": len(refs), "worker_restarts": c.worker_restarts,
                    "learner_restarts": c.learner_restarts,
                    "dropped_batches": c.dropped_batches, **learner_metrics}
+            if recent_success:
+                row["success_rate"] = float(np.mean(recent_success))
             if cfg.eval.interval and (c.iteration % cfg.eval.interval == 0 or c.iteration == total):
                 row.update(self._evaluate())
                 if row.get("eval/return_mean") is not None:
@@ -351,6 +376,7 @@ class Trainer:
                    "final_episode_return_mean": last.get("episode_return_mean"),
                    "final_eval_return_mean": evals[-1] if evals else None,
                    "best_eval_return_mean": self.counters.best_eval_return,
+                   **_success_summary(rows),
                    "worker_restarts": self.counters.worker_restarts,
                    "dropped_batches": self.counters.dropped_batches}
         import json

@@ -1,0 +1,305 @@
+"""FPO++ (Yi, Choi et al., 2026, "Flow Policy Gradients for Robot Control"): PPO for a
+flow-matching action policy, with the likelihood ratio replaced by CFM-loss differences.
+
+    rollout (worker): a ~ pi_old(. | o) by K Euler steps from eps ~ N(0, I); draw N_mc pairs
+                      (tau_i, eps_i) and record l_old_i = || v_old(x_i, tau_i | o) - (a - eps_i) ||^2
+    prepare:          V(o_t), GAE -> flat [M] advantages, returns
+    update:           per sample  rho_i = exp(clamp(l_old_i - l_new_i, +-diff_clamp))     (Eq. 10)
+                      (ratio_mode "averaged": one rho per action from the mean difference, Eq. 9)
+                      maximise mean_i psi(rho_i, A)  psi = PPO clip, or ASPO (Eq. 12-13)
+                      + value loss; critic warm-up (actor frozen), target-KL stop, grad clip,
+                      separate actor / critic learning rates.
+
+The CFM loss of a sample sums the squared error over the chunk and action dims (chunk-level
+ratio); the same advantage is shared by an action's N_mc samples. Evaluation integrates from
+eps = 0 ("zero-sampling", ``eval.sampling: zero``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import numpy as np
+import torch
+
+from flowrl_ray.algorithms.advantages import normalize
+from flowrl_ray.algorithms.base import Algorithm, optimizer_step
+from flowrl_ray.algorithms.losses import approx_kl, aspo_objective, ppo_clip_objective, value_loss
+from flowrl_ray.algorithms.onpolicy import advantages_from_rollouts
+from flowrl_ray.batch import Batch, map_obs
+from flowrl_ray.config import Config, ConfigError, check, check_layer_sizes
+from flowrl_ray.envs import EnvSpec
+from flowrl_ray.models.flow import FlowPolicy, ValueMLP
+
+
+@dataclass
+class FPOPPConfig:
+    base_policy: Optional[str] = None   # a `flowrl-ray pretrain` checkpoint; None: random init
+    # the flow policy (must match the base policy's; `flowrl-ray pretrain` reads the same keys)
+    hidden_sizes: list = field(default_factory=lambda: [512, 512, 512])
+    time_dim: int = field(default=32, metadata=check(gt=0))
+    feature_dim: int = field(default=64, metadata=check(gt=0))      # image encoder output
+    flow_steps: int = field(default=10, metadata=check(gt=0))       # K Euler steps
+    # FPO++
+    n_mc: int = field(default=8, metadata=check(gt=0))              # (tau, eps) pairs per action
+    clip: float = field(default=0.05, metadata=check(gt=0))
+    use_aspo: bool = False              # PPO clip for A >= 0, SPO for A < 0
+    ratio_mode: Literal["per_sample", "averaged"] = "per_sample"
+    cfm_loss_clamp: float = field(default=0.0, metadata=check(ge=0))   # 0: off
+    cfm_diff_clamp: float = field(default=5.0, metadata=check(ge=0))   # 0: off
+    # PPO machinery
+    gamma: float = field(default=0.99, metadata=check(ge=0, le=1))
+    gae_lambda: float = field(default=0.99, metadata=check(ge=0, le=1))
+    reward_scale: float = field(default=1.0, metadata=check(gt=0))
+    epochs: int = field(default=5, metadata=check(gt=0))
+    minibatch_size: int = field(default=500, metadata=check(gt=0))
+    grad_accumulation: int = field(default=1, metadata=check(gt=0))  # minibatch split in parts
+    normalize_advantages: bool = True
+    actor_lr: float = field(default=1e-5, metadata=check(gt=0))
+    critic_lr: float = field(default=1e-4, metadata=check(gt=0))
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    weight_decay: float = field(default=0.0, metadata=check(ge=0))
+    vf_coef: float = field(default=0.5, metadata=check(ge=0))
+    max_grad_norm: float = field(default=1.0, metadata=check(gt=0))
+    target_kl: Optional[float] = field(default=None, metadata=check(gt=0))
+    critic_warmup_iters: int = field(default=2, metadata=check(ge=0))
+    critic_hidden_sizes: list = field(default_factory=lambda: [256, 256, 256])
+    augment: bool = True                # image observations: random shifts in the update
+
+
+ARCH_KEYS = ("hidden_sizes", "time_dim", "feature_dim")
+
+
+def image_shape(cfg: Config) -> tuple[int, int, int] | None:
+    """(C, H, W) of the image observation, or None for low-dim observations."""
+    if cfg.env.family != "robot" or cfg.env.obs_mode != "image":
+        return None
+    return 3 * len(cfg.env.cameras), cfg.env.image_size, cfg.env.image_size
+
+
+def make_flow_policy(cfg: Config, spec: EnvSpec) -> FlowPolicy:
+    """The flow policy a config describes (pretraining builds the same one)."""
+    c = cfg.algo
+    return FlowPolicy(spec.obs_dim, spec.action_dim, cfg.env.horizon_steps, c.hidden_sizes, c.time_dim,
+                      c.flow_steps, c.n_mc, image_shape(cfg), c.feature_dim)
+
+
+def load_base_policy(path: str | Path) -> dict:
+    """A pretraining checkpoint: {"policy": state dict, "arch": {...}, ...}."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config key 'algo.base_policy': no such file {str(path)!r} "
+                          f"(make one with `flowrl-ray pretrain`)")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # noqa: BLE001 - any unreadable file is the same user mistake
+        raise ConfigError(f"config key 'algo.base_policy': cannot read {str(path)!r}: {e}") from None
+    if not isinstance(ckpt, dict) or "policy" not in ckpt or "arch" not in ckpt:
+        raise ConfigError(f"config key 'algo.base_policy': {str(path)!r} is not a flowrl-ray "
+                          f"pretraining checkpoint")
+    return ckpt
+
+
+def fpopp_ratios(old_losses: torch.Tensor, new_losses: torch.Tensor, loss_clamp: float,
+                 diff_clamp: float, mode: str = "per_sample") -> torch.Tensor:
+    """FPO's likelihood-ratio surrogate from CFM losses [B, N] -> ratios [B, N].
+
+        l <- clamp(l, 0, loss_clamp)                     (both losses; off when loss_clamp = 0)
+        per_sample (FPO++, Eq. 10): rho_i = exp(clamp(l_old_i - l_new_i, -c, c))
+        averaged   (FPO,   Eq. 9):  rho   = exp(clamp(mean_i (l_old_i - l_new_i), -c, c)),
+                                    repeated over the N samples
+    (c = diff_clamp; off when 0)."""
+    if loss_clamp > 0:
+        old_losses, new_losses = old_losses.clamp(0, loss_clamp), new_losses.clamp(0, loss_clamp)
+    diff = old_losses - new_losses                                       # [B, N]
+    if mode == "averaged":
+        diff = diff.mean(-1, keepdim=True).expand_as(diff)
+    elif mode != "per_sample":
+        raise ValueError(f"ratio mode must be 'per_sample' or 'averaged', got {mode!r}")
+    if diff_clamp > 0:
+        diff = diff.clamp(-diff_clamp, diff_clamp)
+    return diff.exp()
+
+
+def fpopp_objective(ratios: torch.Tensor, advantages: torch.Tensor, clip: float,
+                    use_aspo: bool) -> torch.Tensor:
+    """Eq. 13 per sample: psi(rho_i, A) with A [B] shared by the N samples of its action.
+    ratios [B, N] -> objective [B, N] (to maximise)."""
+    adv = advantages[:, None].expand_as(ratios)
+    return aspo_objective(ratios, adv, clip) if use_aspo else ppo_clip_objective(ratios, adv, clip)
+
+
+class FPOPP(Algorithm):
+    name = "fpopp"
+    config_class = FPOPPConfig
+
+    @staticmethod
+    def validate_config(cfg: Config) -> None:
+        c: FPOPPConfig = cfg.algo
+        check_layer_sizes(c.hidden_sizes, "algo.hidden_sizes")
+        check_layer_sizes(c.critic_hidden_sizes, "algo.critic_hidden_sizes")
+        batch = cfg.runtime.num_workers * cfg.runtime.envs_per_worker * cfg.runtime.rollout_length
+        if c.minibatch_size > batch:
+            raise ConfigError(f"config key 'algo.minibatch_size': {c.minibatch_size} is larger than the batch "
+                              f"per iteration ({batch} = num_workers x envs_per_worker x rollout_length)")
+        if cfg.env.family == "gym":
+            raise ConfigError("config key 'env.family': FPO++ emits action chunks [horizon_steps, A]; "
+                              "the gym family takes single actions (use the robot family)")
+        if c.grad_accumulation > c.minibatch_size:
+            raise ConfigError(f"config key 'algo.grad_accumulation': {c.grad_accumulation} parts of a "
+                              f"{c.minibatch_size}-sample minibatch")
+
+    @staticmethod
+    def preflight(cfg: Config, spec: EnvSpec) -> None:
+        c: FPOPPConfig = cfg.algo
+        if c.base_policy is not None:
+            arch = load_base_policy(c.base_policy)["arch"]
+            mine = policy_arch(cfg)
+            for key, value in arch.items():
+                if key in mine and mine[key] != value:
+                    where = {"image_shape": "env.cameras/env.image_size"}.get(
+                        key, f"algo.{key}" if key in ARCH_KEYS else f"env.{key}")
+                    raise ConfigError(f"config key '{where}': {mine[key]!r} does not match the base "
+                                      f"policy's {value!r} ({c.base_policy})")
+
+    def __init__(self, cfg: Config, spec: EnvSpec, device: torch.device):
+        super().__init__(cfg, spec, device)
+        c: FPOPPConfig = cfg.algo
+        self.c = c
+        self._policy = self.make_policy(cfg, spec).to(device)
+        if c.base_policy is not None:
+            self._policy.load_state_dict(load_base_policy(c.base_policy)["policy"])
+        self.critic = ValueMLP(spec.obs_dim, c.critic_hidden_sizes, image_shape(cfg), c.feature_dim).to(device)
+        self.actor_opt = torch.optim.AdamW(self._policy.parameters(), lr=c.actor_lr, weight_decay=c.weight_decay)
+        self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=c.critic_lr, weight_decay=c.weight_decay)
+        total = cfg.train.iterations
+        cosine = lambda i: 0.5 * (1.0 + math.cos(math.pi * min(i, total) / total))   # noqa: E731
+        schedule = cosine if c.lr_schedule == "cosine" else (lambda i: 1.0)
+        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in (self.actor_opt, self.critic_opt)]
+        self.generator = torch.Generator().manual_seed(cfg.seed)      # minibatch shuffling
+        self.iteration = 0
+        self.skipped_updates = 0
+
+    @staticmethod
+    def make_policy(cfg: Config, spec: EnvSpec) -> FlowPolicy:
+        return make_flow_policy(cfg, spec)
+
+    @property
+    def policy(self) -> FlowPolicy:
+        return self._policy
+
+    def values(self, obs) -> torch.Tensor:
+        """V(o) for obs [T, N, ...] (or [K, ...]) -> [T, N] (or [K])."""
+        lead = (obs["state"] if isinstance(obs, dict) else obs).shape[:-1]
+        flat = map_obs(lambda x: x.reshape(-1, *x.shape[len(lead):]), obs)
+        return self.critic(flat).reshape(lead)
+
+    # ------------------------------------------------------------------ prepare
+    def prepare(self, batches: list[Batch]) -> dict:
+        c = self.c
+        return advantages_from_rollouts(batches, self.values, c.gamma, c.gae_lambda, c.reward_scale, self.device)
+
+    # ------------------------------------------------------------------ update
+    def _losses(self, b: dict, idx: torch.Tensor, train_actor: bool) -> tuple[torch.Tensor, dict]:
+        """Loss of the minibatch rows ``idx`` and its statistics."""
+        c = self.c
+        obs = map_obs(lambda x: x[idx], b["obs"])
+        augment = c.augment and isinstance(obs, dict)
+        v_loss = value_loss(self.critic(obs, augment), b["returns"][idx]).mean()
+        if not train_actor:                           # critic warm-up: the actor is frozen
+            return c.vf_coef * v_loss, {"v_loss": v_loss.detach()}
+        old = b["cfm_old"][idx]                                                   # [mb, N]
+        new = self._policy.cfm_losses(obs, b["actions"][idx], b["taus"][idx], b["mc_eps"][idx], augment)
+        ratios = fpopp_ratios(old, new, c.cfm_loss_clamp, c.cfm_diff_clamp, c.ratio_mode)   # [mb, N]
+        adv = b["advantages"][idx]
+        adv = normalize(adv) if c.normalize_advantages else adv
+        pg_loss = -fpopp_objective(ratios, adv, c.clip, c.use_aspo).mean()
+        with torch.no_grad():
+            log_ratio = ratios.log()
+            stats = {"pg_loss": pg_loss.detach(), "v_loss": v_loss.detach(), "ratio_mean": ratios.mean(),
+                     "ratio_std": ratios.std(), "ratio_min": ratios.min(), "ratio_max": ratios.max(),
+                     "clipfrac": ((ratios - 1.0).abs() > c.clip).float().mean(),
+                     "approx_kl": approx_kl(log_ratio),
+                     "cfm_loss_new_mean": new.mean(), "cfm_loss_old_mean": old.mean()}
+        return pg_loss + c.vf_coef * v_loss, stats
+
+    def update(self, b: dict) -> dict[str, float]:
+        c, m = self.c, b["advantages"].shape[0]
+        train_actor = self.iteration >= c.critic_warmup_iters
+        optimizers = [self.actor_opt, self.critic_opt] if train_actor else [self.critic_opt]
+        params = [p for o in optimizers for g in o.param_groups for p in g["params"]]
+        stats: dict[str, list[float]] = {}
+        epochs_run, early_stop = 0, False
+        for _ in range(c.epochs):
+            epochs_run += 1
+            perm = torch.randperm(m, generator=self.generator).to(self.device)
+            for start in range(0, m, c.minibatch_size):
+                idx = perm[start:start + c.minibatch_size]
+                # Gradient accumulation: the minibatch in parts (memory), one optimiser step.
+                parts = idx.chunk(c.grad_accumulation)
+                total_loss, mb_stats = 0.0, {}
+                for part in parts:
+                    loss, part_stats = self._losses(b, part, train_actor)
+                    total_loss = total_loss + loss * (len(part) / len(idx))
+                    for k, v in part_stats.items():
+                        mb_stats[k] = mb_stats.get(k, 0.0) + float(v) * len(part) / len(idx)
+                grad_norm, stepped = optimizer_step(total_loss, optimizers, params, c.max_grad_norm)
+                self.skipped_updates += int(not stepped)
+                mb_stats["grad_norm"] = grad_norm
+                for k, v in mb_stats.items():
+                    stats.setdefault(k, []).append(v)
+                if train_actor and c.target_kl is not None and mb_stats["approx_kl"] > c.target_kl:
+                    early_stop = True
+                    break
+            if early_stop:
+                break
+        lrs = {"fpopp/actor_lr": self.actor_opt.param_groups[0]["lr"],
+               "fpopp/critic_lr": self.critic_opt.param_groups[0]["lr"]}
+        # The actor's schedule starts with its first step (after the critic warm-up).
+        for opt, sched in zip((self.actor_opt, self.critic_opt), self.schedulers):
+            if opt in optimizers:
+                sched.step()
+        self.iteration += 1
+        with torch.no_grad():
+            var_ret = b["returns"].var()
+            explained = 1.0 - (b["returns"] - b["values_old"]).var() / var_ret if var_ret > 0 else torch.tensor(float("nan"))
+        # The metric names of the FPO++ paper's logs, unprefixed; the rest under fpopp/.
+        out = {k: float(np.mean(v)) for k, v in stats.items() if k != "grad_norm"}
+        out.update(lrs)
+        out.update({"fpopp/grad_norm": float(np.mean(stats["grad_norm"])) if stats else float("nan"),
+                    "fpopp/explained_variance": float(explained), "fpopp/epochs_run": epochs_run,
+                    "fpopp/early_stopped": float(early_stop), "fpopp/actor_frozen": float(not train_actor),
+                    "fpopp/skipped_updates": self.skipped_updates,
+                    "fpopp/advantage_mean": float(b["advantages"].mean()),
+                    "fpopp/advantage_std": float(b["advantages"].std()),
+                    "fpopp/return_mean": float(b["returns"].mean())})
+        return out
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        return {"policy": self._policy.state_dict(), "critic": self.critic.state_dict(),
+                "actor_opt": self.actor_opt.state_dict(), "critic_opt": self.critic_opt.state_dict(),
+                "schedulers": [s.state_dict() for s in self.schedulers],
+                "generator": self.generator.get_state(), "iteration": self.iteration,
+                "skipped_updates": self.skipped_updates}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._policy.load_state_dict(state["policy"])
+        self.critic.load_state_dict(state["critic"])
+        self.actor_opt.load_state_dict(state["actor_opt"])
+        self.critic_opt.load_state_dict(state["critic_opt"])
+        for s, sd in zip(self.schedulers, state["schedulers"]):
+            s.load_state_dict(sd)
+        self.generator.set_state(state["generator"])
+        self.iteration, self.skipped_updates = state["iteration"], state["skipped_updates"]
+
+
+def policy_arch(cfg: Config) -> dict:
+    """What a base policy and the config must agree on."""
+    c = cfg.algo
+    return {"hidden_sizes": list(c.hidden_sizes), "time_dim": c.time_dim, "feature_dim": c.feature_dim,
+            "horizon_steps": cfg.env.horizon_steps, "obs_mode": cfg.env.obs_mode,
+            "image_shape": list(image_shape(cfg)) if image_shape(cfg) else None}

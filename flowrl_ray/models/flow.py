@@ -1,0 +1,225 @@
+"""Flow-matching action policies: velocity networks, the Euler sampler and the CFM loss.
+
+Time convention (one for the whole package): ``tau = 0`` is noise, ``tau = 1`` is data,
+
+    x_tau = tau * a + (1 - tau) * eps,      target velocity  u = a - eps,
+
+and sampling integrates ``dx/dtau = v(x, tau | o)`` with K Euler steps from ``x_0 = eps`` to the
+action at ``tau = 1``. Actions are chunks ``[Ta, Da]`` (``horizon_steps`` x action width) in the
+dataset-normalised [-1, 1] range.
+
+Written once and shared: :func:`cfm_losses` is behaviour cloning's loss (pretraining), FPO++'s
+likelihood surrogate and FlowSAR's energy; :func:`euler_sample` is every flow policy's sampler.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flowrl_ray.models.mlp import mlp
+
+#: an observation batch: a state tensor [B, D], or {"state": [B, D], "rgb": [B, C, H, W] uint8}
+Obs = Union[torch.Tensor, dict]
+#: velocity_fn(x [B, Ta, Da], tau [B], cond [B, ...]) -> v [B, Ta, Da]
+VelocityFn = Callable[[torch.Tensor, torch.Tensor, Obs], torch.Tensor]
+
+
+def repeat_obs(obs: Obs, n: int) -> Obs:
+    """Each row repeated ``n`` times in place: [o0, o0, .., o1, o1, ..] (matches
+    ``x.reshape(B * n, ...)`` of a [B, n, ...] tensor)."""
+    if isinstance(obs, dict):
+        return {k: v.repeat_interleave(n, dim=0) for k, v in obs.items()}
+    return obs.repeat_interleave(n, dim=0)
+
+
+def obs_batch_size(obs: Obs) -> int:
+    return next(iter(obs.values())).shape[0] if isinstance(obs, dict) else obs.shape[0]
+
+
+def cfm_losses(velocity_fn: VelocityFn, obs: Obs, actions: torch.Tensor, taus: torch.Tensor,
+               eps: torch.Tensor) -> torch.Tensor:
+    """Per-sample conditional flow-matching losses (FPO++ Eq. 5-8), all in one forward pass:
+
+        x_i = tau_i * a + (1 - tau_i) * eps_i
+        l_i = || v(x_i, tau_i | o) - (a - eps_i) ||^2     summed over the chunk and action dims
+
+    obs [B, ...] (repeated ``N`` times for the call), actions [B, Ta, Da], taus [B, N],
+    eps [B, N, Ta, Da] -> [B, N].
+    """
+    b, n = taus.shape
+    a = actions.unsqueeze(1)                                    # [B, 1, Ta, Da]
+    t = taus[..., None, None]                                   # [B, N, 1, 1]
+    x = t * a + (1.0 - t) * eps                                 # [B, N, Ta, Da]
+    target = a - eps                                            # [B, N, Ta, Da]
+    v = velocity_fn(x.reshape(b * n, *actions.shape[1:]), taus.reshape(b * n), repeat_obs(obs, n))
+    return (v.reshape(b, n, *actions.shape[1:]) - target).pow(2).sum(dim=(-2, -1))
+
+
+def euler_sample(velocity_fn: VelocityFn, obs: Obs, eps: torch.Tensor, steps: int) -> torch.Tensor:
+    """Integrate the flow from ``x_0 = eps`` [B, Ta, Da] to tau = 1 with ``steps`` Euler steps:
+    ``x_{k+1} = x_k + v(x_k, k / K | o) / K``. Returns [B, Ta, Da] (unclipped)."""
+    x, dt = eps, 1.0 / steps
+    for k in range(steps):
+        tau = torch.full((x.shape[0],), k * dt, dtype=x.dtype, device=x.device)
+        x = x + dt * velocity_fn(x, tau, obs)
+    return x
+
+
+def sinusoidal_embedding(tau: torch.Tensor, dim: int, max_period: float = 10_000.0) -> torch.Tensor:
+    """tau [B] in [0, 1] -> [B, dim]: sin/cos at geometric frequencies (the transformer
+    embedding, with tau scaled by 1000 so that neighbouring Euler steps differ)."""
+    half = dim // 2
+    freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=tau.dtype, device=tau.device) / half)
+    angles = 1000.0 * tau[:, None] * freqs[None]
+    return torch.cat([angles.sin(), angles.cos()], dim=-1)
+
+
+class VelocityMLP(nn.Module):
+    """v(x, tau | cond): an MLP on [flattened chunk, time embedding, condition] (DPPO's FlowMLP
+    shape). x [B, Ta, Da], tau [B], cond [B, C] -> [B, Ta, Da]."""
+
+    def __init__(self, cond_dim: int, horizon_steps: int, action_dim: int, hidden_sizes: list[int],
+                 time_dim: int = 32, activation: str = "mish"):
+        super().__init__()
+        self.horizon_steps, self.action_dim, self.time_dim = horizon_steps, action_dim, time_dim
+        self.time_mlp = nn.Sequential(nn.Linear(time_dim, 2 * time_dim), nn.Mish(),
+                                      nn.Linear(2 * time_dim, time_dim))
+        chunk = horizon_steps * action_dim
+        self.net = mlp([chunk + time_dim + cond_dim, *hidden_sizes, chunk], activation, out_gain=0.01)
+
+    def forward(self, x: torch.Tensor, tau: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        temb = self.time_mlp(sinusoidal_embedding(tau, self.time_dim))
+        out = self.net(torch.cat([x.flatten(1), temb, cond], dim=-1))
+        return out.view(x.shape)
+
+
+def random_shift(images: torch.Tensor, pad: int = 4, generator: torch.Generator | None = None) -> torch.Tensor:
+    """DrQ's augmentation: replicate-pad by ``pad`` pixels and crop back at a random integer
+    offset per image. images [B, C, H, W] float -> same shape."""
+    b, _, h, w = images.shape
+    padded = F.pad(images, (pad, pad, pad, pad), mode="replicate")
+    shifts = torch.randint(0, 2 * pad + 1, (b, 2), generator=generator).to(images.device)
+    rows = (torch.arange(h, device=images.device)[None] + shifts[:, :1])       # [B, H]
+    cols = (torch.arange(w, device=images.device)[None] + shifts[:, 1:])       # [B, W]
+    batch = torch.arange(b, device=images.device)[:, None, None]
+    # gather [B, C, H, W]: index rows then columns of each image
+    out = padded.permute(0, 2, 3, 1)[batch, rows[:, :, None], cols[:, None, :]]
+    return out.permute(0, 3, 1, 2)
+
+
+class ImageEncoder(nn.Module):
+    """A small conv encoder (DrQ-v2's): uint8 RGB [B, C, H, W] -> features [B, feature_dim].
+    Random-shift augmentation when ``augment`` is on (training only)."""
+
+    def __init__(self, in_channels: int, image_size: int, feature_dim: int = 64, channels: int = 32):
+        super().__init__()
+        self.conv = nn.Sequential(
+            nn.Conv2d(in_channels, channels, 3, stride=2), nn.ReLU(),
+            nn.Conv2d(channels, channels, 3, stride=2), nn.ReLU(),
+            nn.Conv2d(channels, channels, 3, stride=1), nn.ReLU(),
+            nn.Conv2d(channels, channels, 3, stride=1), nn.ReLU(), nn.Flatten())
+        with torch.no_grad():
+            flat = self.conv(torch.zeros(1, in_channels, image_size, image_size)).shape[-1]
+        self.head = nn.Sequential(nn.Linear(flat, feature_dim), nn.LayerNorm(feature_dim), nn.Tanh())
+
+    def forward(self, rgb: torch.Tensor, augment: bool = False) -> torch.Tensor:
+        x = rgb.float() / 255.0 - 0.5
+        if augment:
+            x = random_shift(x)
+        return self.head(self.conv(x))
+
+
+class ObsEncoder(nn.Module):
+    """Observation -> condition vector: the state itself, or [state, image features]."""
+
+    def __init__(self, state_dim: int, image_shape: tuple[int, int, int] | None = None,
+                 feature_dim: int = 64):
+        super().__init__()
+        self.image = ImageEncoder(image_shape[0], image_shape[1], feature_dim) if image_shape else None
+        self.out_dim = state_dim + (feature_dim if image_shape else 0)
+
+    def forward(self, obs: Obs, augment: bool = False) -> torch.Tensor:
+        if self.image is None:
+            return obs["state"] if isinstance(obs, dict) else obs
+        return torch.cat([obs["state"], self.image(obs["rgb"], augment)], dim=-1)
+
+
+class FlowPolicy(nn.Module):
+    """A flow-matching action-chunk policy pi(a | o): an observation encoder and a velocity MLP.
+
+    ``act`` samples with K Euler steps from ``eps ~ N(0, I)`` (training) or from ``eps = 0``
+    (``deterministic``: FPO++'s zero-sampling), clips to [-1, 1] and, when sampling for
+    training, draws ``n_mc`` pairs (tau_i, eps_i) and records their CFM losses under the
+    sampling weights (FPO++'s "old" losses, computed once).
+    """
+
+    def __init__(self, state_dim: int, action_dim: int, horizon_steps: int, hidden_sizes: list[int],
+                 time_dim: int = 32, flow_steps: int = 10, n_mc: int = 8,
+                 image_shape: tuple[int, int, int] | None = None, feature_dim: int = 64):
+        super().__init__()
+        self.action_dim, self.horizon_steps = action_dim, horizon_steps
+        self.flow_steps, self.n_mc = flow_steps, n_mc
+        self.encoder = ObsEncoder(state_dim, image_shape, feature_dim)
+        self.velocity = VelocityMLP(self.encoder.out_dim, horizon_steps, action_dim, hidden_sizes, time_dim)
+
+    @property
+    def chunk_shape(self) -> tuple[int, int]:
+        return self.horizon_steps, self.action_dim
+
+    def sample(self, obs: Obs, eps: torch.Tensor, steps: int | None = None) -> torch.Tensor:
+        """Actions [B, Ta, Da] in [-1, 1] from initial noise eps [B, Ta, Da]."""
+        cond = self.encoder(obs)
+        return euler_sample(self.velocity, cond, eps, steps or self.flow_steps).clamp(-1.0, 1.0)
+
+    def cfm_losses(self, obs: Obs, actions: torch.Tensor, taus: torch.Tensor, eps: torch.Tensor,
+                   augment: bool = False) -> torch.Tensor:
+        """[B, N] per-sample CFM losses (see :func:`cfm_losses`); the observation is encoded
+        once per row, not once per Monte Carlo sample."""
+        return cfm_losses(self.velocity, self.encoder(obs, augment), actions, taus, eps)
+
+    def bc_loss(self, obs: Obs, actions: torch.Tensor, generator: torch.Generator | None = None,
+                augment: bool = False) -> torch.Tensor:
+        """Behaviour cloning: the CFM loss of one (tau ~ U[0, 1], eps ~ N(0, I)) pair per
+        demonstration chunk, averaged over the chunk, action and batch dims."""
+        b = actions.shape[0]
+        taus = torch.rand(b, 1, generator=generator).to(actions.device)
+        eps = torch.randn(b, 1, *actions.shape[1:], generator=generator).to(actions.device)
+        return self.cfm_losses(obs, actions, taus, eps, augment).mean() / (actions[0].numel())
+
+    @torch.no_grad()
+    def act(self, obs: Obs, deterministic: bool = False,
+            generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """obs [N, ...] -> (action chunk [N, Ta, Da] in [-1, 1], record). The record holds
+        ``actions``; when sampling for training also ``taus`` [N, M], ``mc_eps`` [N, M, Ta, Da]
+        and ``cfm_old`` [N, M] (M = n_mc)."""
+        n = obs_batch_size(obs)
+        shape = (n, *self.chunk_shape)
+        if deterministic:
+            eps = torch.zeros(shape)
+        else:
+            eps = torch.randn(shape, generator=generator)
+        actions = self.sample(obs, eps)
+        record = {"actions": actions}
+        if not deterministic and self.n_mc > 0:
+            taus = torch.rand(n, self.n_mc, generator=generator)
+            mc_eps = torch.randn(n, self.n_mc, *self.chunk_shape, generator=generator)
+            record.update(taus=taus, mc_eps=mc_eps, cfm_old=self.cfm_losses(obs, actions, taus, mc_eps))
+        return actions, record
+
+
+class ValueMLP(nn.Module):
+    """V(o) for the flow policies' critics: its own observation encoder and an MLP -> [B]."""
+
+    def __init__(self, state_dim: int, hidden_sizes: list[int],
+                 image_shape: tuple[int, int, int] | None = None, feature_dim: int = 64):
+        super().__init__()
+        self.encoder = ObsEncoder(state_dim, image_shape, feature_dim)
+        self.net = mlp([self.encoder.out_dim, *hidden_sizes, 1], "mish", out_gain=1.0)
+
+    def forward(self, obs: Obs, augment: bool = False) -> torch.Tensor:
+        return self.net(self.encoder(obs, augment)).squeeze(-1)
