@@ -1,4 +1,4 @@
-"""`flowrl-ray`: train, eval, tune, compare, serve, plot.
+"""`flowrl-ray`: train, eval, tune, compare, serve, plot, demos, pretrain.
 
 User errors (missing file, bad config, bad run directory) print one line and exit with status 2,
 without a traceback.
@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from flowrl_ray.config import ConfigError, load_config
+from flowrl_ray.config import ConfigError, apply_overrides, config_from_dict, load_config, read_yaml
 from flowrl_ray.errors import TrainingError
 
 EXIT_USER_ERROR = 2
@@ -60,7 +60,9 @@ def _learning_result(summary: dict) -> str:
     fmt = lambda v: "-" if v is None else f"{v:.1f}"
     return (f"training episode return {fmt(summary['first_episode_return_mean'])} (first iteration) -> "
             f"{fmt(summary['final_episode_return_mean'])} (last 100 episodes) over {summary['env_steps']:,} env steps "
-            f"in {summary['time_s']:.0f}s; deterministic eval {fmt(summary['final_eval_return_mean'])}")
+            f"in {summary['time_s']:.0f}s; deterministic eval {fmt(summary['final_eval_return_mean'])}"
+            + (f"; eval success rate {summary['first_eval_success_rate']:.0%} (first eval) -> "
+               f"{summary['final_eval_success_rate']:.0%} (last)" if "final_eval_success_rate" in summary else ""))
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -71,16 +73,18 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from flowrl_ray.envs.rollout import EnvRunner
 
     cfg, spec, policy = load_policy(args.run_dir)
+    sampling = "random" if args.stochastic else args.sampling
     runner = EnvRunner(env_family(cfg.env.family), cfg.env, min(args.episodes, 8), cfg.seed, policy)
     try:
-        result = runner.evaluate(args.episodes, deterministic=not args.stochastic)
+        result = runner.evaluate(args.episodes, deterministic=sampling == "zero")
     finally:
         runner.close()
     r = np.array(result["episode_returns"])
-    out = {"run_dir": str(args.run_dir), "env": cfg.env.id, "episodes": len(r),
-           "policy": "stochastic" if args.stochastic else "deterministic",
+    out = {"run_dir": str(args.run_dir), "env": cfg.env.id, "episodes": len(r), "sampling": sampling,
            "return_mean": float(r.mean()), "return_std": float(r.std()),
            "length_mean": float(np.mean(result["episode_lengths"]))}
+    if "episode_successes" in result:
+        out["success_rate"] = float(np.mean(result["episode_successes"]))
     print(json.dumps(out))
     return 0
 
@@ -130,6 +134,49 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demos(args: argparse.Namespace) -> int:
+    from flowrl_ray.envs.robot import CAMERAS, TASKS
+    task = args.task.lower()
+    names = {t.name: t.name for t in TASKS.values()} | {t.env_name.lower(): t.name for t in TASKS.values()}
+    if task not in names:
+        raise UserError(f"unknown task {args.task!r}; choose one of {', '.join(TASKS)}")
+    bad = [c for c in args.cameras if c not in CAMERAS]
+    if bad:
+        raise UserError(f"--cameras: unknown camera(s) {bad}; choose from {', '.join(CAMERAS)}")
+    for name, value in (("episodes", args.episodes), ("image-size", args.image_size)):
+        if value <= 0:
+            raise UserError(f"--{name}: must be > 0, got {value}")
+    from flowrl_ray.envs.robot.experts import collect_demos
+    out = Path(args.out) if args.out else Path("demos") / f"{names[task]}.hdf5"
+    stats = collect_demos(names[task], args.episodes, out, seed=args.seed, noise=args.noise,
+                          cameras=tuple(args.cameras), image_size=args.image_size,
+                          max_attempts=args.max_attempts, progress=True)
+    print(json.dumps({"task": stats.task, "demos": stats.successes, "attempts": stats.attempts,
+                      "success_rate": round(stats.success_rate, 4), "steps": stats.steps,
+                      "seconds": round(stats.seconds, 1), "out": str(out)}), flush=True)
+    if stats.successes == 0:
+        print(f"flowrl-ray demos: failed: the {stats.task} expert solved none of {stats.attempts} "
+              f"attempts", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_pretrain(args: argparse.Namespace) -> int:
+    from flowrl_ray.pretrain import pretrain
+    data = apply_overrides(read_yaml(args.config), args.overrides)
+    algo = data.get("algo")
+    # algo.base_policy names the file this creates: validate without loading it.
+    out = args.out or (algo.get("base_policy") if isinstance(algo, dict) else None)
+    cfg = config_from_dict(apply_overrides(data, ["algo.base_policy=null"]))
+    if args.dataset is not None and not Path(args.dataset).is_file():
+        raise UserError(f"--dataset: no such file {args.dataset!r}")
+    summary = pretrain(cfg, dataset=args.dataset, out=out, epochs=args.epochs, batch_size=args.batch_size,
+                       lr=args.lr, seed=cfg.seed if args.seed is None else args.seed,
+                       eval_episodes=args.eval_episodes, progress=True)
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
 # --------------------------------------------------------------------------- parser
 
 def build_parser() -> argparse.ArgumentParser:
@@ -149,10 +196,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("eval", help="evaluate a run's latest checkpoint",
                        description="Run episodes with the latest checkpoint's policy (deterministic by "
-                                   "default) and print return statistics as JSON.")
+                                   "default) and print return statistics (and success rate, for robot "
+                                   "tasks) as JSON.")
     e.add_argument("run_dir")
     e.add_argument("--episodes", type=int, default=10)
-    e.add_argument("--stochastic", action="store_true", help="sample actions instead of the mean")
+    e.add_argument("--sampling", choices=["zero", "random"], default="zero",
+                   help="zero: deterministic (a Gaussian's mean; a flow integrated from eps = 0); "
+                        "random: sample as in training")
+    e.add_argument("--stochastic", action="store_true", help="same as --sampling random")
     e.set_defaults(func=cmd_eval)
 
     tu = sub.add_parser("tune", help="hyperparameter sweep with Ray Tune",
@@ -200,6 +251,39 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--title")
     pl.add_argument("--out", help="PNG path (default RUN_DIR/plots/<y>.png)")
     pl.set_defaults(func=cmd_plot)
+
+    d = sub.add_parser("demos", help="collect scripted-expert demonstrations (robomimic hdf5)",
+                       description="Run the scripted expert of a robot task until N successful episodes "
+                                   "(failed attempts are dropped) and write them in robomimic's hdf5 layout "
+                                   "with normalisation statistics. Prints one JSON line: task, demos, attempts, "
+                                   "success_rate, steps, seconds, out.")
+    d.add_argument("task", help="lift | can | square")
+    d.add_argument("--episodes", type=int, required=True, help="successful demos to collect")
+    d.add_argument("--out", help="hdf5 path (default demos/<task>.hdf5)")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--noise", type=float, default=0.1, help="Gaussian noise on the arm actions")
+    d.add_argument("--cameras", nargs="+", default=[], metavar="CAM",
+                   help="also record <CAM>_image, e.g. agentview robot0_eye_in_hand")
+    d.add_argument("--image-size", type=int, default=84)
+    d.add_argument("--max-attempts", type=int, help="give up after this many episodes (default 4 x N)")
+    d.set_defaults(func=cmd_demos)
+
+    pr = sub.add_parser("pretrain", help="behaviour-clone a flow policy from demos (an FPO++ base policy)",
+                        description="Flow-matching behaviour cloning of the config's flow policy on a robomimic "
+                                    "dataset (env.dataset or --dataset). Writes the checkpoint that "
+                                    "algo.base_policy loads (--out or algo.base_policy), <stem>.metrics.jsonl "
+                                    "and <stem>.loss.png; prints a JSON summary.")
+    pr.add_argument("config")
+    pr.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. algo.hidden_sizes=[256,256]")
+    pr.add_argument("--dataset", help="robomimic hdf5 (default env.dataset)")
+    pr.add_argument("--out", help="checkpoint path (default algo.base_policy)")
+    pr.add_argument("--epochs", type=int, default=50)
+    pr.add_argument("--batch-size", type=int, default=256)
+    pr.add_argument("--lr", type=float, default=1e-3)
+    pr.add_argument("--eval-episodes", type=int, default=0,
+                    help="then evaluate in the env: success with zero and random sampling")
+    pr.add_argument("--seed", type=int, help="default: the config's seed")
+    pr.set_defaults(func=cmd_pretrain)
     return p
 
 

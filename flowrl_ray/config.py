@@ -96,6 +96,7 @@ class EvalConfig:
     # zero: deterministic actions (a Gaussian's mean, a flow integrated from eps = 0);
     # random: sampled as in training
     sampling: Literal["zero", "random"] = "zero"
+    at_start: bool = False      # also evaluate the initial policy (a pretrained one) as iteration 0
 
 
 @dataclass

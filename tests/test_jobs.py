@@ -79,10 +79,21 @@ def test_job_yaml(path):
     assert commands, f"no flowrl-ray command in {job.entrypoint!r}"
     parser = build_parser()
     verb = "train" if path.stem.endswith("_train") else "eval"
+    # a train job may first make its demonstrations and pretrained policy (FPO++)
+    allowed = {"train", "demos", "pretrain"} if verb == "train" else {"eval"}
+    assert verb in [args[0] for args in commands]
     for args in commands:
-        assert args[0] == verb, args
+        assert args[0] in allowed, args
         parsed, extra = parser.parse_known_args(args)
         assert not [x for x in extra if "=" not in x], extra
+        if args[0] == "pretrain":
+            assert (REPO / parsed.config).is_file(), parsed.config
+            load_config(REPO / parsed.config, parsed.overrides)
+            assert parsed.out.startswith("/mnt/user_storage/")
+        if args[0] == "demos":
+            assert parsed.out.startswith("/mnt/user_storage/") and parsed.episodes > 0
+        if args[0] != verb:
+            continue
         if verb == "train" and parsed.config:
             # the config exists (relative to working_dir) and is valid
             assert (REPO / parsed.config).is_file(), parsed.config
@@ -100,7 +111,7 @@ def test_eval_job_reads_the_train_jobs_run(train):
     from flowrl_ray.cli import build_parser
     parser = build_parser()
     eval_path = train.with_name(train.name.replace("_train", "_eval"))
-    train_cmds = [parser.parse_known_args(a)[0] for a in _commands(_load(train).entrypoint)]
+    train_cmds = [parser.parse_known_args(a)[0] for a in _commands(_load(train).entrypoint) if a[0] == "train"]
     (eval_cmd,) = [parser.parse_known_args(a)[0] for a in _commands(_load(eval_path).entrypoint)]
     fresh = [c for c in train_cmds if c.config]
     resumed = [c for c in train_cmds if c.resume]

@@ -318,6 +318,12 @@ class Trainer:
         recent = collections.deque(c.recent_returns, maxlen=RETURN_WINDOW)
         recent_success = collections.deque(c.recent_successes, maxlen=RETURN_WINDOW)
         last_saved = c.iteration
+        if cfg.eval.at_start and c.iteration == 0 and not any(r.get("iteration") == 0 for r in read_metrics(self.run_dir)):
+            # The starting point of fine-tuning: the loaded (pretrained) policy, before any update.
+            row = {"iteration": 0, "env_steps": 0, "time_s": 0.0, **self._evaluate()}
+            self.logger.log(row)
+            self._log("initial policy: " + ", ".join(f"{k} {v:.3g}" for k, v in row.items()
+                                                     if k.startswith("eval/") and isinstance(v, float)))
         while c.iteration < total:
             t0 = time.perf_counter()
             metas, refs = self._sample()
