@@ -7,9 +7,9 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 # What `make test` needs: dev (pytest) and robot (robosuite, h5py).
 EXTRAS ?= dev,robot
-RUN_DIR ?= runs/quickstart
+RUN_DIR ?= runs/fpopp-lift
 
-.PHONY: run test install system-deps lint bench clean
+.PHONY: run run-ppo test install system-deps lint bench clean
 
 # System packages: swig builds box2d-py (gymnasium[box2d]); gcc and the kernel headers build evdev
 # (a robosuite dependency, from source); Mesa's EGL and OSMesa render robosuite cameras on the CPU.
@@ -34,9 +34,20 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# The main job: PPO on Pendulum-v1 on a local Ray started on demand (a few minutes on 2 cores).
+# The main job, on a local Ray started on demand: 50 scripted Lift demonstrations -> a short
+# flow-matching pretraining (an imperfect base policy) -> FPO++ fine-tuning; prints the success
+# rate before and after and draws the curves (runs/fpopp-lift-<time>/plots/). Demos and the base
+# policy are made once (delete demos/ or pretrained/ to redo them).
+FLOWRL := $(VENV)/bin/flowrl-ray
+QUICKSTART := configs/fpopp/lift_state_quickstart.yaml
 run: install
-	$(VENV)/bin/flowrl-ray train configs/ppo/pendulum.yaml --run-dir $(RUN_DIR)-$$(date +%Y%m%d-%H%M%S)
+	test -f demos/lift.hdf5 || $(FLOWRL) demos lift --episodes 50 --out demos/lift.hdf5
+	test -f pretrained/lift_state_quickstart.pt || $(FLOWRL) pretrain $(QUICKSTART) --epochs 10 --eval-episodes 20
+	$(FLOWRL) train $(QUICKSTART) --run-dir $(RUN_DIR)-$$(date +%Y%m%d-%H%M%S)
+
+# The platform's smallest job: PPO on Pendulum-v1 (about a minute on 2 cores).
+run-ppo: install
+	$(FLOWRL) train configs/ppo/pendulum.yaml --run-dir runs/ppo-pendulum-$$(date +%Y%m%d-%H%M%S)
 
 test: install
 	$(PY) -m pytest -q -ra tests
@@ -45,6 +56,8 @@ bench: install
 	$(PY) benchmarks/rollout_throughput.py
 	$(PY) benchmarks/ppo_vs_rllib.py
 	$(PY) benchmarks/cma_ppo_vs_ppo.py
+	$(PY) benchmarks/robot_rollout.py
+	$(PY) benchmarks/fpopp_learner.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

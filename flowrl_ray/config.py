@@ -46,6 +46,15 @@ def check_layer_sizes(sizes: Any, key: str) -> None:
         raise ConfigError(f"config key '{key}': must be a non-empty list of positive ints, got {sizes}")
 
 
+def check_minibatch_size(cfg: "Config", size: int, key: str = "algo.minibatch_size") -> None:
+    """A minibatch no larger than one iteration's batch, else ConfigError naming `key`."""
+    rt = cfg.runtime
+    batch = rt.num_workers * rt.envs_per_worker * rt.rollout_length
+    if size > batch:
+        raise ConfigError(f"config key '{key}': {size} is larger than the batch per iteration "
+                          f"({batch} = num_workers x envs_per_worker x rollout_length)")
+
+
 # --------------------------------------------------------------------------- schema
 
 @dataclass

@@ -30,7 +30,7 @@ from flowrl_ray.algorithms.base import Algorithm, optimizer_step
 from flowrl_ray.algorithms.losses import approx_kl, aspo_objective, ppo_clip_objective, value_loss
 from flowrl_ray.algorithms.onpolicy import advantages_from_rollouts
 from flowrl_ray.batch import Batch, map_obs
-from flowrl_ray.config import Config, ConfigError, check, check_layer_sizes
+from flowrl_ray.config import Config, ConfigError, check, check_layer_sizes, check_minibatch_size
 from flowrl_ray.envs import EnvSpec
 from flowrl_ray.models.flow import FlowPolicy, ValueMLP
 
@@ -141,10 +141,7 @@ class FPOPP(Algorithm):
         c: FPOPPConfig = cfg.algo
         check_layer_sizes(c.hidden_sizes, "algo.hidden_sizes")
         check_layer_sizes(c.critic_hidden_sizes, "algo.critic_hidden_sizes")
-        batch = cfg.runtime.num_workers * cfg.runtime.envs_per_worker * cfg.runtime.rollout_length
-        if c.minibatch_size > batch:
-            raise ConfigError(f"config key 'algo.minibatch_size': {c.minibatch_size} is larger than the batch "
-                              f"per iteration ({batch} = num_workers x envs_per_worker x rollout_length)")
+        check_minibatch_size(cfg, c.minibatch_size)
         if cfg.env.family == "gym":
             raise ConfigError("config key 'env.family': FPO++ emits action chunks [horizon_steps, A]; "
                               "the gym family takes single actions (use the robot family)")

@@ -21,7 +21,7 @@ from flowrl_ray.algorithms.base import Algorithm, optimizer_step
 from flowrl_ray.algorithms.losses import approx_kl, ppo_clip_objective, value_loss
 from flowrl_ray.algorithms.onpolicy import advantages_from_rollouts
 from flowrl_ray.batch import Batch
-from flowrl_ray.config import Config, ConfigError, check, check_layer_sizes
+from flowrl_ray.config import Config, check, check_layer_sizes, check_minibatch_size
 from flowrl_ray.envs import EnvSpec
 from flowrl_ray.models.gaussian import GaussianPolicy, ValueNet
 
@@ -72,10 +72,7 @@ class PPO(Algorithm):
     def validate_config(cfg: Config) -> None:
         c: PPOConfig = cfg.algo
         check_layer_sizes(c.hidden_sizes, "algo.hidden_sizes")
-        batch = cfg.runtime.num_workers * cfg.runtime.envs_per_worker * cfg.runtime.rollout_length
-        if c.minibatch_size > batch:
-            raise ConfigError(f"config key 'algo.minibatch_size': {c.minibatch_size} is larger than the batch "
-                              f"per iteration ({batch} = num_workers x envs_per_worker x rollout_length)")
+        check_minibatch_size(cfg, c.minibatch_size)
 
     def __init__(self, cfg: Config, spec: EnvSpec, device: torch.device):
         super().__init__(cfg, spec, device)

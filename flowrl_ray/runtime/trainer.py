@@ -387,10 +387,14 @@ class Trainer:
                    "dropped_batches": self.counters.dropped_batches}
         import json
         atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
-        try:
-            plot_runs([self.run_dir], self.run_dir / "plots" / "learning_curve.png")
-        except Exception as e:  # noqa: BLE001 - a plot must not fail a finished run
-            self._log(f"could not draw the learning curve: {e}")
+        plots = [("episode_return_mean", "learning_curve.png")]
+        if any(r.get("eval/success_rate") is not None for r in rows):      # robot tasks
+            plots.append(("eval/success_rate", "success_rate.png"))
+        for y, name in plots:
+            try:
+                plot_runs([self.run_dir], self.run_dir / "plots" / name, y=y)
+            except Exception as e:  # noqa: BLE001 - a plot must not fail a finished run
+                self._log(f"could not draw {name}: {e}")
         return summary
 
     def close(self) -> None:

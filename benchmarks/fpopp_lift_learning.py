@@ -1,0 +1,150 @@
+"""FPO++ on robosuite Lift (low-dim state) on this machine: success of the pretrained flow policy
+before and after fine-tuning, with env steps and wall-clock; zero- vs random-sampling at
+evaluation; per-sample vs averaged ratio at the same budget.
+
+Run from the repository root (each fine-tuning run is `train.iterations` of the config, about
+30 minutes on 2 idle cores with the quickstart config):
+
+    .venv/bin/python benchmarks/fpopp_lift_learning.py                      # per_sample and averaged
+    .venv/bin/python benchmarks/fpopp_lift_learning.py --ratio-modes per_sample
+    .venv/bin/python benchmarks/fpopp_lift_learning.py --runs runs/fpopp-lift-quickstart-1
+                                                       # evaluate finished `flowrl-ray train` runs
+
+Steps: 50 scripted demos (`demos/lift.hdf5`, made if missing), the base policy
+(`flowrl-ray pretrain ... --epochs 10`, made if missing), then per ratio mode one
+`flowrl-ray train` run of the quickstart config. Every policy (the base and each run's final
+checkpoint) is then evaluated in this process on the same seeded episodes with zero-sampling
+(eps = 0, FPO++'s test-time rule) and random sampling (eps ~ N(0, I), what training rollouts use).
+Results: ``benchmarks/results/fpopp_lift_learning.{md,json}`` and the runs' success curves. No
+assertion is made. "env steps" are policy steps (one action chunk each, `act_steps` = 8
+low-level 20 Hz robosuite steps, fewer at the end of an episode).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import REPO_ROOT, RESULTS_DIR, git_revision, md_table, write_results  # noqa: E402
+
+os.environ.setdefault("MUJOCO_GL", "egl")
+CONFIG = "configs/fpopp/lift_state_quickstart.yaml"
+FLOWRL = [sys.executable, "-m", "flowrl_ray.cli"]
+
+
+def evaluate(policy, cfg, episodes: int) -> dict:
+    """Success rate with zero and with random sampling over the same seeded episodes."""
+    import torch
+
+    from flowrl_ray.envs import env_family
+    from flowrl_ray.envs.rollout import EnvRunner
+    torch.set_num_threads(1)
+    out = {}
+    for sampling in ("zero", "random"):
+        runner = EnvRunner(env_family("robot"), cfg.env, 8, seed=12345, policy=policy.eval())
+        try:
+            r = runner.evaluate(episodes, deterministic=sampling == "zero")
+        finally:
+            runner.close()
+        out[sampling] = sum(r["episode_successes"]) / len(r["episode_successes"])
+        out[f"{sampling}_length"] = sum(r["episode_lengths"]) / len(r["episode_lengths"])
+    return out
+
+
+def base_policy(cfg):
+    import torch
+
+    from flowrl_ray.algorithms.fpopp import FPOPP
+    from flowrl_ray.envs import env_family
+    spec = env_family("robot").spec(cfg.env)
+    policy = FPOPP.make_policy(cfg, spec)
+    policy.load_state_dict(torch.load(cfg.algo.base_policy, map_location="cpu", weights_only=False)["policy"])
+    return policy
+
+
+def run_summary(run_dir: Path) -> dict:
+    from flowrl_ray.runtime.metrics import read_metrics
+    rows = read_metrics(run_dir)
+    # An interrupted run has no summary.json; its metrics say as much (its policy is the last checkpoint's).
+    from flowrl_ray.checkpoint import latest_checkpoint, load_checkpoint
+    saved = load_checkpoint(latest_checkpoint(run_dir))["trainer"]["iteration"]
+    rows = [r for r in rows if r["iteration"] <= saved]
+    last = rows[-1]
+    summary = {"env_steps": last["env_steps"], "time_s": last["time_s"], "iterations": last["iteration"]}
+    train = [(r["env_steps"], r["success_rate"]) for r in rows if r.get("success_rate") is not None]
+    evals = [(r["env_steps"], r["eval/success_rate"]) for r in rows if r.get("eval/success_rate") is not None]
+    return {"env_steps": summary["env_steps"], "time_s": summary["time_s"], "iterations": summary["iterations"],
+            "train_success_first": train[0][1] if train else None,
+            "train_success_last": train[-1][1] if train else None,
+            "eval_curve": evals, "ratio_mode": _config_of(run_dir).algo.ratio_mode}
+
+
+def _config_of(run_dir: Path):
+    from flowrl_ray.config import load_config
+    return load_config(run_dir / "config.yaml")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default=CONFIG)
+    p.add_argument("--ratio-modes", nargs="+", default=["per_sample", "averaged"])
+    p.add_argument("--runs", nargs="*", help="evaluate these finished run directories instead of training")
+    p.add_argument("--eval-episodes", type=int, default=50)
+    p.add_argument("--demos", type=int, default=50)
+    p.add_argument("--pretrain-epochs", type=int, default=10)
+    args = p.parse_args()
+    os.chdir(REPO_ROOT)
+    from flowrl_ray.checkpoint import load_policy
+    from flowrl_ray.config import load_config
+
+    cfg = load_config(args.config)
+    if not Path(cfg.env.dataset).is_file():
+        subprocess.run([*FLOWRL, "demos", "lift", "--episodes", str(args.demos), "--out", cfg.env.dataset], check=True)
+    if not Path(cfg.algo.base_policy).is_file():
+        subprocess.run([*FLOWRL, "pretrain", args.config, "--epochs", str(args.pretrain_epochs)], check=True)
+    run_dirs = [Path(d) for d in args.runs] if args.runs else []
+    if not args.runs:
+        for mode in args.ratio_modes:
+            run_dir = Path("runs") / f"bench-fpopp-lift-{mode}-{time.strftime('%Y%m%d-%H%M%S')}"
+            subprocess.run([*FLOWRL, "train", args.config, "--run-dir", str(run_dir), f"algo.ratio_mode={mode}"],
+                           check=True)
+            run_dirs.append(run_dir)
+
+    print(f"[bench] evaluating the base policy ({args.eval_episodes} episodes x zero/random)", flush=True)
+    t0 = time.perf_counter()
+    results = {"config": args.config, "revision": git_revision(), "eval_episodes": args.eval_episodes,
+               "base": evaluate(base_policy(cfg), cfg, args.eval_episodes), "runs": []}
+    for run_dir in run_dirs:
+        print(f"[bench] evaluating {run_dir}", flush=True)
+        run_cfg, _, policy = load_policy(run_dir)
+        results["runs"].append({"run_dir": str(run_dir), **run_summary(run_dir),
+                                "final": evaluate(policy, run_cfg, args.eval_episodes)})
+    results["eval_time_s"] = round(time.perf_counter() - t0, 1)
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    (RESULTS_DIR / "fpopp_lift_learning.json").write_text(json.dumps(results, indent=2) + "\n")
+
+    pct = lambda v: "-" if v is None else f"{100 * v:.0f} %"     # noqa: E731
+    base = results["base"]
+    rows = [["pretrained (base)", "-", "-", pct(base["zero"]), pct(base["random"]), "-"]]
+    for r in results["runs"]:
+        rows.append([f"FPO++ {r['ratio_mode']} ({r['run_dir']})", f"{r['env_steps']:,} ({8 * r['env_steps']:,} low-level)",
+                     f"{r['time_s'] / 60:.1f} min", pct(r["final"]["zero"]), pct(r["final"]["random"]),
+                     f"{pct(r['train_success_first'])} -> {pct(r['train_success_last'])}"])
+    curves = "\n".join(f"- {r['ratio_mode']}: " + ", ".join(f"{s:,}: {pct(v)}" for s, v in r["eval_curve"])
+                       for r in results["runs"])
+    body = (f"Config `{args.config}`; every policy evaluated on the same {args.eval_episodes} seeded episodes per "
+            f"sampling rule, in one process. Training success = last 100 training episodes (random sampling).\n\n"
+            + md_table(["policy", "env steps (chunks)", "fine-tuning wall-clock", "success, zero-sampling",
+                        "success, random sampling", "training success first -> last"], rows)
+            + "\n\nPeriodic eval during training (zero-sampling, 20 episodes; env steps: success):\n\n" + curves + "\n")
+    write_results("fpopp_lift_learning", "FPO++ fine-tuning on Lift (state) on this machine", body)
+
+
+if __name__ == "__main__":
+    main()
