@@ -58,6 +58,7 @@ bench: install
 	$(PY) benchmarks/cma_ppo_vs_ppo.py
 	$(PY) benchmarks/robot_rollout.py
 	$(PY) benchmarks/fpopp_learner.py
+	$(PY) benchmarks/fpopp_lift_learning.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
