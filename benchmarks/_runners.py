@@ -201,3 +201,32 @@ def run_rllib(ppo_config_path, steps: int, seed: int, eval_episodes: int = 10, r
             "eval_episodes": ev_env.get("num_episodes"), "eval_s": eval_s,
             "sample_s": mean_finite(sample_s), "update_s": mean_finite(update_s), "iter_s": mean_finite(iter_s),
             "curve": curve, "load": load, "keys_seen": keys_seen}
+
+
+# --------------------------------------------------------------------------- rollout benchmarks
+
+def niceness(pid: int) -> int | None:
+    """A process's nice value from /proc (None when unreadable)."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+        return int(raw[raw.rindex(")") + 2:].split()[16])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def make_runner(cfg, spec, worker_id: int, state_dict: dict | None):
+    """An EnvRunner exactly as RolloutWorker builds one (seed = cfg.seed + worker_id, the
+    config's algorithm's rollout policy)."""
+    import torch
+
+    from flowrl_ray.algorithms import get_algorithm
+    from flowrl_ray.envs import env_family
+    from flowrl_ray.envs.rollout import EnvRunner
+    from flowrl_ray.utils import seed_everything
+    torch.set_num_threads(cfg.runtime.torch_threads)
+    seed_everything(cfg.seed + worker_id)
+    runner = EnvRunner(env_family(cfg.env.family), cfg.env, cfg.runtime.envs_per_worker,
+                       cfg.seed + worker_id, get_algorithm(cfg.algorithm).make_policy(cfg, spec), worker_id)
+    if state_dict is not None:
+        runner.set_weights(state_dict, 1)
+    return runner

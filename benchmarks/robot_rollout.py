@@ -69,6 +69,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _runners import make_runner, niceness  # noqa: E402
 from _common import (REPO_ROOT, RESULTS_DIR, LoadMonitor, _descendants, _proc_table, git_revision,  # noqa: E402
                      load_lines, machine_info, md_table, wait_for_quiet, write_results)
 
@@ -109,31 +110,6 @@ def make_config(args: argparse.Namespace):
                     "rollout_length": args.rollout_length, "num_cpus": 2, "torch_threads": 1},
         "algo": {"hidden_sizes": [512, 512, 512], "flow_steps": 10, "n_mc": 8,
                  "minibatch_size": min(500, batch)}})
-
-
-def make_runner(cfg, spec, worker_id: int, state_dict: dict | None):
-    """An EnvRunner exactly as RolloutWorker builds one (seed = cfg.seed + worker_id)."""
-    import torch
-
-    from flowrl_ray.algorithms.fpopp import FPOPP
-    from flowrl_ray.envs import env_family
-    from flowrl_ray.envs.rollout import EnvRunner
-    from flowrl_ray.utils import seed_everything
-    torch.set_num_threads(cfg.runtime.torch_threads)
-    seed_everything(cfg.seed + worker_id)
-    runner = EnvRunner(env_family(cfg.env.family), cfg.env, cfg.runtime.envs_per_worker,
-                       cfg.seed + worker_id, FPOPP.make_policy(cfg, spec), worker_id)
-    if state_dict is not None:
-        runner.set_weights(state_dict, 1)
-    return runner
-
-
-def _niceness(pid: int) -> int | None:
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-        return int(raw[raw.rindex(")") + 2:].split()[16])
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 # --------------------------------------------------------------------------- low-level step count
@@ -353,7 +329,7 @@ def measure(args: argparse.Namespace) -> dict:
     weights_ref = ray.put(state)
     ray.get([w.set_weights.remote(weights_ref, 1) for w in workers])
     startup["ray.init + 2 RolloutWorkers"] = time.perf_counter() - t0
-    worker_nice = [_niceness(pid) for pid in ray.get([w.pid.remote() for w in workers])]
+    worker_nice = [niceness(pid) for pid in ray.get([w.pid.remote() for w in workers])]
     pair = None
     if not args.no_mp_reference:
         t0 = time.perf_counter()

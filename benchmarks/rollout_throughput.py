@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _runners import make_runner, niceness  # noqa: E402
 from _common import (REPO_ROOT, LoadMonitor, git_revision, load_lines, md_table, wait_for_quiet,  # noqa: E402
                      write_results)
 
@@ -85,31 +86,6 @@ def make_config(env_id: str, args: argparse.Namespace):
     return load_config(BASE_CONFIG, [f"env.id={env_id}", "runtime.num_workers=2",
                                      f"runtime.envs_per_worker={args.envs_per_worker}",
                                      f"runtime.rollout_length={args.rollout_length}"])
-
-
-def _niceness(pid: int) -> int | None:
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-        return int(raw[raw.rindex(")") + 2:].split()[16])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def make_runner(cfg, spec, worker_id: int, state_dict: dict | None):
-    """An EnvRunner exactly as RolloutWorker builds one (seed = cfg.seed + worker_id)."""
-    import torch
-
-    from flowrl_ray.algorithms.ppo import PPO
-    from flowrl_ray.envs import env_family
-    from flowrl_ray.envs.rollout import EnvRunner
-    from flowrl_ray.utils import seed_everything
-    torch.set_num_threads(cfg.runtime.torch_threads)
-    seed_everything(cfg.seed + worker_id)
-    runner = EnvRunner(env_family(cfg.env.family), cfg.env, cfg.runtime.envs_per_worker,
-                       cfg.seed + worker_id, PPO.make_policy(cfg, spec), worker_id)
-    if state_dict is not None:
-        runner.set_weights(state_dict, 1)
-    return runner
 
 
 # --------------------------------------------------------------------------- the "no Ray" reference
@@ -223,7 +199,7 @@ def measure_env(env_id: str, args: argparse.Namespace) -> dict:
     workers = [RolloutWorker.options(num_cpus=rt.num_cpus_per_worker).remote(cfg, spec, i) for i in range(2)]
     weights_ref = ray.put(state)
     ray.get([w.set_weights.remote(weights_ref, 1) for w in workers])
-    worker_nice = [_niceness(pid) for pid in ray.get([w.pid.remote() for w in workers])]
+    worker_nice = [niceness(pid) for pid in ray.get([w.pid.remote() for w in workers])]
     pair = None if args.no_mp_reference else ProcessPair(cfg, spec, state)
 
     def single_round():
