@@ -222,7 +222,7 @@ def measure(threads: int, cfg, spec, batches: list, args: argparse.Namespace) ->
     bare.update(b)
     check = {"actor_max_abs_diff": max_param_diff(flow.policy, bare_algo.policy),
              "critic_max_abs_diff": max_param_diff(flow.critic, bare_algo.critic),
-             "flowrl_epochs_run": metrics["fpopp/epochs_run"], "flowrl_skipped_updates": metrics["fpopp/skipped_updates"]}
+             "flowrl_actor_steps": metrics["fpopp/actor_steps"], "flowrl_skipped_updates": metrics["fpopp/skipped_updates"]}
     print(f"[bench] {threads} thread(s): same-math check after one update: actor max |diff| "
           f"{check['actor_max_abs_diff']:.3g}, critic {check['critic_max_abs_diff']:.3g}", flush=True)
 

@@ -255,11 +255,15 @@ def test_update_freezes_the_actor_during_critic_warmup_then_moves_it():
         assert key in m and m[key] == m[key], key                     # present and not NaN
 
 
-def test_first_minibatch_is_on_policy_and_target_kl_stops_early():
+def test_target_kl_stops_the_actor_and_the_critic_goes_on():
     cfg = tiny_cfg(critic_warmup_iters=0, actor_lr=3e-2, epochs=20, target_kl=1e-4, minibatch_size=32)
     algo = FPOPP(cfg, EnvSpec((19,), 7), torch.device("cpu"))
     m = algo.update(algo.prepare([_rollout_batch(algo)]))
-    assert m["fpopp/early_stopped"] == 1.0 and m["fpopp/epochs_run"] < 20
+    # 32 samples = 1 minibatch per epoch: the first step is on policy (KL 0), the second is past
+    # the target, so the actor takes 2 steps and the critic all 20
+    assert m["fpopp/early_stopped"] == 1.0 and m["fpopp/actor_steps"] == 2 and m["fpopp/critic_steps"] == 20
+    m = algo.update(algo.prepare([_rollout_batch(algo, seed=3)]))
+    assert m["fpopp/actor_steps"] >= 1
 
 
 def test_positive_advantage_actions_get_more_likely():

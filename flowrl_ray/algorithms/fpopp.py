@@ -226,38 +226,40 @@ class FPOPP(Algorithm):
     def update(self, b: dict) -> dict[str, float]:
         c, m = self.c, b["advantages"].shape[0]
         train_actor = self.iteration >= c.critic_warmup_iters
-        optimizers = [self.actor_opt, self.critic_opt] if train_actor else [self.critic_opt]
-        params = [p for o in optimizers for g in o.param_groups for p in g["params"]]
+        actor_active = train_actor              # until the critic warm-up ends or target KL is hit
         stats: dict[str, list[float]] = {}
-        epochs_run, early_stop = 0, False
+        actor_steps = critic_steps = 0
+        early_stop = False
         for _ in range(c.epochs):
-            epochs_run += 1
             perm = torch.randperm(m, generator=self.generator).to(self.device)
             for start in range(0, m, c.minibatch_size):
                 idx = perm[start:start + c.minibatch_size]
+                optimizers = [self.actor_opt, self.critic_opt] if actor_active else [self.critic_opt]
+                params = [p for o in optimizers for g in o.param_groups for p in g["params"]]
                 # Gradient accumulation: the minibatch in parts (memory), one optimiser step.
                 parts = idx.chunk(c.grad_accumulation)
                 total_loss, mb_stats = 0.0, {}
                 for part in parts:
-                    loss, part_stats = self._losses(b, part, train_actor)
+                    loss, part_stats = self._losses(b, part, actor_active)
                     total_loss = total_loss + loss * (len(part) / len(idx))
                     for k, v in part_stats.items():
                         mb_stats[k] = mb_stats.get(k, 0.0) + float(v) * len(part) / len(idx)
                 grad_norm, stepped = optimizer_step(total_loss, optimizers, params, c.max_grad_norm)
                 self.skipped_updates += int(not stepped)
+                actor_steps += int(actor_active)
+                critic_steps += 1
                 mb_stats["grad_norm"] = grad_norm
                 for k, v in mb_stats.items():
                     stats.setdefault(k, []).append(v)
-                if train_actor and c.target_kl is not None and mb_stats["approx_kl"] > c.target_kl:
-                    early_stop = True
-                    break
-            if early_stop:
-                break
+                if actor_active and c.target_kl is not None and mb_stats["approx_kl"] > c.target_kl:
+                    # Past the trust region: the actor stops for this iteration; the critic
+                    # goes on with its epochs (its targets do not depend on the actor).
+                    actor_active, early_stop = False, True
         lrs = {"fpopp/actor_lr": self.actor_opt.param_groups[0]["lr"],
                "fpopp/critic_lr": self.critic_opt.param_groups[0]["lr"]}
         # The actor's schedule starts with its first step (after the critic warm-up).
         for opt, sched in zip((self.actor_opt, self.critic_opt), self.schedulers):
-            if opt in optimizers:
+            if opt is self.critic_opt or train_actor:
                 sched.step()
         self.iteration += 1
         with torch.no_grad():
@@ -267,7 +269,8 @@ class FPOPP(Algorithm):
         out = {k: float(np.mean(v)) for k, v in stats.items() if k != "grad_norm"}
         out.update(lrs)
         out.update({"fpopp/grad_norm": float(np.mean(stats["grad_norm"])) if stats else float("nan"),
-                    "fpopp/explained_variance": float(explained), "fpopp/epochs_run": epochs_run,
+                    "fpopp/explained_variance": float(explained), "fpopp/actor_steps": actor_steps,
+                    "fpopp/critic_steps": critic_steps,
                     "fpopp/early_stopped": float(early_stop), "fpopp/actor_frozen": float(not train_actor),
                     "fpopp/skipped_updates": self.skipped_updates,
                     "fpopp/advantage_mean": float(b["advantages"].mean()),
