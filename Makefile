@@ -59,6 +59,7 @@ bench: install
 	$(PY) benchmarks/robot_rollout.py
 	$(PY) benchmarks/fpopp_learner.py
 	$(PY) benchmarks/fpopp_lift_learning.py
+	$(PY) benchmarks/flowsar_lift.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

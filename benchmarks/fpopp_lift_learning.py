@@ -82,7 +82,7 @@ def run_summary(run_dir: Path) -> dict:
     return {"env_steps": summary["env_steps"], "time_s": summary["time_s"], "iterations": summary["iterations"],
             "train_success_first": train[0][1] if train else None,
             "train_success_last": train[-1][1] if train else None,
-            "eval_curve": evals, "ratio_mode": _config_of(run_dir).algo.ratio_mode}
+            "eval_curve": evals, "name": _config_of(run_dir).name}
 
 
 def _config_of(run_dir: Path):
@@ -124,6 +124,7 @@ def main() -> None:
         print(f"[bench] evaluating {run_dir}", flush=True)
         run_cfg, _, policy = load_policy(run_dir)
         results["runs"].append({"run_dir": str(run_dir), **run_summary(run_dir),
+                                "ratio_mode": run_cfg.algo.ratio_mode,
                                 "final": evaluate(policy, run_cfg, args.eval_episodes)})
     results["eval_time_s"] = round(time.perf_counter() - t0, 1)
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)

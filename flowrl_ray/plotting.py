@@ -84,3 +84,60 @@ def plot_curves(data: dict[str, list[tuple[np.ndarray, np.ndarray]]], out_png: s
     fig.savefig(out)
     plt.close(fig)
     return out
+
+
+def plot_credit_analysis(data: dict, out_dir: str | os.PathLike, iteration: int,
+                         per_outcome: int = 4) -> list[Path]:
+    """FlowSAR's analysis pictures from ``errors``, ``weights``, ``mask`` [E, H] and
+    ``success`` [E]: per-step reconstruction-error bars (weights overlaid) for a few success
+    and failure episodes, and the weight heatmap over episode steps."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    errors, weights = np.asarray(data["errors"]), np.asarray(data["weights"])
+    mask, success = np.asarray(data["mask"], bool), np.asarray(data["success"], bool)
+    rows = [("success", np.flatnonzero(success)[:per_outcome]), ("failure", np.flatnonzero(~success)[:per_outcome])]
+    cols = max(1, max(len(idx) for _, idx in rows))
+    fig, axes = plt.subplots(2, cols, figsize=(3.2 * cols, 5.4), dpi=100, squeeze=False)
+    for r, (name, idx) in enumerate(rows):
+        for k in range(cols):
+            ax = axes[r, k]
+            if k >= len(idx):
+                ax.axis("off")
+                if k == 0:
+                    ax.text(0.5, 0.5, f"no {name} episode in this batch", ha="center", va="center", fontsize=8)
+                continue
+            i = idx[k]
+            steps = np.flatnonzero(mask[i])
+            ax.bar(steps, errors[i, steps], color="tab:green" if name == "success" else "tab:red", alpha=0.7)
+            ax.set_title(f"{name} episode {i}", fontsize=8)
+            ax.set_xlabel("chunk step", fontsize=7)
+            ax.set_ylabel("e", fontsize=7)
+            twin = ax.twinx()
+            twin.plot(steps, weights[i, steps], color="black", lw=1.0)
+            twin.set_ylabel("w", fontsize=7)
+            ax.tick_params(labelsize=6)
+            twin.tick_params(labelsize=6)
+    fig.suptitle(f"reconstruction error per step (bars) and credit weight (line), iteration {iteration}", fontsize=9)
+    fig.tight_layout()
+    bars = out_dir / "flowsar_errors.png"
+    fig.savefig(bars)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 0.35 * len(success) + 1.5), dpi=100)
+    shown = np.where(mask, weights, np.nan)
+    im = ax.imshow(shown, aspect="auto", cmap="viridis", interpolation="nearest")
+    ax.set_yticks(range(len(success)))
+    ax.set_yticklabels(["S" if s else "F" for s in success], fontsize=7)
+    ax.set_xlabel("chunk step of the episode")
+    ax.set_ylabel("episode (S success, F failure)")
+    ax.set_title(f"credit weights w, iteration {iteration}", fontsize=9)
+    fig.colorbar(im, ax=ax, fraction=0.03)
+    fig.tight_layout()
+    heat = out_dir / "flowsar_weights.png"
+    fig.savefig(heat)
+    plt.close(fig)
+    return [bars, heat]

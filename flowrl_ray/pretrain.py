@@ -26,7 +26,7 @@ from flowrl_ray.envs.robomimic_data import NormStats, iter_demos
 from flowrl_ray.utils import atomic_write_bytes, atomic_write_text
 
 #: the algo keys the flow policy is built from (FPO++'s, and any flow algorithm's)
-FLOW_KEYS = ("hidden_sizes", "time_dim", "feature_dim", "flow_steps", "n_mc")
+FLOW_KEYS = ("hidden_sizes", "time_dim", "feature_dim", "flow_steps")
 
 
 def chunk_dataset(path: str | Path, env_cfg: EnvConfig, norm: NormStats):
@@ -103,7 +103,7 @@ def pretrain(cfg: Config, dataset: str | Path | None = None, out: str | Path | N
                           f"family, got {cfg.env.family!r}")
     if not all(hasattr(cfg.algo, k) for k in FLOW_KEYS):
         raise ConfigError(f"config key 'algorithm': {cfg.algorithm!r} has no flow policy to pretrain "
-                          f"(use fpopp)")
+                          f"(use fpopp or flowsar)")
     dataset = dataset if dataset is not None else cfg.env.dataset
     if dataset is None:
         raise ConfigError("config key 'env.dataset': no dataset to pretrain on (set it or pass --dataset)")

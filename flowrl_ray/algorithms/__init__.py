@@ -12,7 +12,8 @@ import importlib
 #: built-in name -> "module:Class"; imported on first use
 BUILTIN_ALGORITHMS = {"ppo": "flowrl_ray.algorithms.ppo:PPO",
                       "cma_ppo": "flowrl_ray.algorithms.cma_ppo:CMAPPO",
-                      "fpopp": "flowrl_ray.algorithms.fpopp:FPOPP"}
+                      "fpopp": "flowrl_ray.algorithms.fpopp:FPOPP",
+                      "flowsar": "flowrl_ray.algorithms.flowsar:FlowSAR"}
 
 
 def get_algorithm(name: str) -> type:

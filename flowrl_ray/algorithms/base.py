@@ -59,6 +59,19 @@ class Algorithm(ABC):
     @abstractmethod
     def update(self, prepared: Any) -> dict[str, float]: ...
 
+    #: (metric, png name) curves the run draws besides the learning curve
+    extra_plots: tuple[tuple[str, str], ...] = ()
+
+    def analysis(self) -> dict | None:
+        """Small arrays describing the last update (FlowSAR: errors and weights of sample
+        episodes), saved by the Trainer as analysis/iter_<i>.npz and drawn by ``plot_analysis``."""
+        return None
+
+    @staticmethod
+    def plot_analysis(data: dict, out_dir, iteration: int) -> list:
+        """Draw ``analysis()`` data into ``out_dir``; returns the PNG paths."""
+        return []
+
     @abstractmethod
     def state_dict(self) -> dict[str, Any]: ...
 

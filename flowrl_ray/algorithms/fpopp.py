@@ -83,8 +83,9 @@ def image_shape(cfg: Config) -> tuple[int, int, int] | None:
 def make_flow_policy(cfg: Config, spec: EnvSpec) -> FlowPolicy:
     """The flow policy a config describes (pretraining builds the same one)."""
     c = cfg.algo
+    # n_mc: the (tau, eps) pairs FPO++ records per action; other algorithms record none.
     return FlowPolicy(spec.obs_dim, spec.action_dim, cfg.env.horizon_steps, c.hidden_sizes, c.time_dim,
-                      c.flow_steps, c.n_mc, image_shape(cfg), c.feature_dim)
+                      c.flow_steps, getattr(c, "n_mc", 0), image_shape(cfg), c.feature_dim)
 
 
 def load_base_policy(path: str | Path) -> dict:
@@ -101,6 +102,22 @@ def load_base_policy(path: str | Path) -> dict:
         raise ConfigError(f"config key 'algo.base_policy': {str(path)!r} is not a flowrl-ray "
                           f"pretraining checkpoint")
     return ckpt
+
+
+def check_base_policy(cfg: Config) -> None:
+    """``algo.base_policy`` (when set) is a readable pretraining checkpoint whose architecture
+    matches the config's; ConfigError naming the mismatched key otherwise."""
+    c = cfg.algo
+    if c.base_policy is None:
+        return
+    arch = load_base_policy(c.base_policy)["arch"]
+    mine = policy_arch(cfg)
+    for key, value in arch.items():
+        if key in mine and mine[key] != value:
+            where = {"image_shape": "env.cameras/env.image_size"}.get(
+                key, f"algo.{key}" if key in ARCH_KEYS else f"env.{key}")
+            raise ConfigError(f"config key '{where}': {mine[key]!r} does not match the base "
+                              f"policy's {value!r} ({c.base_policy})")
 
 
 def fpopp_ratios(old_losses: torch.Tensor, new_losses: torch.Tensor, loss_clamp: float,
@@ -151,16 +168,7 @@ class FPOPP(Algorithm):
 
     @staticmethod
     def preflight(cfg: Config, spec: EnvSpec) -> None:
-        c: FPOPPConfig = cfg.algo
-        if c.base_policy is not None:
-            arch = load_base_policy(c.base_policy)["arch"]
-            mine = policy_arch(cfg)
-            for key, value in arch.items():
-                if key in mine and mine[key] != value:
-                    where = {"image_shape": "env.cameras/env.image_size"}.get(
-                        key, f"algo.{key}" if key in ARCH_KEYS else f"env.{key}")
-                    raise ConfigError(f"config key '{where}': {mine[key]!r} does not match the base "
-                                      f"policy's {value!r} ({c.base_policy})")
+        check_base_policy(cfg)
 
     def __init__(self, cfg: Config, spec: EnvSpec, device: torch.device):
         super().__init__(cfg, spec, device)

@@ -121,6 +121,9 @@ class Learner:
                         "learner/device": str(self.device)})
         return metrics
 
+    def analysis(self) -> dict | None:
+        return self.algo.analysis()
+
     def get_state(self) -> dict[str, Any]:
         return {"algorithm": self.algo.state_dict(), "version": self.version,
                 "torch_rng": torch.get_rng_state(), "policy": self.algo.policy_state_dict()}

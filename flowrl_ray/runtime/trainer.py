@@ -25,6 +25,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from flowrl_ray.algorithms import get_algorithm
+from flowrl_ray.algorithms.base import Algorithm
 from flowrl_ray.batch import BatchMeta
 from flowrl_ray.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from flowrl_ray.config import Config, save_config
@@ -359,6 +360,7 @@ class Trainer:
                 if row.get("eval/return_mean") is not None:
                     best = c.best_eval_return
                     c.best_eval_return = row["eval/return_mean"] if best is None else max(best, row["eval/return_mean"])
+                self._write_analysis()
             self.logger.log(row)
             progress.update(row)
             interval = cfg.runtime.checkpoint_interval
@@ -368,6 +370,23 @@ class Trainer:
         if last_saved != c.iteration or latest_checkpoint(self.run_dir) is None:
             self.checkpoint()
         return self._finish()
+
+    def _write_analysis(self) -> None:
+        """Algorithms that describe their last update (FlowSAR's credit weights) get it saved
+        as analysis/iter_<i>.npz and drawn into plots/."""
+        algo_cls = get_algorithm(self.cfg.algorithm)
+        if algo_cls.plot_analysis is Algorithm.plot_analysis:
+            return
+        try:
+            data = self._learner_call("analysis")
+            if not data:
+                return
+            out = self.run_dir / "analysis"
+            out.mkdir(exist_ok=True)
+            np.savez(out / f"iter_{self.counters.iteration:04d}.npz", **data)
+            algo_cls.plot_analysis(data, self.run_dir / "plots", self.counters.iteration)
+        except Exception as e:  # noqa: BLE001 - an analysis plot must not fail the run
+            self._log(f"could not write the analysis: {e}")
 
     def _finish(self) -> dict:
         from flowrl_ray.plotting import plot_runs
@@ -390,6 +409,8 @@ class Trainer:
         plots = [("episode_return_mean", "learning_curve.png")]
         if any(r.get("eval/success_rate") is not None for r in rows):      # robot tasks
             plots.append(("eval/success_rate", "success_rate.png"))
+        plots += [(y, name) for y, name in get_algorithm(self.cfg.algorithm).extra_plots
+                  if any(r.get(y) is not None for r in rows)]
         for y, name in plots:
             try:
                 plot_runs([self.run_dir], self.run_dir / "plots" / name, y=y)

@@ -1,0 +1,493 @@
+"""FlowSAR ("Your Flow Policy is Its Own Critic"): critic-free credit assignment for a flow
+policy trained from a binary episode reward R in {0, 1} (here: task success).
+
+    rollout (worker):  a_i ~ pi_old(. | s_i) by K Euler steps from noise; R per episode
+    prepare:           complete episodes (tails carried across batches)
+                       self-annotation, no grad, one forward of the rollout net per step:
+                           x = (1 - t_mid) a + t_mid eps,   a_hat = x - t_mid v_old(x, t_mid | s)
+                           e_i = || a_i - a_hat ||^2  (summed over chunk and action dims)
+                               = t_mid^2 || v_old - u ||^2                       (Theorem 1)
+                       credit weights per episode (sum to 1): success softmax(e / T),
+                           failure softmax(-e / T)  (or the `normalized` / ablation rules)
+    update:            weighted mirror loss, t ~ U[t_min, t_max]:
+                           v+ = (1 - beta) v_old + beta v,   v- = (1 + beta) v_old - beta v
+                           E+- = mean over chunk and action dims of (v+- - u)^2  [/ (2t): sde]
+                           softplus_kl: w softplus(y (E+ - E-) / 2) + kl_coeff mean (v - v_old)^2
+                           mse_branch:  w (R E+ + (1 - R) E-)
+    sync:              theta_old <- b theta_old + (1 - b) theta,  b = min(eta_rate i, eta_max)
+
+Time convention. The spec writes t = 0 clean, t = 1 noise, x_t = (1 - t) a + t eps and
+u = eps - a; the package (models/flow.py) uses tau = 0 noise, tau = 1 data, u = a - eps. The
+functions below take the spec's ``t`` and call the package's networks at ``tau = 1 - t``:
+the interpolant x is the same point, every velocity changes sign (v_spec(x, t) =
+-v(x, 1 - t)), and every squared norm (e, E+-, the KL term) is unchanged. So
+``flowsar_loss`` accepts v_cur, v_old and u in either convention, as long as all three agree.
+
+Rollouts use theta_old (published to the workers); theta is what the update trains.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from flowrl_ray.algorithms.advantages import gae
+from flowrl_ray.algorithms.base import Algorithm, optimizer_step
+from flowrl_ray.algorithms.episodes import EpisodeAssembler
+from flowrl_ray.algorithms.fpopp import check_base_policy, image_shape, load_base_policy, make_flow_policy
+from flowrl_ray.algorithms.losses import value_loss
+from flowrl_ray.batch import Batch, map_obs
+from flowrl_ray.config import Config, ConfigError, check, check_layer_sizes, check_minibatch_size
+from flowrl_ray.envs import EnvSpec
+from flowrl_ray.models.flow import FlowPolicy, ValueMLP, VelocityFn
+
+WEIGHT_MODES = ("softmax", "normalized", "uniform", "random", "inverse", "critic_oracle")
+
+
+@dataclass
+class FlowSARHyper:
+    """The spec's hyperparameter table (config keys ``algo.flowsar.*``), defaults as there."""
+    beta: float = field(default=1.0, metadata=check(gt=0))            # mirror trust region
+    temperature: float = field(default=0.5, metadata=check(gt=0))     # weight sharpness T
+    tau_mid: float = field(default=0.5, metadata=check(gt=0, lt=1))   # t_mid (spec: 1 = noise)
+    tau_mid_sampling: Literal["fixed", "uniform"] = "fixed"           # uniform: t_mid ~ U[0.3, 0.7]
+    n_annotation_samples: int = field(default=1, metadata=check(gt=0))   # e averaged over draws
+    weight_mode: Literal[WEIGHT_MODES] = "softmax"
+    shaped_lambda: Optional[float] = field(default=None, metadata=check(ge=0, le=1))  # None: off
+    ema_schedule: Literal["fixed", "linear"] = "linear"
+    ema_beta: float = field(default=0.995, metadata=check(ge=0, le=1))
+    ema_eta_rate: float = field(default=0.001, metadata=check(ge=0))
+    ema_eta_max: float = field(default=0.5, metadata=check(ge=0, le=1))
+    energy_type: Literal["mse", "sde"] = "mse"
+    loss_variant: Literal["softplus_kl", "mse_branch"] = "softplus_kl"
+    kl_coeff: float = field(default=1.0, metadata=check(ge=0))
+    lr: float = field(default=1e-6, metadata=check(gt=0))
+    t_min: float = field(default=0.2, metadata=check(ge=0, le=1))
+    t_max: float = field(default=0.8, metadata=check(ge=0, le=1))
+    w_min: float = field(default=0.0, metadata=check(ge=0, le=1))
+    w_max: float = field(default=1.0, metadata=check(gt=0, le=1))
+
+
+@dataclass
+class FlowSARConfig:
+    base_policy: Optional[str] = None   # a `flowrl-ray pretrain` checkpoint; None: random init
+    # the flow policy (must match the base policy's; `flowrl-ray pretrain` reads the same keys)
+    hidden_sizes: list = field(default_factory=lambda: [512, 512, 512])
+    time_dim: int = field(default=32, metadata=check(gt=0))
+    feature_dim: int = field(default=64, metadata=check(gt=0))
+    flow_steps: int = field(default=10, metadata=check(gt=0))
+    # "VLA-style": the observation encoder (the pretrained policy's) stays frozen and only the
+    # velocity network (the action expert) trains. State policies have no encoder weights.
+    freeze_encoder: bool = False
+    epochs: int = field(default=1, metadata=check(gt=0))
+    minibatch_size: int = field(default=256, metadata=check(gt=0))
+    max_grad_norm: float = field(default=1.0, metadata=check(gt=0))
+    weight_decay: float = field(default=0.0, metadata=check(ge=0))
+    augment: bool = True                # image observations: random shifts in the update
+    # weight_mode critic_oracle only: a critic trained alongside, GAE advantages as the signal
+    gamma: float = field(default=0.99, metadata=check(ge=0, le=1))
+    gae_lambda: float = field(default=0.95, metadata=check(ge=0, le=1))
+    critic_lr: float = field(default=1e-4, metadata=check(gt=0))
+    critic_hidden_sizes: list = field(default_factory=lambda: [256, 256, 256])
+    flowsar: FlowSARHyper = field(default_factory=FlowSARHyper)
+
+
+# --------------------------------------------------------------------------- the math
+
+def reconstruction_error(velocity_fn: VelocityFn, obs, actions: torch.Tensor, eps: torch.Tensor,
+                         t_mid: float | torch.Tensor) -> torch.Tensor:
+    """Self-annotation e = || a - a_hat ||^2 [B], summed over chunk and action dims.
+
+    actions, eps [B, Ta, Da]; ``t_mid`` (spec convention, 1 = noise) a float or [B];
+    ``velocity_fn(x, tau, obs)`` in the package's convention. With tau = 1 - t_mid:
+        x = (1 - t_mid) a + t_mid eps
+        a_hat = x - t_mid v_spec = x + t_mid v(x, 1 - t_mid)
+    """
+    t = torch.as_tensor(t_mid, dtype=actions.dtype, device=actions.device)
+    t = t.expand(actions.shape[0])[:, None, None]                         # [B, 1, 1]
+    x = (1.0 - t) * actions + t * eps
+    a_hat = x + t * velocity_fn(x, 1.0 - t[:, 0, 0], obs)
+    return (actions - a_hat).pow(2).sum(dim=(-2, -1))
+
+
+def credit_weights(errors: torch.Tensor, success: torch.Tensor, temperature: float,
+                   mode: str = "softmax", mask: torch.Tensor | None = None, *,
+                   w_min: float = 0.0, w_max: float = 1.0, shaped_lambda: float | None = None,
+                   reward_diff: torch.Tensor | None = None, advantages: torch.Tensor | None = None,
+                   generator: torch.Generator | None = None) -> torch.Tensor:
+    """Step weights [E, H] of E episodes padded to H steps (``mask`` marks real steps); each
+    row with a real step sums to 1.
+
+        softmax:     success  w = softmax(e / T),        failure  w = softmax(-e / T)
+        normalized:  e clipped to the batch's 5th-95th percentiles, then
+                     success  w = e / sum e,             failure  w = (1 / e) / sum (1 / e)
+        inverse:     softmax with the success and failure rules swapped (ablation)
+        uniform:     1 / H;  random: U(0, 1) normalised (ablations)
+        critic_oracle: the softmax rule on ``advantages`` [E, H] instead of e
+    ``shaped_lambda``: softmax((lambda e~ + (1 - lambda) reward_diff) / T), e~ = +-e by outcome.
+    Then, when [w_min, w_max] is narrower than [0, 1], w is clipped and renormalised.
+    """
+    if mode not in WEIGHT_MODES:
+        raise ValueError(f"weight mode must be one of {WEIGHT_MODES}, got {mode!r}")
+    mask = torch.ones_like(errors, dtype=torch.bool) if mask is None else mask.bool()
+    success = success.bool()
+    if mode == "uniform":
+        w = mask.to(errors.dtype)
+    elif mode == "random":
+        w = torch.rand(errors.shape, generator=generator, dtype=errors.dtype).to(errors.device) * mask
+    elif mode == "normalized":
+        valid = errors[mask]
+        lo, hi = torch.quantile(valid, 0.05), torch.quantile(valid, 0.95)
+        e = errors.clamp(lo, hi).clamp_min(1e-12)
+        w = torch.where(success[:, None], e, 1.0 / e) * mask
+    else:
+        signal = advantages if mode == "critic_oracle" else errors
+        if signal is None:
+            raise ValueError("weight mode 'critic_oracle' needs the advantages")
+        sign = torch.where(success, 1.0, -1.0).to(errors.dtype)[:, None]   # e~: +e success, -e failure
+        if mode == "inverse":
+            sign = -sign
+        logits = sign * signal
+        if shaped_lambda is not None:
+            if reward_diff is None:
+                raise ValueError("shaped_lambda needs reward_diff")
+            logits = shaped_lambda * logits + (1.0 - shaped_lambda) * reward_diff
+        w = torch.softmax((logits / temperature).masked_fill(~mask, float("-inf")), dim=-1)
+        w = torch.nan_to_num(w) * mask                  # a row without steps: all -inf -> 0
+    w = w / w.sum(-1, keepdim=True).clamp_min(1e-30)
+    if w_min > 0.0 or w_max < 1.0:
+        w = w.clamp(w_min, w_max) * mask
+        w = w / w.sum(-1, keepdim=True).clamp_min(1e-30)
+    return w
+
+
+def mirror_energies(v_cur: torch.Tensor, v_old: torch.Tensor, u: torch.Tensor, beta: float,
+                    energy_type: str = "mse", flow_t: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """E+ and E- [B] of the mirrored velocities (v_old treated as a constant):
+
+        v+ = (1 - beta) v_old + beta v_cur,   v- = (1 + beta) v_old - beta v_cur
+        E+- = mean over chunk and action dims of (v+- - u)^2,   sde: E+- / (2 max(t, 1e-3))
+    """
+    v_old = v_old.detach()
+    v_pos = (1.0 - beta) * v_old + beta * v_cur
+    v_neg = (1.0 + beta) * v_old - beta * v_cur
+    e_pos = (v_pos - u).pow(2).mean(dim=(-2, -1))
+    e_neg = (v_neg - u).pow(2).mean(dim=(-2, -1))
+    if energy_type == "sde":
+        if flow_t is None:
+            raise ValueError("energy_type 'sde' needs flow_t")
+        scale = 1.0 / (2.0 * flow_t.reshape(-1).clamp_min(1e-3))
+        e_pos, e_neg = e_pos * scale, e_neg * scale
+    elif energy_type != "mse":
+        raise ValueError(f"energy type must be 'mse' or 'sde', got {energy_type!r}")
+    return e_pos, e_neg
+
+
+def flowsar_loss(v_cur: torch.Tensor, v_old: torch.Tensor, u: torch.Tensor, weights: torch.Tensor,
+                 rewards: torch.Tensor, beta: float, energy_type: str = "mse",
+                 loss_variant: str = "softplus_kl", kl_coeff: float = 1.0,
+                 flow_t: torch.Tensor | None = None) -> torch.Tensor:
+    """The weighted mirror loss (to minimise), a scalar. v_cur, v_old, u [B, Ta, Da];
+    weights [B]; rewards [B] in {0, 1}; flow_t [B] (spec convention) for ``sde``.
+
+        softplus_kl: mean_i [ w_i softplus(y_i (E+ - E-) / 2) + kl_coeff mean (v_cur - v_old)^2 ],
+                     y = 2R - 1
+        mse_branch:  mean_i   w_i (R_i E+ + (1 - R_i) E-)
+    """
+    e_pos, e_neg = mirror_energies(v_cur, v_old, u, beta, energy_type, flow_t)
+    if loss_variant == "softplus_kl":
+        y = 2.0 * rewards - 1.0
+        kl = (v_cur - v_old.detach()).pow(2).mean(dim=(-2, -1))
+        per_sample = weights * F.softplus(0.5 * y * (e_pos - e_neg)) + kl_coeff * kl
+    elif loss_variant == "mse_branch":
+        per_sample = weights * (rewards * e_pos + (1.0 - rewards) * e_neg)
+    else:
+        raise ValueError(f"loss variant must be 'softplus_kl' or 'mse_branch', got {loss_variant!r}")
+    return per_sample.mean()
+
+
+def ema_coefficient(iteration: int, schedule: str, ema_beta: float = 0.995, eta_rate: float = 0.001,
+                    eta_max: float = 0.5) -> float:
+    """b of theta_old <- b theta_old + (1 - b) theta: ``fixed`` b = ema_beta; ``linear``
+    (DiffusionNFT) b_i = min(eta_rate * i, eta_max)."""
+    if schedule == "fixed":
+        return ema_beta
+    if schedule == "linear":
+        return min(eta_rate * iteration, eta_max)
+    raise ValueError(f"ema schedule must be 'fixed' or 'linear', got {schedule!r}")
+
+
+@torch.no_grad()
+def ema_update(target: torch.nn.Module, source: torch.nn.Module, b: float) -> None:
+    """target <- b target + (1 - b) source, parameter by parameter."""
+    for p_t, p_s in zip(target.parameters(), source.parameters()):
+        p_t.mul_(b).add_(p_s, alpha=1.0 - b)
+
+
+# --------------------------------------------------------------------------- the algorithm
+
+class FlowSAR(Algorithm):
+    name = "flowsar"
+    config_class = FlowSARConfig
+    extra_plots = (("flowsar/e_within_episode_cv", "flowsar_e_spread.png"),
+                   ("flowsar/weight_entropy_ratio", "flowsar_weight_entropy.png"))
+
+    @staticmethod
+    def validate_config(cfg: Config) -> None:
+        c: FlowSARConfig = cfg.algo
+        h = c.flowsar
+        check_layer_sizes(c.hidden_sizes, "algo.hidden_sizes")
+        check_layer_sizes(c.critic_hidden_sizes, "algo.critic_hidden_sizes")
+        check_minibatch_size(cfg, c.minibatch_size)
+        if cfg.env.family == "gym":
+            raise ConfigError("config key 'env.family': FlowSAR trains a flow policy on action chunks and "
+                              "a binary success per episode (use the robot family)")
+        if h.t_min >= h.t_max:
+            raise ConfigError(f"config key 'algo.flowsar.t_min': {h.t_min} must be below "
+                              f"algo.flowsar.t_max ({h.t_max})")
+        if h.w_min > h.w_max:
+            raise ConfigError(f"config key 'algo.flowsar.w_min': {h.w_min} is above algo.flowsar.w_max ({h.w_max})")
+
+    @staticmethod
+    def preflight(cfg: Config, spec: EnvSpec) -> None:
+        check_base_policy(cfg)
+
+    def __init__(self, cfg: Config, spec: EnvSpec, device: torch.device):
+        super().__init__(cfg, spec, device)
+        c: FlowSARConfig = cfg.algo
+        self.c, self.h = c, c.flowsar
+        self._policy = make_flow_policy(cfg, spec).to(device)                 # theta
+        if c.base_policy is not None:
+            self._policy.load_state_dict(load_base_policy(c.base_policy)["policy"])
+        if c.freeze_encoder:
+            self._policy.encoder.requires_grad_(False)
+        self.old = copy.deepcopy(self._policy).requires_grad_(False)          # theta_old (rollouts)
+        params = [p for p in self._policy.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(params, lr=self.h.lr, weight_decay=c.weight_decay)
+        self.critic = self.critic_opt = None
+        if self.h.weight_mode == "critic_oracle":
+            self.critic = ValueMLP(spec.obs_dim, c.critic_hidden_sizes, image_shape(cfg), c.feature_dim).to(device)
+            self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=c.critic_lr)
+        self.assembler = EpisodeAssembler(step_keys=("actions",))
+        self.generator = torch.Generator().manual_seed(cfg.seed)    # annotation noise, weights, shuffling
+        self.iteration = 0
+        self.skipped_updates = 0
+        self._analysis: dict | None = None
+
+    @staticmethod
+    def make_policy(cfg: Config, spec: EnvSpec) -> FlowPolicy:
+        return make_flow_policy(cfg, spec)
+
+    @property
+    def policy(self) -> FlowPolicy:
+        return self._policy
+
+    def policy_state_dict(self) -> dict[str, torch.Tensor]:
+        """The workers roll out theta_old."""
+        return {k: v.detach().cpu().clone() for k, v in self.old.state_dict().items()}
+
+    # ------------------------------------------------------------------ prepare
+    def _tensor(self, x: np.ndarray) -> torch.Tensor:
+        t = torch.as_tensor(x, device=self.device)
+        return t if t.dtype == torch.uint8 else t.float()
+
+    def _episode_obs(self, episodes: list[dict]):
+        keys = [k for k in episodes[0] if k == "obs" or k.startswith("obs/")]
+        cat = {k: self._tensor(np.concatenate([ep[k] for ep in episodes])) for k in keys}
+        return cat["obs"] if "obs" in cat else {k[4:]: v for k, v in cat.items()}
+
+    @torch.no_grad()
+    def _annotate(self, obs, actions: torch.Tensor) -> torch.Tensor:
+        """e [M] under theta_old, averaged over ``n_annotation_samples`` draws of eps (and t_mid)."""
+        h, m = self.h, actions.shape[0]
+        total = torch.zeros(m, device=self.device)
+        for start in range(0, m, 4096):
+            sl = slice(start, start + 4096)
+            cond = self.old.encoder(map_obs(lambda x: x[sl], obs))
+            a = actions[sl]
+            for _ in range(h.n_annotation_samples):
+                eps = torch.randn(a.shape, generator=self.generator).to(self.device)
+                t_mid = (torch.rand(a.shape[0], generator=self.generator) * 0.4 + 0.3).to(self.device) \
+                    if h.tau_mid_sampling == "uniform" else h.tau_mid
+                total[sl] += reconstruction_error(self.old.velocity, cond, a, eps, t_mid)
+        return total / h.n_annotation_samples
+
+    @torch.no_grad()
+    def _oracle_advantages(self, episodes: list[dict], obs, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """GAE advantages and returns [M] of each complete episode under the side critic."""
+        c = self.c
+        values = self.critic(obs)                                                # [M]
+        advs, rets, start = [], [], 0
+        for ep, n in zip(episodes, lengths):
+            v = values[start:start + n, None]                                    # [H, 1]
+            nxt = torch.cat([v[1:], torch.zeros(1, 1, device=self.device)])
+            if ep["truncated"]:                       # time limit: bootstrap from the final obs
+                if "final_obs" in ep:
+                    final = self._tensor(ep["final_obs"])[None]
+                else:
+                    final = {k[len("final_obs/"):]: self._tensor(ep[k])[None]
+                             for k in ep if k.startswith("final_obs/")}
+                nxt[-1, 0] = self.critic(final)[0]
+            done = torch.zeros(n, 1, dtype=torch.bool, device=self.device)
+            term, trunc = done.clone(), done.clone()
+            term[-1], trunc[-1] = bool(ep["terminated"]), bool(ep["truncated"])
+            r = self._tensor(ep["rewards"])[:, None]
+            a, ret = gae(r, v, nxt, term, trunc, c.gamma, c.gae_lambda)
+            advs.append(a[:, 0])
+            rets.append(ret[:, 0])
+            start += n
+        return torch.cat(advs), torch.cat(rets)
+
+    def prepare(self, batches: list[Batch]) -> dict | None:
+        h = self.h
+        episodes = self.assembler.add(batches)
+        if not episodes:                              # no episode ended yet: nothing to learn from
+            return None
+        lengths = [len(ep["rewards"]) for ep in episodes]
+        e_count, h_max = len(episodes), max(lengths)
+        obs = self._episode_obs(episodes)                                            # [M, ...]
+        actions = self._tensor(np.concatenate([ep["actions"] for ep in episodes]))   # [M, Ta, Da]
+        success = torch.tensor([ep["return"] > 0 for ep in episodes], device=self.device)   # R [E]
+        errors = self._annotate(obs, actions)                                        # e [M]
+        # [M] -> padded [E, H]: row i holds episode i's steps
+        mask = torch.arange(h_max, device=self.device)[None] < torch.tensor(lengths, device=self.device)[:, None]
+        pad = lambda flat: torch.zeros(e_count, h_max, device=self.device).masked_scatter(mask, flat)  # noqa: E731
+        advantages = returns = None
+        if h.weight_mode == "critic_oracle":
+            advantages, returns = self._oracle_advantages(episodes, obs, lengths)
+        reward_diff = None
+        if h.shaped_lambda is not None:               # r_{i+1} - r_i per episode, r_H := r_{H-1}
+            diffs = [np.diff(ep["rewards"], append=ep["rewards"][-1:]) for ep in episodes]
+            reward_diff = pad(self._tensor(np.concatenate(diffs)))
+        weights = credit_weights(pad(errors), success, h.temperature, h.weight_mode, mask,
+                                 w_min=h.w_min, w_max=h.w_max, shaped_lambda=h.shaped_lambda,
+                                 reward_diff=reward_diff,
+                                 advantages=pad(advantages) if advantages is not None else None,
+                                 generator=self.generator)                            # [E, H]
+        self._analysis = self._analysis_sample(pad(errors), weights, mask, success)
+        stats = self._annotation_stats(pad(errors), weights, mask, success)
+        out = {"obs": obs, "actions": actions, "weights": weights[mask],
+               "rewards": success.float().repeat_interleave(torch.tensor(lengths, device=self.device)),
+               "stats": stats}
+        if returns is not None:
+            out["returns"] = returns
+        return out
+
+    @staticmethod
+    def _annotation_stats(errors: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor,
+                          success: torch.Tensor) -> dict[str, float]:
+        """How much e varies between the steps of an episode (if it does not, the weights go
+        uniform: the spec's main risk) and how far the weights are from uniform."""
+        n = mask.sum(1).float()
+        mean = (errors * mask).sum(1) / n
+        var = (((errors - mean[:, None]) * mask) ** 2).sum(1) / n.clamp_min(1)
+        entropy = -(weights * weights.clamp_min(1e-30).log() * mask).sum(1)
+        uniform = n.clamp_min(2).log()
+        valid = errors[mask]
+        return {"flowsar/episodes": float(len(n)), "flowsar/episode_success": float(success.float().mean()),
+                "flowsar/episode_length_mean": float(n.mean()),
+                "flowsar/e_mean": float(valid.mean()), "flowsar/e_std": float(valid.std()) if valid.numel() > 1 else 0.0,
+                "flowsar/e_within_episode_std": float(var.sqrt().mean()),
+                "flowsar/e_within_episode_cv": float((var.sqrt() / mean.clamp_min(1e-12)).mean()),
+                "flowsar/weight_entropy_ratio": float((entropy / uniform).mean()),
+                "flowsar/weight_max_mean": float(weights.max(1).values.mean())}
+
+    @staticmethod
+    def _analysis_sample(errors, weights, mask, success, per_outcome: int = 8) -> dict:
+        """The first few success and failure episodes' e and w, for the analysis plots."""
+        idx = torch.cat([torch.nonzero(success).flatten()[:per_outcome],
+                         torch.nonzero(~success).flatten()[:per_outcome]])
+        return {k: v[idx].cpu().numpy() for k, v in
+                dict(errors=errors, weights=weights, mask=mask, success=success).items()}
+
+    def analysis(self) -> dict | None:
+        return self._analysis
+
+    @staticmethod
+    def plot_analysis(data: dict, out_dir, iteration: int) -> list:
+        from flowrl_ray.plotting import plot_credit_analysis
+        return plot_credit_analysis(data, out_dir, iteration)
+
+    # ------------------------------------------------------------------ update
+    def _minibatch_loss(self, b: dict, idx: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        h = self.h
+        obs = map_obs(lambda x: x[idx], b["obs"])
+        a = b["actions"][idx]                                                   # [mb, Ta, Da]
+        augment = self.c.augment and isinstance(obs, dict)
+        t = (h.t_min + (h.t_max - h.t_min) * torch.rand(len(idx), generator=self.generator)).to(self.device)
+        eps = torch.randn(a.shape, generator=self.generator).to(self.device)
+        x = (1.0 - t)[:, None, None] * a + t[:, None, None] * eps               # spec's x_t
+        u = a - eps                                                             # package's target
+        v_cur = self._policy.velocity(x, 1.0 - t, self._policy.encoder(obs, augment))
+        with torch.no_grad():
+            v_old = self.old.velocity(x, 1.0 - t, self.old.encoder(obs))
+        w, r = b["weights"][idx], b["rewards"][idx]
+        loss = flowsar_loss(v_cur, v_old, u, w, r, h.beta, h.energy_type, h.loss_variant, h.kl_coeff, flow_t=t)
+        with torch.no_grad():
+            e_pos, e_neg = mirror_energies(v_cur, v_old, u, h.beta, h.energy_type, t)
+            stats = {"flowsar/loss": loss.detach(), "flowsar/energy_pos": e_pos.mean(),
+                     "flowsar/energy_neg": e_neg.mean(),
+                     "flowsar/kl": (v_cur - v_old).pow(2).mean(),
+                     "flowsar/cfm_loss": (v_old - u).pow(2).mean()}
+        if self.critic is not None:
+            v_loss = value_loss(self.critic(obs, augment), b["returns"][idx]).mean()
+            loss = loss + v_loss
+            stats["flowsar/v_loss"] = v_loss.detach()
+        return loss, stats
+
+    def update(self, b: dict | None) -> dict[str, float]:
+        c, h = self.c, self.h
+        out: dict[str, float] = {"flowsar/pending_steps": float(self.assembler.pending_steps)}
+        if b is None:
+            return out
+        m = b["actions"].shape[0]
+        optimizers = [self.opt] + ([self.critic_opt] if self.critic_opt else [])
+        params = [p for o in optimizers for g in o.param_groups for p in g["params"]]
+        stats: dict[str, list[float]] = {}
+        steps = 0
+        for _ in range(c.epochs):
+            perm = torch.randperm(m, generator=self.generator).to(self.device)
+            for start in range(0, m, c.minibatch_size):
+                loss, mb = self._minibatch_loss(b, perm[start:start + c.minibatch_size])
+                grad_norm, stepped = optimizer_step(loss, optimizers, params, c.max_grad_norm)
+                self.skipped_updates += int(not stepped)
+                steps += 1
+                mb["flowsar/grad_norm"] = grad_norm
+                for k, v in mb.items():
+                    stats.setdefault(k, []).append(float(v))
+        b_ema = ema_coefficient(self.iteration, h.ema_schedule, h.ema_beta, h.ema_eta_rate, h.ema_eta_max)
+        ema_update(self.old, self._policy, b_ema)
+        self.iteration += 1
+        out.update({k: float(np.mean(v)) for k, v in stats.items()})
+        out.update(b["stats"])
+        out.update({"flowsar/ema_coefficient": b_ema, "flowsar/steps": float(steps),
+                    "flowsar/samples": float(m), "flowsar/lr": self.opt.param_groups[0]["lr"],
+                    "flowsar/skipped_updates": float(self.skipped_updates)})
+        return out
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        state = {"policy": self._policy.state_dict(), "old": self.old.state_dict(),
+                 "opt": self.opt.state_dict(), "assembler": self.assembler.state_dict(),
+                 "generator": self.generator.get_state(), "iteration": self.iteration,
+                 "skipped_updates": self.skipped_updates}
+        if self.critic is not None:
+            state.update(critic=self.critic.state_dict(), critic_opt=self.critic_opt.state_dict())
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._policy.load_state_dict(state["policy"])
+        self.old.load_state_dict(state["old"])
+        self.opt.load_state_dict(state["opt"])
+        self.assembler.load_state_dict(state["assembler"])
+        self.generator.set_state(state["generator"])
+        self.iteration, self.skipped_updates = state["iteration"], state["skipped_updates"]
+        if self.critic is not None:
+            self.critic.load_state_dict(state["critic"])
+            self.critic_opt.load_state_dict(state["critic_opt"])

@@ -1,0 +1,545 @@
+"""FlowSAR: the self-annotation (Theorem 1), the credit weights, the mirror losses and the EMA
+against numbers computed by hand from the spec's equations, and the algorithm on hand-made
+rollout batches (no Ray, no simulator).
+
+Time conventions: the package's networks take tau (0 noise, 1 data) and predict u = a - eps;
+the spec writes t = 1 - tau, x_t = (1 - t) a + t eps, u_spec = eps - a and
+v_spec(x, t) = -v(x, 1 - t)."""
+
+import copy
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from flowrl_ray.algorithms.flowsar import (FlowSAR, credit_weights, ema_coefficient, ema_update,
+                                           flowsar_loss, mirror_energies, reconstruction_error)
+from flowrl_ray.batch import Batch, BatchMeta
+from flowrl_ray.config import ConfigError, config_from_dict
+from flowrl_ray.envs import EnvSpec
+
+SPEC = EnvSpec(obs_shape=(19,), action_dim=7, max_episode_steps=10)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    # The networks here are tiny: intra-op threads only add contention (10x slower on a busy
+    # machine). Restored afterwards so that other test modules are unaffected.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny_cfg(seed: int = 0, **flowsar):
+    return config_from_dict({
+        "algorithm": "flowsar", "seed": seed,
+        "env": {"family": "robot", "id": "lift", "horizon_steps": 4, "act_steps": 2, "max_episode_steps": 10},
+        "runtime": {"num_workers": 1, "envs_per_worker": 2, "rollout_length": 6},
+        "algo": {"hidden_sizes": [16, 16], "flow_steps": 2, "minibatch_size": 4,
+                 "flowsar": {"lr": 1e-3, **flowsar}}})
+
+
+# ------------------------------------------------------------------ Theorem 1: self-annotation
+
+def test_reconstruction_error_of_a_constant_field_by_hand():
+    # v == c (package convention): a_hat = x + t c with x = (1 - t) a + t eps.
+    # t = .25, a = [1, 2], eps = [3, -1], c = [.5, -2]:
+    #   x = [1.5, 1.25], a_hat = [1.625, .75], a - a_hat = [-.625, 1.25], e = 1.953125
+    # (= t^2 ||(a - eps) - c||^2 = .0625 * 31.25)
+    a = torch.tensor([[[1.0, 2.0]]])
+    eps = torch.tensor([[[3.0, -1.0]]])
+    c = torch.tensor([0.5, -2.0])
+    e = reconstruction_error(lambda x, tau, obs: c.expand_as(x), None, a, eps, 0.25)
+    assert e.shape == (1,)
+    assert e.item() == pytest.approx(1.953125, abs=1e-6)
+
+
+def test_reconstruction_error_calls_the_network_at_tau_one_minus_t_mid():
+    # v = tau c: the error depends on the time the network is queried at. t_mid = .25 -> tau = .75:
+    #   a_hat = x + .25 * .75 c = [1.59375, .875], a - a_hat = [-.59375, 1.125], e = 1.6181640625
+    # and as a per-row tensor t_mid = [.25, .5] (row 2: tau = .5, x = [2, .5],
+    #   a_hat = x + .25 c = [2.125, 0], a - a_hat = [-1.125, 2], e = 5.265625)
+    seen = []
+
+    def velocity(x, tau, obs):
+        seen.append(tau.clone())
+        return tau[:, None, None] * torch.tensor([0.5, -2.0])
+
+    a = torch.tensor([[[1.0, 2.0]]])
+    eps = torch.tensor([[[3.0, -1.0]]])
+    e = reconstruction_error(velocity, None, a, eps, 0.25)
+    assert seen[-1].tolist() == [0.75]
+    assert e.item() == pytest.approx(1.6181640625, abs=1e-6)
+    e2 = reconstruction_error(velocity, None, a.repeat(2, 1, 1), eps.repeat(2, 1, 1), torch.tensor([0.25, 0.5]))
+    assert seen[-1].tolist() == [0.75, 0.5]
+    torch.testing.assert_close(e2, torch.tensor([1.6181640625, 5.265625]))
+
+
+def test_theorem_1_error_equals_t_squared_velocity_gap_for_a_random_mlp():
+    # e = t^2 || v_spec - u_spec ||^2 with v_spec = -v(x, 1 - t), u_spec = eps - a, summed over
+    # the chunk and action dims; t as a float and as a per-row tensor.
+    torch.manual_seed(0)
+    b, ta, da, od = 5, 3, 2, 4
+    net = torch.nn.Sequential(torch.nn.Linear(ta * da + 1 + od, 32), torch.nn.Tanh(), torch.nn.Linear(32, ta * da))
+
+    def velocity(x, tau, obs):               # package convention
+        return net(torch.cat([x.flatten(1), tau[:, None], obs], -1)).view(x.shape)
+
+    obs, a, eps = torch.randn(b, od), torch.randn(b, ta, da), torch.randn(b, ta, da)
+    for t in (0.5, torch.tensor([0.1, 0.3, 0.5, 0.7, 0.9])):
+        tt = torch.as_tensor(t).expand(b)[:, None, None]
+        with torch.no_grad():
+            x = (1 - tt) * a + tt * eps
+            v_spec = -velocity(x, 1 - tt[:, 0, 0], obs)
+            expect = (tt[:, 0, 0] ** 2) * (v_spec - (eps - a)).pow(2).sum(dim=(1, 2))
+            got = reconstruction_error(velocity, obs, a, eps, t)
+        assert got.shape == (b,)
+        torch.testing.assert_close(got, expect, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------ credit weights
+
+def test_softmax_weights_by_hand_for_success_and_failure():
+    # T = 2, e = [0, 2 ln 2, 2 ln 3]: success softmax(e / T) = [1, 2, 3] / 6,
+    # failure softmax(-e / T) = [1, 1/2, 1/3] / (11/6) = [6, 3, 2] / 11
+    e = torch.tensor([0.0, 2 * math.log(2), 2 * math.log(3)]).repeat(2, 1)
+    w = credit_weights(e, torch.tensor([True, False]), 2.0)
+    torch.testing.assert_close(w, torch.tensor([[1 / 6, 2 / 6, 3 / 6], [6 / 11, 3 / 11, 2 / 11]]))
+
+
+def test_weights_sum_to_one_per_episode_and_masked_steps_are_exactly_zero():
+    e = torch.tensor([[1.0, 2.0, 3.0, 0.5], [4.0, 5.0, 7.0, 9.0], [0.3, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]], dtype=torch.bool)
+    success = torch.tensor([True, False, True])
+    for mode in ("softmax", "normalized", "uniform", "random", "inverse"):
+        w = credit_weights(e, success, 0.5, mode, mask, generator=torch.Generator().manual_seed(0))
+        torch.testing.assert_close(w.sum(1), torch.ones(3), msg=mode)
+        assert torch.all(w[~mask] == 0), mode
+        assert torch.all(w[mask] > 0), mode
+    # the softmax only runs over the real steps: episode 2 = softmax(-[4, 5] / .5) = [1, e^-2] / (1 + e^-2)
+    w = credit_weights(e, success, 0.5, "softmax", mask)
+    torch.testing.assert_close(w[1, :2], torch.tensor([1.0, math.exp(-2.0)]) / (1 + math.exp(-2.0)))
+    assert w[2, 0].item() == 1.0
+
+
+def test_success_weights_increase_and_failure_weights_decrease_with_e():
+    e = torch.tensor([0.2, 1.0, 0.5, 3.0, 2.0])
+    order = torch.argsort(e)
+    w = credit_weights(e.repeat(2, 1), torch.tensor([True, False]), 0.5)
+    assert torch.all(torch.diff(w[0, order]) > 0)          # success: high-e steps carry the credit
+    assert torch.all(torch.diff(w[1, order]) < 0)          # failure: low-e steps carry the blame
+
+
+def test_large_temperature_gives_uniform_and_small_gives_one_hot():
+    e = torch.tensor([[0.2, 1.0, 0.5, 3.0, 2.0]]).repeat(2, 1)
+    success = torch.tensor([True, False])
+    w = credit_weights(e, success, 1e6)
+    assert (w - 1 / 5).abs().max() < 1e-5
+    w = credit_weights(e, success, 1e-3)
+    torch.testing.assert_close(w, torch.tensor([[0.0, 0, 0, 1, 0], [1.0, 0, 0, 0, 0]]), atol=1e-6, rtol=0)
+
+
+def test_inverse_mode_swaps_the_success_and_failure_rules():
+    # T = 2, e = [0, 2 ln 2, 2 ln 3]: inverse on a success row is the failure rule [6, 3, 2] / 11
+    e = torch.tensor([[0.0, 2 * math.log(2), 2 * math.log(3)]])
+    inv_success = credit_weights(e, torch.tensor([True]), 2.0, "inverse")
+    torch.testing.assert_close(inv_success, torch.tensor([[6 / 11, 3 / 11, 2 / 11]]))
+    torch.testing.assert_close(inv_success, credit_weights(e, torch.tensor([False]), 2.0, "softmax"))
+    inv_failure = credit_weights(e, torch.tensor([False]), 2.0, "inverse")
+    torch.testing.assert_close(inv_failure, torch.tensor([[1 / 6, 2 / 6, 3 / 6]]))
+
+
+def test_uniform_mode_gives_one_over_the_episode_length():
+    e = torch.tensor([[5.0, 1.0, 2.0], [1.0, 9.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+    w = credit_weights(e, torch.tensor([True, False]), 0.5, "uniform", mask)
+    torch.testing.assert_close(w, torch.tensor([[1 / 3, 1 / 3, 1 / 3], [0.5, 0.5, 0.0]]))
+
+
+def test_random_mode_is_normalised_and_reproducible_with_a_seeded_generator():
+    e = torch.zeros(3, 6)
+    mask = torch.arange(6)[None] < torch.tensor([[6], [4], [2]])
+    success = torch.tensor([True, False, True])
+    w1 = credit_weights(e, success, 0.5, "random", mask, generator=torch.Generator().manual_seed(7))
+    w2 = credit_weights(e, success, 0.5, "random", mask, generator=torch.Generator().manual_seed(7))
+    w3 = credit_weights(e, success, 0.5, "random", mask, generator=torch.Generator().manual_seed(8))
+    torch.testing.assert_close(w1.sum(1), torch.ones(3))
+    assert torch.equal(w1, w2) and not torch.equal(w1, w3)
+    assert torch.all(w1[~mask] == 0)
+    # U(0, 1) draws normalised: the first row is the seeded draws over their sum
+    u = torch.rand(3, 6, generator=torch.Generator().manual_seed(7))
+    torch.testing.assert_close(w1[0], u[0] / u[0].sum())
+
+
+def test_normalized_mode_by_hand_inside_the_percentile_range():
+    # all valid e sorted: [1, 1, 2, 2, 3, 4, 4, 4] (n = 8); linear quantiles at positions .35 and
+    # 6.65 give 1 and 4, so nothing is clipped:
+    #   success w = [1, 2, 3, 4] / 10,  failure w = [1, 1/2, 1/4, 1/4] / 2
+    e = torch.tensor([[1.0, 2.0, 3.0, 4.0], [1.0, 2.0, 4.0, 4.0]])
+    w = credit_weights(e, torch.tensor([True, False]), 0.5, "normalized")
+    torch.testing.assert_close(w, torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.5, 0.25, 0.125, 0.125]]))
+
+
+def test_normalized_mode_clips_an_outlier_to_the_95th_percentile():
+    # valid e sorted: [1, 1, 2, 2, 3, 3, 4, 100]; 95th percentile at position 6.65:
+    # 4 + .65 * 96 = 66.4, 5th at .35: 1. The padded 1000 is not a step and must not count.
+    e = torch.tensor([[1.0, 2.0, 3.0, 4.0, 1000.0], [1.0, 2.0, 3.0, 100.0, 1000.0]])
+    mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 0]], dtype=torch.bool)
+    w = credit_weights(e, torch.tensor([True, True]), 0.5, "normalized", mask)
+    torch.testing.assert_close(w[1], torch.tensor([1.0, 2.0, 3.0, 66.4, 0.0]) / 72.4)
+    torch.testing.assert_close(w[0], torch.tensor([1.0, 2.0, 3.0, 4.0, 0.0]) / 10.0)
+
+
+def test_critic_oracle_applies_the_softmax_rule_to_the_advantages():
+    # e is ignored; advantages A = [0, 2 ln 2, 2 ln 3], T = 2: success [1, 2, 3] / 6, failure [6, 3, 2] / 11
+    e = torch.tensor([[5.0, 0.0, 1.0], [5.0, 0.0, 1.0]])
+    adv = torch.tensor([0.0, 2 * math.log(2), 2 * math.log(3)]).repeat(2, 1)
+    w = credit_weights(e, torch.tensor([True, False]), 2.0, "critic_oracle", advantages=adv)
+    torch.testing.assert_close(w, torch.tensor([[1 / 6, 2 / 6, 3 / 6], [6 / 11, 3 / 11, 2 / 11]]))
+    with pytest.raises(ValueError, match="advantages"):
+        credit_weights(e, torch.tensor([True, False]), 2.0, "critic_oracle")
+
+
+def test_w_min_w_max_clip_then_renormalise_by_hand():
+    # T = 1, success, e = [ln 7, 0, 0, 0]: w = [.7, .1, .1, .1]
+    e = torch.tensor([[math.log(7.0), 0.0, 0.0, 0.0]])
+    s = torch.tensor([True])
+    torch.testing.assert_close(credit_weights(e, s, 1.0), torch.tensor([[0.7, 0.1, 0.1, 0.1]]))
+    # w_max = .4: [.4, .1, .1, .1] / .7
+    torch.testing.assert_close(credit_weights(e, s, 1.0, w_max=0.4), torch.tensor([[4.0, 1.0, 1.0, 1.0]]) / 7)
+    # w_min = .15: [.7, .15, .15, .15] / 1.15
+    torch.testing.assert_close(credit_weights(e, s, 1.0, w_min=0.15),
+                               torch.tensor([[0.7, 0.15, 0.15, 0.15]]) / 1.15)
+    # both: [.4, .15, .15, .15] / .85; a padded step stays 0 (w_min must not revive it)
+    e5 = torch.cat([e, torch.zeros(1, 1)], 1)
+    mask = torch.tensor([[1, 1, 1, 1, 0]], dtype=torch.bool)
+    torch.testing.assert_close(credit_weights(e5, s, 1.0, mask=mask, w_min=0.15, w_max=0.4),
+                               torch.tensor([[0.4, 0.15, 0.15, 0.15, 0.0]]) / 0.85)
+
+
+def test_shaped_lambda_mixes_signed_errors_and_reward_differences():
+    # lambda = .25, T = .5, e = [1, 2], reward_diff = [.5, -.5]
+    #   success: logits = .25 [1, 2] + .75 [.5, -.5] = [.625, .125] -> /T [1.25, .25] -> w0 = sigmoid(1)
+    #   failure: logits = .25 [-1, -2] + .75 [.5, -.5] = [.125, -.875] -> /T [.25, -1.75] -> w0 = sigmoid(2)
+    e = torch.tensor([[1.0, 2.0], [1.0, 2.0]])
+    rd = torch.tensor([[0.5, -0.5], [0.5, -0.5]])
+    w = credit_weights(e, torch.tensor([True, False]), 0.5, shaped_lambda=0.25, reward_diff=rd)
+    s1, s2 = 1 / (1 + math.exp(-1.0)), 1 / (1 + math.exp(-2.0))
+    torch.testing.assert_close(w, torch.tensor([[s1, 1 - s1], [s2, 1 - s2]]))
+    with pytest.raises(ValueError, match="reward_diff"):
+        credit_weights(e, torch.tensor([True, False]), 0.5, shaped_lambda=0.25)
+
+
+def test_unknown_weight_mode_raises():
+    with pytest.raises(ValueError, match="weight mode"):
+        credit_weights(torch.ones(1, 2), torch.tensor([True]), 0.5, "softmaxx")
+
+
+# ------------------------------------------------------------------ mirror energies and the loss
+
+def _leaf(values):
+    return torch.tensor(values, requires_grad=True)
+
+
+def test_mirror_energies_by_hand():
+    # beta = .5, v_old = [1, 0], v = [3, 2], u = [0, 0]:
+    #   v+ = .5 v_old + .5 v = [2, 1],   E+ = mean([4, 1]) = 2.5
+    #   v- = 1.5 v_old - .5 v = [0, -1], E- = mean([0, 1]) = .5
+    v, v_old, u = torch.tensor([[[3.0, 2.0]]]), torch.tensor([[[1.0, 0.0]]]), torch.zeros(1, 1, 2)
+    e_pos, e_neg = mirror_energies(v, v_old, u, 0.5)
+    assert e_pos.tolist() == [2.5] and e_neg.tolist() == [0.5]
+
+
+def test_sde_energies_are_divided_by_two_t_clamped_at_1e_3():
+    v = torch.tensor([[[3.0, 2.0]], [[3.0, 2.0]]])
+    v_old = torch.tensor([[[1.0, 0.0]], [[1.0, 0.0]]])
+    u = torch.zeros(2, 1, 2)
+    e_pos, e_neg = mirror_energies(v, v_old, u, 0.5, "sde", flow_t=torch.tensor([0.25, 0.0]))
+    # mse energies are [2.5, 2.5] and [.5, .5]; t = .25 -> x 2 exactly, t = 0 -> x 1 / .002 = 500
+    assert e_pos[0].item() == 5.0 and e_neg[0].item() == 1.0
+    assert e_pos[1].item() == pytest.approx(1250.0, rel=1e-5)
+    assert e_neg[1].item() == pytest.approx(250.0, rel=1e-5)
+    with pytest.raises(ValueError, match="flow_t"):
+        mirror_energies(v, v_old, u, 0.5, "sde")
+
+
+def test_mse_branch_failure_pushes_v_to_the_mirror_point():
+    # R = 0, beta = 1: loss = w E- = w mean((2 v_old - v - u)^2), minimised at v = 2 v_old - u.
+    v_old = torch.tensor([[[0.5, -1.25], [2.0, 0.25]]])
+    u = torch.tensor([[[1.5, 0.75], [-0.5, 0.5]]])
+    mirror = 2 * v_old - u                                         # dyadic: exact in float32
+    v = (v_old + 0.25).clone().requires_grad_(True)
+    w, r = torch.tensor([1.0]), torch.tensor([0.0])
+    dists = [float((v.detach() - mirror).norm())]
+    for _ in range(10):
+        loss = flowsar_loss(v, v_old, u, w, r, 1.0, loss_variant="mse_branch")
+        (g,) = torch.autograd.grad(loss, v)
+        with torch.no_grad():
+            v -= 0.5 * g
+        dists.append(float((v.detach() - mirror).norm()))
+    assert all(b < a for a, b in zip(dists, dists[1:])), dists
+    assert dists[-1] < 0.2 * dists[0]
+    at = mirror.clone().requires_grad_(True)
+    (g,) = torch.autograd.grad(flowsar_loss(at, v_old, u, w, r, 1.0, loss_variant="mse_branch"), at)
+    assert torch.all(g == 0)
+
+
+def test_mse_branch_success_pushes_v_to_the_target():
+    v_old = torch.tensor([[[0.5, -1.25], [2.0, 0.25]]])
+    u = torch.tensor([[[1.5, 0.75], [-0.5, 0.5]]])
+    v = v_old.clone().requires_grad_(True)
+    w, r = torch.tensor([1.0]), torch.tensor([1.0])
+    # beta = 1: E+ = mean((v - u)^2); one step of lr 1 on grad 2 (v - u) / 4 halves the gap
+    loss = flowsar_loss(v, v_old, u, w, r, 1.0, loss_variant="mse_branch")
+    assert loss.item() == pytest.approx(float((v_old - u).pow(2).mean()))
+    (g,) = torch.autograd.grad(loss, v)
+    torch.testing.assert_close(g, 2 * (v_old - u) / 4)
+    at = u.clone().requires_grad_(True)
+    (g,) = torch.autograd.grad(flowsar_loss(at, v_old, u, w, r, 1.0, loss_variant="mse_branch"), at)
+    assert torch.all(g == 0)
+
+
+def test_mse_branch_value_by_hand():
+    # two samples, beta = .5, v_old = [1, 0], v = [3, 2], u = [0, 0]: E+ = 2.5, E- = .5
+    # sample 1 success w = .2: .2 * 2.5 = .5; sample 2 failure w = .6: .6 * .5 = .3; mean = .4
+    v = torch.tensor([[[3.0, 2.0]], [[3.0, 2.0]]])
+    v_old = torch.tensor([[[1.0, 0.0]], [[1.0, 0.0]]])
+    loss = flowsar_loss(v, v_old, torch.zeros(2, 1, 2), torch.tensor([0.2, 0.6]), torch.tensor([1.0, 0.0]),
+                        0.5, loss_variant="mse_branch")
+    assert loss.item() == pytest.approx(0.4)
+
+
+def test_softplus_kl_gradient_at_v_old_matches_the_hand_formula():
+    # At v = v_old: E+ = E-, softplus' = sigmoid(0) = 1/2, and per sample
+    #   d/dv = w * 1/2 * 1/2 * y * (dE+/dv - dE-/dv) / B
+    #   dE+/dv = 2 beta (v+ - u) / n,  dE-/dv = -2 beta (v- - u) / n,  v+ = v- = v_old
+    # (the KL term has zero gradient there). y = +1: gradient ~ +(v_old - u), so descent moves v
+    # toward u; y = -1: away from u.
+    beta, n, b = 0.5, 4, 2
+    v_old = torch.tensor([[[0.5, -1.0], [2.0, 0.0]], [[0.5, -1.0], [2.0, 0.0]]])
+    u = torch.tensor([[[1.0, 1.0], [-1.0, 0.5]], [[1.0, 1.0], [-1.0, 0.5]]])
+    w = torch.tensor([0.3, 0.7])
+    y = torch.tensor([1.0, -1.0])
+    v = v_old.clone().requires_grad_(True)
+    loss = flowsar_loss(v, v_old, u, w, (y + 1) / 2, beta, kl_coeff=1.0)
+    (g,) = torch.autograd.grad(loss, v)
+    de_pos = 2 * beta * (v_old - u) / n
+    de_neg = -2 * beta * (v_old - u) / n
+    expect = (w * 0.5 * 0.5 * y)[:, None, None] * (de_pos - de_neg) / b
+    torch.testing.assert_close(g, expect)
+    step = v.detach() - 0.1 * g
+    assert (step[0] - u[0]).norm() < (v_old[0] - u[0]).norm()    # success: toward u
+    assert (step[1] - u[1]).norm() > (v_old[1] - u[1]).norm()    # failure: away from u
+
+
+def test_softplus_kl_value_and_unweighted_kl_term_by_hand():
+    # beta = 1, v_old = [0, 0], v = [1, 0], u = [1, 1], R = 1, kl_coeff = 2:
+    #   v+ = [1, 0], E+ = mean([0, 1]) = .5;  v- = [-1, 0], E- = mean([4, 1]) = 2.5
+    #   softplus(.5 * (.5 - 2.5)) = ln(1 + e^-1);  KL = mean([1, 0]) = .5 -> 2 * .5 = 1
+    v, v_old, u = torch.tensor([[[1.0, 0.0]]]), torch.zeros(1, 1, 2), torch.tensor([[[1.0, 1.0]]])
+    r = torch.tensor([1.0])
+    loss = flowsar_loss(v, v_old, u, torch.tensor([0.5]), r, 1.0, kl_coeff=2.0)
+    assert loss.item() == pytest.approx(0.5 * math.log(1 + math.exp(-1.0)) + 1.0, rel=1e-6)
+    # weight 0 removes the softplus part only: the KL term is not weighted
+    assert flowsar_loss(v, v_old, u, torch.tensor([0.0]), r, 1.0, kl_coeff=2.0).item() == pytest.approx(1.0)
+    assert flowsar_loss(v, v_old, u, torch.tensor([1.0]), r, 1.0, kl_coeff=0.0).item() == \
+        pytest.approx(math.log(1 + math.exp(-1.0)), rel=1e-6)
+
+
+@pytest.mark.parametrize("variant", ["softplus_kl", "mse_branch"])
+@pytest.mark.parametrize("energy", ["mse", "sde"])
+def test_no_gradient_reaches_v_old(variant, energy):
+    torch.manual_seed(0)
+    v_old = torch.randn(3, 2, 2, requires_grad=True)
+    v = torch.randn(3, 2, 2, requires_grad=True)
+    loss = flowsar_loss(v, v_old, torch.randn(3, 2, 2), torch.rand(3), torch.tensor([1.0, 0.0, 1.0]), 0.7,
+                        energy, variant, kl_coeff=1.0, flow_t=torch.tensor([0.2, 0.5, 0.8]))
+    loss.backward()
+    assert v_old.grad is None
+    assert v.grad is not None and v.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("variant", ["softplus_kl", "mse_branch"])
+def test_loss_is_invariant_to_flipping_the_time_convention(variant):
+    # the package's (v, u) and the spec's (-v, -u) give the same loss: every term is a squared norm
+    torch.manual_seed(1)
+    v, v_old, u = torch.randn(4, 3, 2), torch.randn(4, 3, 2), torch.randn(4, 3, 2)
+    w, r, t = torch.rand(4), torch.tensor([1.0, 0.0, 0.0, 1.0]), torch.rand(4)
+    for energy in ("mse", "sde"):
+        a = flowsar_loss(v, v_old, u, w, r, 0.8, energy, variant, 0.5, flow_t=t)
+        b = flowsar_loss(-v, -v_old, -u, w, r, 0.8, energy, variant, 0.5, flow_t=t)
+        assert a.item() > 0
+        torch.testing.assert_close(a, b)
+
+
+def test_invalid_energy_type_and_loss_variant_raise():
+    x = torch.zeros(1, 1, 2)
+    with pytest.raises(ValueError, match="energy type"):
+        flowsar_loss(x, x, x, torch.ones(1), torch.ones(1), 1.0, energy_type="ode")
+    with pytest.raises(ValueError, match="loss variant"):
+        flowsar_loss(x, x, x, torch.ones(1), torch.ones(1), 1.0, loss_variant="hinge")
+
+
+# ------------------------------------------------------------------ EMA
+
+def test_linear_and_fixed_ema_coefficients():
+    got = [ema_coefficient(i, "linear", eta_rate=0.001, eta_max=0.5) for i in (0, 100, 500, 1000)]
+    assert got == pytest.approx([0.0, 0.1, 0.5, 0.5])
+    assert ema_coefficient(0, "fixed", ema_beta=0.995) == 0.995
+    assert ema_coefficient(10_000, "fixed", ema_beta=0.9) == 0.9
+    with pytest.raises(ValueError, match="ema schedule"):
+        ema_coefficient(0, "cosine")
+
+
+def test_ema_update_mixes_each_parameter_by_hand():
+    old, new = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
+    with torch.no_grad():
+        old.weight.copy_(torch.tensor([[4.0, -8.0]]))
+        old.bias.fill_(1.0)
+        new.weight.copy_(torch.tensor([[0.0, 8.0]]))
+        new.bias.fill_(-3.0)
+    ema_update(old, new, 0.25)
+    # .25 old + .75 new
+    assert old.weight.tolist() == [[1.0, 4.0]] and old.bias.tolist() == [-2.0]
+    assert new.weight.tolist() == [[0.0, 8.0]]                      # the source is untouched
+
+
+# ------------------------------------------------------------------ the algorithm on batches
+
+def make_batch(worker_id: int, ends: dict | None = None, rewards: dict | None = None, t: int = 6, n: int = 2,
+               seed: int = 0) -> Batch:
+    """A time-major batch as the EnvRunner writes it. ``ends`` {(t, j): "term" | "trunc"},
+    ``rewards`` {(t, j): r} (0 elsewhere)."""
+    rng = np.random.default_rng(seed)
+    term, trunc = np.zeros((t, n), bool), np.zeros((t, n), bool)
+    for (i, j), kind in (ends or {}).items():
+        (term if kind == "term" else trunc)[i, j] = True
+    r = np.zeros((t, n), np.float32)
+    for (i, j), value in (rewards or {}).items():
+        r[i, j] = value
+    data = {"obs": rng.standard_normal((t, n, 19)).astype(np.float32),
+            "actions": rng.uniform(-1, 1, (t, n, 4, 7)).astype(np.float32),
+            "rewards": r, "terminated": term, "truncated": trunc,
+            "final_obs": rng.standard_normal((t, n, 19)).astype(np.float32),
+            "last_obs": rng.standard_normal((n, 19)).astype(np.float32)}
+    return Batch(data, BatchMeta(policy_version=0, worker_id=worker_id, env_steps=t * n))
+
+
+def test_episode_spanning_two_batches_is_counted_once_it_ends():
+    algo = FlowSAR(tiny_cfg(), SPEC, torch.device("cpu"))
+    b1 = make_batch(0, seed=1)
+    assert algo.prepare([b1]) is None                             # no episode ended yet
+    assert algo.update(None) == {"flowsar/pending_steps": 12.0}
+    # env 0 succeeds at t = 1 of the second batch (8 steps); env 1 is truncated at t = 5 (12 steps)
+    b2 = make_batch(0, ends={(1, 0): "term", (5, 1): "trunc"}, rewards={(1, 0): 1.0}, seed=2)
+    out = algo.prepare([b2])
+    assert out["actions"].shape == (20, 4, 7) and out["obs"].shape == (20, 19)
+    expect_actions = np.concatenate([b1["actions"][:, 0], b2["actions"][:2, 0], b1["actions"][:, 1], b2["actions"][:, 1]])
+    assert np.array_equal(out["actions"].numpy(), expect_actions)
+    assert out["weights"].shape == (20,)
+    torch.testing.assert_close(out["weights"][:8].sum(), torch.tensor(1.0))
+    torch.testing.assert_close(out["weights"][8:].sum(), torch.tensor(1.0))
+    assert out["rewards"].tolist() == [1.0] * 8 + [0.0] * 12
+    assert out["stats"]["flowsar/episodes"] == 2.0
+    assert algo.assembler.pending_steps == 4                     # env 0, t = 2..5 of batch 2
+    assert algo.update(out)["flowsar/pending_steps"] == 4.0
+
+
+def test_any_positive_return_marks_every_step_a_success():
+    # a reward in the middle of the episode (not at its end) still makes R = 1 for all its steps
+    algo = FlowSAR(tiny_cfg(), SPEC, torch.device("cpu"))
+    b = make_batch(0, ends={(3, 0): "term", (2, 1): "term"}, rewards={(1, 0): 0.5})
+    out = algo.prepare([b])
+    assert out["rewards"].tolist() == [1.0] * 4 + [0.0] * 3
+
+
+def test_prepared_weights_are_the_softmax_of_the_old_policys_errors():
+    # The wiring of prepare: e from theta_old at t_mid = .5 with the algorithm's eps draws
+    # (computed here from the equations), then per episode softmax(+-e / T).
+    algo = FlowSAR(tiny_cfg(temperature=0.5), SPEC, torch.device("cpu"))
+    b = make_batch(0, ends={(3, 0): "term", (5, 1): "term"}, rewards={(3, 0): 1.0}, seed=3)
+    gen = torch.Generator()
+    gen.set_state(algo.generator.get_state())
+    out = algo.prepare([b])
+    a = out["actions"]
+    eps = torch.randn(a.shape, generator=gen)
+    with torch.no_grad():
+        x = 0.5 * a + 0.5 * eps
+        v = algo.old.velocity(x, torch.full((a.shape[0],), 0.5), out["obs"])
+        e = (a - (x + 0.5 * v)).pow(2).sum(dim=(1, 2))
+    torch.testing.assert_close(out["weights"][:4], torch.softmax(e[:4] / 0.5, 0))
+    torch.testing.assert_close(out["weights"][4:], torch.softmax(-e[4:] / 0.5, 0))
+
+
+def _params(module) -> dict:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def test_first_update_publishes_the_trained_policy_then_the_ema_mix():
+    algo = FlowSAR(tiny_cfg(), SPEC, torch.device("cpu"))
+    init = _params(algo.policy)
+    out = algo.prepare([make_batch(0, ends={(5, 0): "term", (5, 1): "term"}, rewards={(5, 0): 1.0})])
+    m = algo.update(out)
+    assert m["flowsar/ema_coefficient"] == 0.0 and algo.iteration == 1
+    trained = _params(algo.policy)
+    assert any(not torch.equal(init[k], trained[k]) for k in init)       # the update moved theta
+    published = algo.policy_state_dict()
+    assert published.keys() == trained.keys()
+    assert all(torch.equal(published[k], trained[k]) for k in trained)   # b = 0: theta_old = theta
+    # later: b = min(.001 i, .5) = .3 at i = 300
+    algo.iteration = 300
+    old_before = _params(algo.old)
+    m = algo.update(out)
+    assert m["flowsar/ema_coefficient"] == pytest.approx(0.3)
+    trained = _params(algo.policy)
+    published = algo.policy_state_dict()
+    for k in trained:
+        torch.testing.assert_close(published[k], 0.3 * old_before[k] + 0.7 * trained[k])
+    assert any(not torch.equal(published[k], trained[k]) for k in trained)
+
+
+def test_state_dict_round_trip_restores_policies_and_carried_tails():
+    a = FlowSAR(tiny_cfg(), SPEC, torch.device("cpu"))
+    # env 0 ends at t = 2 (3 steps), env 1 carries 6 steps and env 0 carries 3
+    a.update(a.prepare([make_batch(0, ends={(2, 0): "term"}, rewards={(2, 0): 1.0}, seed=4)]))
+    a.update(a.prepare([make_batch(0, ends={(1, 0): "term"}, seed=5)]))      # b = .001: old != policy
+    assert a.assembler.pending_steps == 4 + 12
+    state = copy.deepcopy(a.state_dict())
+    b = FlowSAR(tiny_cfg(seed=1), SPEC, torch.device("cpu"))                 # different init
+    assert any(not torch.equal(v, b.policy.state_dict()[k]) for k, v in a.policy.state_dict().items())
+    b.load_state_dict(state)
+    for mine, theirs in ((a.policy, b.policy), (a.old, b.old)):
+        assert all(torch.equal(v, theirs.state_dict()[k]) for k, v in mine.state_dict().items())
+    assert b.iteration == a.iteration == 2
+    assert b.assembler.pending_steps == a.assembler.pending_steps
+    assert set(b.assembler.tails) == set(a.assembler.tails)
+    # both go on identically: the carried tails end up in the same episodes, the same weights
+    nxt = make_batch(0, ends={(0, 0): "term", (3, 1): "trunc"}, rewards={(0, 1): 1.0}, seed=6)
+    pa, pb = a.prepare([nxt]), b.prepare([nxt])
+    assert pa["actions"].shape[0] == 4 + 1 + 12 + 4
+    for k in ("actions", "obs", "weights", "rewards"):
+        assert torch.equal(pa[k], pb[k]), k
+    ma, mb = a.update(pa), b.update(pb)
+    assert ma["flowsar/loss"] == mb["flowsar/loss"]
+
+
+@pytest.mark.parametrize("overrides, pattern", [
+    ({"t_min": 0.8, "t_max": 0.8}, r"algo\.flowsar\.t_min"),
+    ({"t_min": 0.9, "t_max": 0.5}, r"algo\.flowsar\.t_min"),
+    ({"betta": 1.0}, r"algo\.flowsar\.betta.*algo\.flowsar\.beta'"),
+    ({"weight_mode": "foo"}, r"algo\.flowsar\.weight_mode.*foo"),
+    ({"w_min": 0.5, "w_max": 0.2}, r"algo\.flowsar\.w_min"),
+    ({"tau_mid": 1.0}, r"algo\.flowsar\.tau_mid"),
+])
+def test_config_mistakes_name_the_key(overrides, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        tiny_cfg(**overrides)
+
+
+def test_gym_env_family_is_rejected_naming_env_family():
+    with pytest.raises(ConfigError, match=r"env\.family"):
+        config_from_dict({"algorithm": "flowsar", "env": {"family": "gym", "id": "Pendulum-v1"},
+                          "runtime": {"num_workers": 1, "envs_per_worker": 2, "rollout_length": 6},
+                          "algo": {"minibatch_size": 4}})
