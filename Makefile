@@ -5,15 +5,16 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
-# What `make test` needs: dev (pytest) and robot (robosuite, h5py).
-EXTRAS ?= dev,robot
+# What `make test` needs: dev (pytest), robot (robosuite, h5py), forms (playwright), ...
+EXTRAS ?= dev,robot,text,forms
 RUN_DIR ?= runs/fpopp-lift
 
 .PHONY: run run-ppo test install system-deps lint bench clean
 
 # System packages: swig builds box2d-py (gymnasium[box2d]); gcc and the kernel headers build evdev
-# (a robosuite dependency, from source); Mesa's EGL and OSMesa render robosuite cameras on the CPU.
-SYSTEM_PACKAGES := swig gcc linux-libc-dev libegl1 libgl1-mesa-dri libosmesa6
+# (a robosuite dependency, from source); Mesa's EGL and OSMesa render robosuite cameras on the CPU;
+# chromium is the forms family's browser (driven by Playwright).
+SYSTEM_PACKAGES := swig gcc linux-libc-dev libegl1 libgl1-mesa-dri libosmesa6 chromium
 system-deps:
 	@missing=$$(for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || printf "%s " $$p; done); \
 	if [ -n "$$missing" ]; then \

@@ -1,4 +1,4 @@
-"""`flowrl-ray`: train, eval, tune, compare, serve, plot, demos, pretrain.
+"""`flowrl-ray`: train, eval, tune, compare, serve, plot, demos, pretrain, forms.
 
 User errors (missing file, bad config, bad run directory) print one line and exit with status 2,
 without a traceback.
@@ -72,6 +72,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from flowrl_ray.envs import env_family
     from flowrl_ray.envs.rollout import EnvRunner
 
+    if _is_group_run(args.run_dir):
+        return _eval_group(args)
     cfg, spec, policy = load_policy(args.run_dir)
     sampling = "random" if args.stochastic else args.sampling
     runner = EnvRunner(env_family(cfg.env.family), cfg.env, min(args.episodes, 8), cfg.seed, policy)
@@ -86,6 +88,41 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if "episode_successes" in result:
         out["success_rate"] = float(np.mean(result["episode_successes"]))
     print(json.dumps(out))
+    return 0
+
+
+def _is_group_run(run_dir: str) -> bool:
+    from flowrl_ray.algorithms import get_algorithm
+    config = Path(run_dir) / "config.yaml"
+    if not config.is_file():
+        return False
+    return get_algorithm(load_config(config).algorithm).rollout_kind == "group"
+
+
+def _eval_group(args: argparse.Namespace) -> int:
+    """Group algorithms (Flow-GRPO): the learner's model generates greedily for held-out tasks
+    in this process, one local scorer (browser) scores them; prints the algorithm's eval metrics."""
+    import torch
+
+    from flowrl_ray.algorithms import get_algorithm
+    from flowrl_ray.checkpoint import latest_checkpoint, load_checkpoint
+    from flowrl_ray.envs import env_family
+
+    run_dir = Path(args.run_dir)
+    path = latest_checkpoint(run_dir)
+    if path is None:
+        raise UserError(f"{run_dir} has no checkpoint yet")
+    cfg = load_config(run_dir / "config.yaml", [f"eval.episodes={args.episodes}"])
+    family = env_family(cfg.env.family)
+    spec = family.spec(cfg.env)
+    algo = get_algorithm(cfg.algorithm)(cfg, spec, torch.device("cpu"))
+    algo.load_state_dict(load_checkpoint(path)["learner"]["algorithm"])
+    scorer = family.make_scorer(cfg.env, cfg.seed, 0)
+    try:
+        metrics = algo.eval_metrics([scorer.score(chunk) for chunk in algo.generate(1, "eval")])
+    finally:
+        scorer.close()
+    print(json.dumps({"run_dir": str(run_dir), "checkpoint": path.name, **metrics}))
     return 0
 
 
@@ -162,8 +199,13 @@ def cmd_demos(args: argparse.Namespace) -> int:
 
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
-    from flowrl_ray.pretrain import pretrain
     data = apply_overrides(read_yaml(args.config), args.overrides)
+    if data.get("algorithm") == "flow_grpo":
+        return _pretrain_text(args, data)
+    from flowrl_ray.pretrain import pretrain
+    args.epochs = 50 if args.epochs is None else args.epochs
+    args.batch_size = 256 if args.batch_size is None else args.batch_size
+    args.lr = 1e-3 if args.lr is None else args.lr
     algo = data.get("algo")
     # algo.base_policy names the file this creates: validate without loading it.
     out = args.out or (algo.get("base_policy") if isinstance(algo, dict) else None)
@@ -174,6 +216,109 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
                        lr=args.lr, seed=cfg.seed if args.seed is None else args.seed,
                        eval_episodes=args.eval_episodes, progress=True)
     print(json.dumps(summary), flush=True)
+    return 0
+
+
+def _pretrain_text(args: argparse.Namespace, data: dict) -> int:
+    """Masked-diffusion SFT of a Flow-GRPO config's language model (flowrl_ray.pretrain_text)."""
+    from flowrl_ray.pretrain_text import pretrain_text
+    if args.dataset is not None or args.eval_episodes:
+        raise UserError("--dataset and --eval-episodes are for robot demos; Flow-GRPO's SFT reads the "
+                        "forms train split (then `flowrl-ray train` evaluates on held-out tasks)")
+    cfg = config_from_dict(data)
+    summary = pretrain_text(cfg, out=args.out, epochs=20 if args.epochs is None else args.epochs,
+                            batch_size=32 if args.batch_size is None else args.batch_size,
+                            lr=1e-3 if args.lr is None else args.lr,
+                            seed=cfg.seed if args.seed is None else args.seed, progress=True)
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+def _forms_catalog(forms_dir: str | None):
+    from flowrl_ray.envs.forms import FormCatalog, FormSpecError
+    try:
+        return FormCatalog.load(forms_dir)
+    except FormSpecError as e:
+        raise UserError(str(e)) from None
+
+
+def cmd_forms_serve(args: argparse.Namespace) -> int:
+    from flowrl_ray.envs.forms import FormServer
+    catalog = _forms_catalog(args.forms_dir)
+
+    def show(sub) -> None:
+        verdict = "accepted" if sub.accepted else f"rejected ({'; '.join(sub.errors)})"
+        print(f"[flowrl_ray] {sub.form_id}: submission {verdict}", flush=True)
+
+    server = FormServer(catalog, host=args.host, port=args.port, on_submit=show)
+    try:
+        server.start()
+    except OSError as e:
+        raise UserError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+    print(f"[flowrl_ray] {len(catalog)} forms at {server.url}/ (Ctrl-C stops)", flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print("[flowrl_ray] stopping the form server", flush=True)
+    finally:
+        server.stop()
+    return 0
+
+
+def cmd_forms_run(args: argparse.Namespace) -> int:
+    from flowrl_ray.envs.forms import BrowserPool, BrowserUnavailable, FormServer, task_from_id
+    catalog = _forms_catalog(args.forms_dir)
+    if args.form_id not in catalog:
+        raise UserError(f"unknown form {args.form_id!r}; `flowrl-ray forms list` shows them")
+    task = None
+    if args.task:
+        try:
+            task = task_from_id(args.task, catalog)
+        except (ValueError, KeyError) as e:
+            raise UserError(f"--task: {e.args[0]}") from None
+        if task.form_id != args.form_id:
+            raise UserError(f"--task {args.task} is a task on form {task.form_id!r}, not {args.form_id!r}")
+    if args.actions == "-":
+        text = sys.stdin.read()
+    else:
+        try:
+            text = Path(args.actions).read_text(encoding="utf-8", errors="replace")
+        except OSError as e:
+            raise UserError(f"--actions {args.actions}: {e.strerror or e}") from None
+    for name in ("action_timeout", "rollout_timeout"):
+        if getattr(args, name) <= 0:
+            raise UserError(f"--{name.replace('_', '-')}: must be > 0, got {getattr(args, name)}")
+    try:
+        with FormServer(catalog) as server, BrowserPool(server, pages=1, action_timeout_s=args.action_timeout,
+                                                        rollout_timeout_s=args.rollout_timeout) as pool:
+            [result] = pool.execute([(task if task is not None else args.form_id, text)])
+    except BrowserUnavailable as e:
+        raise UserError(str(e)) from None
+    print(json.dumps(result.to_dict()), flush=True)
+    return 0
+
+
+def cmd_forms_tasks(args: argparse.Namespace) -> int:
+    from flowrl_ray.envs.forms import gold_actions
+    from flowrl_ray.envs.forms.tasks import load_tasks
+    if args.per_form is not None and args.per_form < 1:
+        raise UserError(f"--per-form: must be >= 1, got {args.per_form}")
+    catalog = _forms_catalog(args.forms_dir)
+    for task in load_tasks(args.split, seed=args.seed, per_form=args.per_form, catalog=catalog):
+        row = task.to_dict()
+        if args.gold:
+            row["gold_actions"] = gold_actions(task, catalog)
+        print(json.dumps(row))
+    return 0
+
+
+def cmd_forms_list(args: argparse.Namespace) -> int:
+    catalog = _forms_catalog(args.forms_dir)
+    rows = [(f.id, f.domain, "held out" if f.heldout else "train", str(len(f.fields)), f.title) for f in catalog]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for r in sorted(rows, key=lambda r: (r[1], r[0])):
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[4])
     return 0
 
 
@@ -268,22 +413,59 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-attempts", type=int, help="give up after this many episodes (default 4 x N)")
     d.set_defaults(func=cmd_demos)
 
-    pr = sub.add_parser("pretrain", help="behaviour-clone a flow policy from demos (an FPO++ base policy)",
-                        description="Flow-matching behaviour cloning of the config's flow policy on a robomimic "
-                                    "dataset (env.dataset or --dataset). Writes the checkpoint that "
-                                    "algo.base_policy loads (--out or algo.base_policy), <stem>.metrics.jsonl "
-                                    "and <stem>.loss.png; prints a JSON summary.")
+    pr = sub.add_parser("pretrain", help="supervised start of a policy: flow-matching BC from robot demos, "
+                                         "or masked-diffusion SFT of a Flow-GRPO language model",
+                        description="Robot configs (fpopp, flowsar): flow-matching behaviour cloning of the "
+                                    "config's flow policy on a robomimic dataset (env.dataset or --dataset); "
+                                    "writes the checkpoint that algo.base_policy loads (--out or "
+                                    "algo.base_policy), <stem>.metrics.jsonl and <stem>.loss.png. Flow-GRPO "
+                                    "configs: masked-diffusion SFT on the forms train split (prompt -> gold "
+                                    "action script), written to algo.sft_checkpoint (or --out). Prints a JSON summary.")
     pr.add_argument("config")
     pr.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. algo.hidden_sizes=[256,256]")
     pr.add_argument("--dataset", help="robomimic hdf5 (default env.dataset)")
     pr.add_argument("--out", help="checkpoint path (default algo.base_policy)")
-    pr.add_argument("--epochs", type=int, default=50)
-    pr.add_argument("--batch-size", type=int, default=256)
-    pr.add_argument("--lr", type=float, default=1e-3)
+    pr.add_argument("--epochs", type=int, help="default 50 (robot), 20 (language model)")
+    pr.add_argument("--batch-size", type=int, help="default 256 (robot), 32 (language model)")
+    pr.add_argument("--lr", type=float, help="default 1e-3")
     pr.add_argument("--eval-episodes", type=int, default=0,
                     help="then evaluate in the env: success with zero and random sampling")
     pr.add_argument("--seed", type=int, help="default: the config's seed")
     pr.set_defaults(func=cmd_pretrain)
+
+    fo = sub.add_parser("forms", help="browser form filling: serve the forms, run an action script, list tasks",
+                        description="The forms env family: real HTML forms on a local HTTP server, action "
+                                    "scripts executed in headless Chromium (Playwright), tasks with gold values.")
+    fsub = fo.add_subparsers(dest="forms_verb", required=True, metavar="SUBCOMMAND")
+    fs = fsub.add_parser("serve", help="serve the forms for a person to open (prints the URL; Ctrl-C stops)")
+    fs.add_argument("--forms-dir", help="a directory of extra form spec files (*.json)")
+    fs.add_argument("--host", default="127.0.0.1")
+    fs.add_argument("--port", type=int, default=8765, help="0 picks a free port")
+    fs.set_defaults(func=cmd_forms_serve)
+    fr = fsub.add_parser("run", help="execute an action script on a form in the browser; prints the reward as JSON",
+                         description="Execute FILE (one action per line: fill/select/check/uncheck/click) on form "
+                                     "FORM_ID in headless Chromium and print the reward breakdown as JSON. With "
+                                     "--task the submission is scored against the task's gold fields; without it "
+                                     "field_accuracy is null and left out of the reward.")
+    fr.add_argument("form_id")
+    fr.add_argument("--actions", required=True, metavar="FILE", help="the action script ('-': stdin)")
+    fr.add_argument("--task", metavar="TASK_ID", help="score against this task (from `forms tasks`)")
+    fr.add_argument("--forms-dir", help="a directory of extra form spec files (*.json)")
+    fr.add_argument("--action-timeout", type=float, default=5.0, help="seconds per action")
+    fr.add_argument("--rollout-timeout", type=float, default=30.0, help="seconds for the whole script")
+    fr.set_defaults(func=cmd_forms_run)
+    ft = fsub.add_parser("tasks", help="print a split's tasks as JSON lines",
+                         description="Print the tasks of a split, one JSON object per line: task_id, form_id, url, "
+                                     "instruction, ground_truth_fields, split. The same seed gives the same tasks.")
+    ft.add_argument("--split", required=True, choices=["train", "heldout", "heldout_values", "heldout_forms"])
+    ft.add_argument("--seed", type=int, default=0)
+    ft.add_argument("--per-form", type=int, help="tasks per form (default 32 train, 8 per held-out kind)")
+    ft.add_argument("--forms-dir", help="a directory of extra form spec files (*.json)")
+    ft.add_argument("--gold", action="store_true", help="add each task's gold action script")
+    ft.set_defaults(func=cmd_forms_tasks)
+    fl = fsub.add_parser("list", help="list the forms (id, domain, split, fields, title)")
+    fl.add_argument("--forms-dir", help="a directory of extra form spec files (*.json)")
+    fl.set_defaults(func=cmd_forms_list)
     return p
 
 

@@ -138,9 +138,11 @@ def test_containerfile_matches_pyproject():
     assert re.search(r"^FROM rayproject/ray:2\.60\.0-py311-gpu\s*$", text, re.M)
     assert re.search(r"apt-get install .*\bswig\b", text)
     assert "libosmesa6" in text and "libegl1" in text        # robosuite cameras rendered on the CPU
+    assert re.search(r"apt-get install .*\bchromium\b", text, re.S)   # the forms family's browser
     pins = set(re.findall(r'"([A-Za-z0-9_.\-\[\],]+(?:[<>=!]=?[^"]*)?)"', text))
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    deps = project["dependencies"] + project["optional-dependencies"]["robot"]
+    extras = project["optional-dependencies"]
+    deps = project["dependencies"] + extras["robot"] + extras["forms"] + extras["text"]
     missing = [d for d in deps if d not in pins]
     assert not missing, f"Containerfile lacks pyproject pins: {missing}"
     assert re.search(r"^WORKDIR ", text, re.M)

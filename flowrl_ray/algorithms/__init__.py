@@ -13,7 +13,8 @@ import importlib
 BUILTIN_ALGORITHMS = {"ppo": "flowrl_ray.algorithms.ppo:PPO",
                       "cma_ppo": "flowrl_ray.algorithms.cma_ppo:CMAPPO",
                       "fpopp": "flowrl_ray.algorithms.fpopp:FPOPP",
-                      "flowsar": "flowrl_ray.algorithms.flowsar:FlowSAR"}
+                      "flowsar": "flowrl_ray.algorithms.flowsar:FlowSAR",
+                      "flow_grpo": "flowrl_ray.algorithms.flow_grpo:FlowGRPO"}
 
 
 def get_algorithm(name: str) -> type:

@@ -1,0 +1,292 @@
+"""Flow-GRPO for a masked-diffusion language model (Liu et al., 2025, adapted to iterative
+unmasking as in the ReFusion spec): the model writes browser actions for a form task; the
+browser's reward trains it with group-relative, PPO-clipped policy gradients over the steps of
+its own generation trajectory.
+
+    generate (learner):  P prompts x G rollouts each (groups are consecutive rows);
+                         S unmasking steps; per step s the trajectory keeps the masked state x_s,
+                         the newly unmasked positions U_s and their tokens, and the behaviour
+                         log-prob  logp_old_s = sum_{j in U_s} log p_theta_old(tok_j | x_s)
+                         recorded *at generation time* (so epochs > 1 give real ratios)
+    score (workers):     the completion runs as actions in headless Chromium -> reward r
+    prepare:             A = clip((r - mean_g) / (std_g + 1e-8), +-adv_clip_max)
+                         (population std within the group of G)
+    update:              per step  rho_s = exp(logp_s - logp_old_s)
+                         L = mean_{s, rollouts} [ -min(rho_s A, clip(rho_s, 1 +- eps) A)
+                                                  + kl_coeff * k3(logp_s, logp_ref_s) ]
+                         k3 = exp(ref - logp) - (ref - logp) - 1, ref = the frozen SFT model
+                         gradients accumulated step by step (one graph per step), one
+                         optimiser step per epoch, grad-norm clip.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from flowrl_ray.algorithms.advantages import group_advantages
+from flowrl_ray.algorithms.base import Algorithm, optimizer_step
+from flowrl_ray.algorithms.losses import ppo_clip_objective
+from flowrl_ray.batch import Batch
+from flowrl_ray.config import Config, ConfigError, check
+from flowrl_ray.envs import EnvSpec
+
+__all__ = ["group_advantages", "k3_kl", "FlowGRPO", "FlowGRPOConfig"]
+
+
+@dataclass
+class MaskedLMConfig:
+    """``algo.model.*``: a Hugging Face checkpoint (``path``) or the small offline model."""
+    path: Optional[str] = None                 # HF checkpoint dir (ReFusion, LLaDA): trust_remote_code
+    trust_remote_code: bool = False
+    mask_token_id: Optional[int] = None        # None: the tokenizer's [MASK]
+    tokenizer_path: Optional[str] = None       # None with path: the checkpoint's tokenizer
+    hidden_size: int = field(default=128, metadata=check(gt=0))
+    num_layers: int = field(default=4, metadata=check(gt=0))
+    num_heads: int = field(default=4, metadata=check(gt=0))
+    intermediate_size: int = field(default=256, metadata=check(gt=0))
+    max_len: int = field(default=384, metadata=check(gt=0))
+    vocab_size: int = field(default=2048, metadata=check(gt=0))     # the offline tokenizer's
+    lora: Optional[dict] = None                # {r, alpha, dropout, target_modules}: peft LoRA
+    load_in_4bit: bool = False                 # QLoRA (bitsandbytes, CUDA only)
+
+
+@dataclass
+class FlowGRPOConfig:
+    model: MaskedLMConfig = field(default_factory=MaskedLMConfig)
+    sft_checkpoint: Optional[str] = None       # `flowrl-ray pretrain` output: start and KL reference
+    prompts_per_iteration: int = field(default=8, metadata=check(gt=0))
+    group_size: int = field(default=2, metadata=check(gt=1))
+    learning_rate: float = field(default=1e-5, metadata=check(gt=0))
+    epochs: int = field(default=1, metadata=check(gt=0))               # inner epochs per batch
+    kl_coeff: float = field(default=0.04, metadata=check(ge=0))
+    clip_range: float = field(default=0.2, metadata=check(gt=0))
+    adv_clip_max: float = field(default=5.0, metadata=check(gt=0))
+    grad_clip: float = field(default=1.0, metadata=check(gt=0))
+    num_generation_steps: int = field(default=10, metadata=check(gt=0))
+    generation_temperature: float = field(default=0.7, metadata=check(ge=0))
+    gen_length: int = field(default=96, metadata=check(gt=0))         # completion tokens
+    max_prompt_len: int = field(default=192, metadata=check(gt=0))
+
+
+def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator of KL(pi || ref) from samples of pi, elementwise:
+    ``exp(ref - logp) - (ref - logp) - 1`` (>= 0, exactly 0 where the two agree)."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1.0
+
+
+class FlowGRPO(Algorithm):
+    name = "flow_grpo"
+    rollout_kind = "group"
+    config_class = FlowGRPOConfig
+
+    @staticmethod
+    def validate_config(cfg: Config) -> None:
+        c: FlowGRPOConfig = cfg.algo
+        if cfg.env.family != "forms":
+            raise ConfigError(f"config key 'env.family': Flow-GRPO scores generated text in the browser "
+                              f"(family 'forms'), got {cfg.env.family!r}")
+        if c.model.max_len < c.max_prompt_len + c.gen_length:
+            raise ConfigError(f"config key 'algo.model.max_len': {c.model.max_len} is shorter than "
+                              f"algo.max_prompt_len + algo.gen_length ({c.max_prompt_len + c.gen_length})")
+        if c.num_generation_steps > c.gen_length:
+            raise ConfigError(f"config key 'algo.num_generation_steps': {c.num_generation_steps} steps "
+                              f"for {c.gen_length} tokens (algo.gen_length)")
+
+    @staticmethod
+    def preflight(cfg: Config, spec: EnvSpec) -> None:
+        from flowrl_ray.models.masked_diffusion import check_model_config
+        check_model_config(model_config(cfg), cfg.algo.sft_checkpoint)
+
+    def __init__(self, cfg: Config, spec: EnvSpec, device: torch.device):
+        super().__init__(cfg, spec, device)
+        from flowrl_ray.envs.forms import FormCatalog, FormsSettings, load_tasks
+        self.c: FlowGRPOConfig = cfg.algo
+        self.lm = load_policy_lm(cfg, device)                          # theta (trainable)
+        self.reference = frozen_reference(self.lm)                     # the SFT model, for k3
+        params = [p for p in self.lm.model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(params, lr=self.c.learning_rate, weight_decay=0.0)
+        forms = FormsSettings.from_env_cfg(cfg.env)
+        self.catalog = FormCatalog.load(forms.forms_dir)
+        self.train_tasks = load_tasks(cfg.env.id, seed=forms.task_seed, catalog=self.catalog)
+        heldout = load_tasks("heldout", seed=forms.task_seed, catalog=self.catalog)
+        # eval.episodes tasks spread evenly over the held-out values and the held-out forms
+        pick = np.linspace(0, len(heldout) - 1, min(cfg.eval.episodes, len(heldout))).round().astype(int)
+        self.eval_tasks = [heldout[i] for i in pick]
+        self.generator = torch.Generator().manual_seed(cfg.seed)       # prompts and sampling
+        self.pending: dict = {}
+        self.iteration = 0
+        self.skipped_updates = 0
+
+    # Rollouts happen on the learner; workers only score text.
+    @staticmethod
+    def make_policy(cfg: Config, spec: EnvSpec) -> torch.nn.Module:
+        return torch.nn.Identity()
+
+    @property
+    def policy(self) -> torch.nn.Module:
+        return self.lm.model
+
+    def policy_state_dict(self) -> dict[str, torch.Tensor]:
+        return {}                       # nothing to publish: scorers never run the model
+
+    # ------------------------------------------------------------------ generation
+    def _draw_tasks(self, mode: str) -> list:
+        if mode == "eval":
+            return self.eval_tasks[: self.cfg.eval.episodes]
+        idx = torch.randint(len(self.train_tasks), (self.c.prompts_per_iteration,), generator=self.generator)
+        return [self.train_tasks[i] for i in idx.tolist()]
+
+    @torch.no_grad()
+    def generate(self, num_chunks: int, mode: str = "train") -> list[dict]:
+        from flowrl_ray.models.masked_diffusion import generate_with_trajectory
+        from flowrl_ray.pretrain_text import prompt_text
+        c = self.c
+        tasks = self._draw_tasks(mode)
+        group = 1 if mode == "eval" else c.group_size
+        rows = [t for t in tasks for _ in range(group)]                       # [P*G], groups consecutive
+        prompt_ids, prompt_mask = self.lm.encode_prompts([prompt_text(t, self.catalog) for t in rows],
+                                                          c.max_prompt_len)
+        temperature = 0.0 if mode == "eval" else c.generation_temperature
+        self.lm.model.eval()
+        sequences, traj = generate_with_trajectory(
+            self.lm.model, prompt_ids.to(self.device), prompt_mask.to(self.device), c.gen_length,
+            c.num_generation_steps, temperature, self.lm.mask_token_id, self.generator)
+        texts = self.lm.decode(sequences, prompt_ids.shape[1])
+        self.pending = {"mode": mode, "trajectory": traj, "n": len(rows), "texts": texts,
+                        "splits": [t.split for t in rows]}
+        ids = np.arange(len(rows))
+        return [{"ids": part, "task_ids": [rows[i].task_id for i in part], "texts": [texts[i] for i in part]}
+                for part in np.array_split(ids, num_chunks) if len(part)]
+
+    def _rewards(self, batches: list[Batch]) -> dict[str, torch.Tensor]:
+        n = self.pending["n"]
+        keys = ("rewards", "task_completion", "field_accuracy", "execution_completeness", "unparseable_lines")
+        out = {k: torch.zeros(n) for k in keys}
+        for b in batches:
+            ids = torch.as_tensor(np.array(b["ids"]), dtype=torch.long)
+            for k in keys:
+                out[k][ids] = torch.as_tensor(np.asarray(b[k], dtype=np.float32))
+        return out
+
+    def prepare(self, batches: list[Batch]) -> dict:
+        scores = self._rewards(batches)
+        adv = group_advantages(scores["rewards"], self.c.group_size, self.c.adv_clip_max)   # [P*G]
+        return {"trajectory": self.pending["trajectory"], "advantages": adv.to(self.device), **scores}
+
+    # ------------------------------------------------------------------ update
+    def update(self, p: dict) -> dict[str, float]:
+        from flowrl_ray.models.masked_diffusion import step_log_prob
+        c, traj = self.c, p["trajectory"]
+        adv = p["advantages"]                                                   # [B]
+        temp = c.generation_temperature or 1.0
+        states, unmasked, tokens = traj["states"], traj["unmasked"], traj["tokens"]   # [S, B, L]
+        attn, logp_old = traj["attention_mask"], traj["logp"]                  # [B, L], [S, B]
+        steps = states.shape[0]
+        params = [p_ for g in self.opt.param_groups for p_ in g["params"]]
+        stats: dict[str, list[float]] = {}
+        self.lm.model.train()
+        for _ in range(c.epochs):
+            self.opt.zero_grad(set_to_none=True)
+            total, finite = 0.0, True
+            for s in range(steps):
+                active = unmasked[s].any(-1).float()                            # rows that unmasked at s
+                if active.sum() == 0:
+                    continue
+                logp = step_log_prob(self.lm.model, states[s], attn, unmasked[s], tokens[s], temp)   # [B]
+                with torch.no_grad():
+                    ref = step_log_prob(self.reference, states[s], attn, unmasked[s], tokens[s], temp)
+                ratio = torch.exp(logp - logp_old[s])
+                pg = -ppo_clip_objective(ratio, adv, c.clip_range)              # [B]
+                kl = k3_kl(logp, ref)                                           # [B]
+                # mean over rollouts, then over the S steps: each step's graph is freed at once
+                loss = ((pg + c.kl_coeff * kl) * active).sum() / active.sum() / steps
+                if not torch.isfinite(loss):
+                    finite = False
+                    break
+                loss.backward()
+                total += float(loss.detach())
+                with torch.no_grad():
+                    w = active / active.sum()
+                    for k, v in {"pg_loss": (pg * w).sum(), "kl": (kl * w).sum(),
+                                 "clipfrac": (((ratio - 1).abs() > c.clip_range).float() * w).sum(),
+                                 "ratio_mean": (ratio * w).sum(), "ratio_max": ratio[active.bool()].max()}.items():
+                        stats.setdefault(k, []).append(float(v))
+            if not finite:
+                self.opt.zero_grad(set_to_none=True)
+                self.skipped_updates += 1
+                continue
+            norm = torch.nn.utils.clip_grad_norm_(params, c.grad_clip)
+            if torch.isfinite(norm):
+                self.opt.step()
+                stats.setdefault("grad_norm", []).append(float(norm))
+            else:
+                self.skipped_updates += 1
+            stats.setdefault("loss", []).append(total)
+        self.iteration += 1
+        r = p["rewards"]
+        out = {f"flow_grpo/{k}": float(np.mean(v)) for k, v in stats.items()}
+        out.update({"reward_mean": float(r.mean()), "nonzero_reward_count": float((r > 0).sum()),
+                    "field_accuracy": float(p["field_accuracy"].mean()),
+                    "task_completion": float(p["task_completion"].mean()),
+                    "execution_completeness": float(p["execution_completeness"].mean()),
+                    "unparseable_lines_mean": float(p["unparseable_lines"].mean()),
+                    "kl": out.get("flow_grpo/kl", float("nan")), "clipfrac": out.get("flow_grpo/clipfrac", float("nan")),
+                    "flow_grpo/advantage_abs_mean": float(p["advantages"].abs().mean()),
+                    "flow_grpo/steps": float(steps), "flow_grpo/skipped_updates": float(self.skipped_updates)})
+        return out
+
+    def eval_metrics(self, batches: list[Batch]) -> dict[str, float]:
+        """Greedy generations on held-out tasks: overall and per held-out kind (new values on
+        training forms, forms never seen in training)."""
+        s = self._rewards(batches)
+        out = {"eval/return_mean": float(s["rewards"].mean()), "eval/episodes": len(s["rewards"])}
+        splits = np.array(self.pending["splits"])
+        for kind in ("", *sorted(set(splits))):
+            rows = torch.as_tensor(splits == kind) if kind else torch.ones(len(splits), dtype=torch.bool)
+            tag = f"eval/{kind}/" if kind else "eval/"
+            for k in ("task_completion", "field_accuracy", "execution_completeness"):
+                out[tag + k] = float(s[k][rows].mean())
+            if kind:
+                out[tag + "return_mean"] = float(s["rewards"][rows].mean())
+        return out
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        trainable = {k: v for k, v in self.lm.model.state_dict().items()}
+        return {"model": trainable, "opt": self.opt.state_dict(), "generator": self.generator.get_state(),
+                "iteration": self.iteration, "skipped_updates": self.skipped_updates}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.lm.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["opt"])
+        self.generator.set_state(state["generator"])
+        self.iteration, self.skipped_updates = state["iteration"], state["skipped_updates"]
+
+
+def model_config(cfg: Config) -> dict:
+    from dataclasses import asdict
+    return asdict(cfg.algo.model)
+
+
+def load_policy_lm(cfg: Config, device: torch.device):
+    """The trainable model: the SFT checkpoint when given, else a fresh model from the config."""
+    from flowrl_ray.models.masked_diffusion import build_masked_lm, load_sft_checkpoint
+    c = cfg.algo
+    lm = load_sft_checkpoint(c.sft_checkpoint, model_config(cfg)) if c.sft_checkpoint else build_masked_lm(model_config(cfg))
+    lm.model.to(device)
+    return lm
+
+
+def frozen_reference(lm) -> torch.nn.Module:
+    """The KL reference: a frozen copy of the starting (SFT) model."""
+    ref = copy.deepcopy(lm.model).eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref
+

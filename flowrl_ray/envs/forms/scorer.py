@@ -1,0 +1,187 @@
+"""The scoring side of the ``forms`` family: settings from the config and the scorer object that
+a scoring actor holds (one form server + one browser pool per actor).
+
+Settings live in the config's ``env.kwargs`` (all optional)::
+
+    env:
+      family: forms
+      id: train                  # the split the algorithm draws prompts from
+      kwargs:
+        forms_dir: my_forms/     # extra spec files (added to the shipped ones)
+        pages: 4                 # parallel pages per actor
+        action_timeout_s: 5
+        rollout_timeout_s: 30
+        restart_every: 200       # episodes between browser restarts (0: never)
+        reward_weights: {task_completion: 0.4, field_accuracy: 0.4, execution_completeness: 0.2}
+        task_seed: 0             # the seed of load_tasks (the algorithm's prompts)
+        chromium: null           # Chromium executable (default: found on PATH)
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from flowrl_ray.batch import Batch, BatchMeta
+from flowrl_ray.envs.forms.browser import BrowserPool
+from flowrl_ray.envs.forms.reward import EpisodeResult, RewardWeights
+from flowrl_ray.envs.forms.server import FormServer
+from flowrl_ray.envs.forms.spec import FormCatalog, FormSpecError
+from flowrl_ray.envs.forms.tasks import SPLITS, FormTask, task_from_id
+
+
+def _config_error(key: str, msg: str):
+    from flowrl_ray.config import ConfigError
+    return ConfigError(f"config key 'env.{key}': {msg}")
+
+
+@dataclass(frozen=True)
+class FormsSettings:
+    forms_dir: str | None = None
+    pages: int = 4
+    action_timeout_s: float = 5.0
+    rollout_timeout_s: float = 30.0
+    restart_every: int = 200
+    reward_weights: RewardWeights = field(default_factory=RewardWeights)
+    task_seed: int = 0
+    chromium: str | None = None
+
+    @classmethod
+    def from_env_cfg(cls, env_cfg) -> "FormsSettings":
+        """Validate ``env_cfg.id`` (a split) and ``env_cfg.kwargs``; ConfigError names the key."""
+        if env_cfg.id not in SPLITS:
+            raise _config_error("id", f"the forms family takes a split name ({', '.join(SPLITS)}), got {env_cfg.id!r}")
+        kw: dict[str, Any] = dict(env_cfg.kwargs or {})
+        known = [f for f in cls.__dataclass_fields__]
+        for k in kw:
+            if k not in known:
+                close = difflib.get_close_matches(k, known, n=1)
+                hint = f"; did you mean '{close[0]}'?" if close else f" (known: {', '.join(known)})"
+                raise _config_error(f"kwargs.{k}", f"unknown setting of the forms family{hint}")
+
+        def integer(k: str, lo: int) -> int:
+            v = kw.get(k, getattr(cls, k))
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise _config_error(f"kwargs.{k}", f"must be an integer >= {lo}, got {v!r}")
+            return v
+
+        def seconds(k: str) -> float:
+            v = kw.get(k, getattr(cls, k))
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise _config_error(f"kwargs.{k}", f"must be a number of seconds > 0, got {v!r}")
+            return float(v)
+
+        def path(k: str) -> str | None:
+            v = kw.get(k)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise _config_error(f"kwargs.{k}", f"must be a path, got {v!r}")
+            return v
+
+        try:
+            weights = RewardWeights.from_mapping(kw.get("reward_weights"), key="reward_weights")
+        except ValueError as e:
+            raise _config_error(f"kwargs.{str(e).split(':', 1)[0]}", str(e).split(": ", 1)[1]) from None
+        settings = cls(forms_dir=path("forms_dir"), pages=integer("pages", 1),
+                       action_timeout_s=seconds("action_timeout_s"), rollout_timeout_s=seconds("rollout_timeout_s"),
+                       restart_every=integer("restart_every", 0), reward_weights=weights,
+                       task_seed=integer("task_seed", 0), chromium=path("chromium"))
+        if settings.rollout_timeout_s < settings.action_timeout_s:
+            raise _config_error("kwargs.rollout_timeout_s", f"{settings.rollout_timeout_s} is shorter than "
+                                f"action_timeout_s ({settings.action_timeout_s})")
+        return settings
+
+    def catalog(self) -> FormCatalog:
+        """The shipped forms plus ``forms_dir``; a bad spec is a ConfigError naming the key and file."""
+        try:
+            return FormCatalog.load(self.forms_dir)
+        except FormSpecError as e:
+            raise _config_error("kwargs.forms_dir", str(e)) from None
+
+
+class FormsScorer:
+    """Turns generated action texts into rewards in a real browser (one per scoring actor).
+
+    ``score(samples)`` takes ``{"ids": int [K], "task_ids": list[str] (K), "texts": list[str] (K)}``
+    and returns a :class:`Batch` with, all ``[K]``: ``ids``, ``rewards`` (float32),
+    ``task_completion``, ``field_accuracy``, ``execution_completeness`` (float32),
+    ``unparseable_lines`` (int64) and ``reason`` (str, '' when the episode was judged normally);
+    ``meta.episode_returns`` are the rewards, ``meta.episode_lengths`` the parsed actions per episode,
+    ``meta.extra`` holds ``reasons`` (reason -> count), ``successes`` (accepted with every field
+    right, per episode: the trainer's success rate), ``accepted`` and ``unparseable_lines`` (totals).
+    """
+
+    def __init__(self, settings: FormsSettings, worker_id: int = 0, catalog: FormCatalog | None = None):
+        self.settings = settings
+        self.worker_id = worker_id
+        self.catalog = catalog if catalog is not None else settings.catalog()
+        self._tasks: dict[str, FormTask | None] = {}
+        self.server = FormServer(self.catalog).start()
+        try:
+            self.pool = BrowserPool(self.server, pages=settings.pages, action_timeout_s=settings.action_timeout_s,
+                                    rollout_timeout_s=settings.rollout_timeout_s,
+                                    restart_every=settings.restart_every, weights=settings.reward_weights,
+                                    chromium=settings.chromium).start()
+        except BaseException:
+            self.server.stop()
+            raise
+
+    def task(self, tid: str) -> FormTask | None:
+        """The task an id names (rebuilt from the id, cached), or None if it names none."""
+        if tid not in self._tasks:
+            try:
+                self._tasks[tid] = task_from_id(tid, self.catalog)
+            except (ValueError, KeyError):
+                self._tasks[tid] = None
+        return self._tasks[tid]
+
+    def run(self, task_ids: list[str], texts: list[str]) -> list[EpisodeResult]:
+        """Episodes for (task id, action text) pairs; an unknown task id scores 0 (unknown_task)."""
+        episodes = []
+        for tid, text in zip(task_ids, texts):
+            task = self.task(str(tid))
+            # An unknown id goes in as a form id the catalog lacks: the pool gates it (unknown_task).
+            episodes.append((task if task is not None else f"<unknown task {tid}>", text))
+        results = self.pool.execute(episodes)
+        for tid, r in zip(task_ids, results):
+            r.task_id = str(tid)
+        return results
+
+    def score(self, samples: dict) -> Batch:
+        ids = np.asarray(samples["ids"])
+        task_ids, texts = list(samples["task_ids"]), list(samples["texts"])
+        if not (len(ids) == len(task_ids) == len(texts)):
+            raise ValueError(f"samples: ids, task_ids and texts differ in length "
+                             f"({len(ids)}, {len(task_ids)}, {len(texts)})")
+        results = self.run(task_ids, texts)
+        rewards = np.array([r.reward for r in results], dtype=np.float32)
+        col = lambda name: np.array([getattr(r, name) or 0.0 for r in results], dtype=np.float32)  # noqa: E731
+        data = {"ids": ids, "rewards": rewards, "task_completion": col("task_completion"),
+                "field_accuracy": col("field_accuracy"), "execution_completeness": col("execution_completeness"),
+                "unparseable_lines": np.array([r.unparseable_lines for r in results], dtype=np.int64),
+                "reason": np.array([r.reason for r in results], dtype=str)}
+        reasons = Counter(r.reason for r in results if r.reason)
+        meta = BatchMeta(policy_version=-1, worker_id=self.worker_id, env_steps=len(results),
+                         episode_returns=rewards.tolist(), episode_lengths=[r.actions for r in results],
+                         extra={"reasons": dict(reasons), "successes": [r.success for r in results],
+                                "accepted": sum(r.accepted for r in results),
+                                "unparseable_lines": int(data["unparseable_lines"].sum())})
+        return Batch(data, meta)
+
+    def close(self) -> None:
+        """Stop the browser, then the server (idempotent)."""
+        pool, self.pool = getattr(self, "pool", None), None
+        if pool is not None:
+            pool.close()
+        if self.server is not None:
+            self.server.stop()
+
+    def __enter__(self) -> "FormsScorer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,359 @@
+"""Tasks: a gold record per form and an instruction that states it.
+
+A task is drawn from ``(kind, form_id, seed, index)`` alone — its id is that tuple,
+``"<kind>/<form_id>/<seed>/<index>"`` — so any process (a scoring actor on another node) can
+rebuild it from the id without shared state, and the same seed always gives the same tasks.
+
+Splits:
+
+- ``train``: the training forms (spec ``heldout: false``) with values from the training pools;
+- ``heldout_values``: the training forms with values from the held-out pools;
+- ``heldout_forms``: the held-out forms (spec ``heldout: true``) with held-out values;
+- ``heldout``: both held-out kinds.
+
+Free-text values (names, companies, cities, titles, sentences, ...) come from pools split 3:1
+into disjoint training and held-out parts, and a person's email is made from their name, so a
+held-out record never repeats a training one. Numbers, dates, phone numbers, codes and option
+choices are drawn from the same ranges in both.
+
+The instruction names every field by its label (so a policy can address it on a page it has
+not seen) and states its value, in varied phrasing and field order, with the form's URL path
+(``/forms/<id>``: the server's port differs between runs) and the submit button's text.
+:func:`gold_actions` writes the action script that solves a task (for supervised pretraining).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from flowrl_ray.envs.forms.actions import format_action
+from flowrl_ray.envs.forms.spec import FieldSpec, FormCatalog, FormSpec
+
+SPLITS = ("train", "heldout", "heldout_values", "heldout_forms")
+KINDS = ("train", "heldout_values", "heldout_forms")
+DEFAULT_PER_FORM = {"train": 32, "heldout_values": 8, "heldout_forms": 8}
+OPTIONAL_FIELD_P = 0.7        # an optional field is part of the record with this probability
+HELDOUT_EVERY = 4             # every 4th pool entry is held out
+
+
+@dataclass(frozen=True)
+class FormTask:
+    task_id: str
+    form_id: str
+    url: str                                   # path on the form server: /forms/<id>
+    instruction: str
+    ground_truth_fields: dict[str, Any]        # field name -> str | int | float | bool | list[str]
+    split: str                                 # train | heldout_values | heldout_forms
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "FormTask":
+        return cls(**{k: d[k] for k in ("task_id", "form_id", "url", "instruction", "ground_truth_fields", "split")})
+
+
+# --------------------------------------------------------------------------- value pools
+
+POOLS: dict[str, tuple[str, ...]] = {
+    "first_name": ("Amara", "Bruno", "Chiara", "Dmitri", "Elena", "Farid", "Greta", "Hiroshi", "Ines", "Jonas",
+                   "Keiko", "Lars", "Mina", "Nikolai", "Olga", "Pavel", "Quinn", "Rosa", "Samir", "Tessa",
+                   "Umar", "Vera", "Wendell", "Ximena", "Yusuf", "Zara", "Aditi", "Bjorn", "Camille", "Diego",
+                   "Esther", "Felix", "Gloria", "Hamid", "Ilse", "Jamal"),
+    "last_name": ("Abernathy", "Bellamy", "Castellano", "Dunmore", "Eriksen", "Fairbanks", "Galloway", "Holloway",
+                  "Ishikawa", "Jankowski", "Kowalczyk", "Lindqvist", "Montague", "Nakamura", "Okonkwo", "Pellegrini",
+                  "Quintero", "Rasmussen", "Santangelo", "Thornbury", "Underwood", "Valdivia", "Whitcombe", "Yamada",
+                  "Zielinski", "Achebe", "Brennan", "Carrington", "Delacroix", "Esposito", "Fitzgerald", "Gunnarsson"),
+    "company": ("Northwind Analytics", "Bluefin Logistics", "Cedar & Pine Studio", "Driftwood Labs", "Emberline Foods",
+                "Foxglove Robotics", "Granite Peak Partners", "Harborlight Media", "Ironbark Tools", "Juniper Health",
+                "Kestrel Aerospace", "Lumen Textiles", "Meridian Freight", "Nimbus Software", "Orchard Lane Bakery",
+                "Pinecrest Energy", "Quarry Stone Works", "Redwood Legal Group", "Silverleaf Pharma", "Tidewater Marine",
+                "Umbra Design", "Vantage Point Surveys", "Willow Creek Farms", "Zenith Optics"),
+    "job_title": ("Data Analyst", "Project Manager", "Software Engineer", "Lab Technician", "Graphic Designer",
+                  "Accountant", "Nurse Practitioner", "Paralegal", "Operations Lead", "Research Assistant",
+                  "Quality Inspector", "Product Owner", "Field Engineer", "Office Administrator", "Copy Editor",
+                  "Procurement Officer", "Sales Representative", "Machinist", "Pharmacist", "Civil Engineer"),
+    "city": ("Lisbon", "Toronto", "Nairobi", "Osaka", "Valparaiso", "Tallinn", "Auckland", "Marseille", "Krakow",
+             "Montevideo", "Bergen", "Adelaide", "Porto", "Ljubljana", "Halifax", "Cork", "Tucson", "Bologna",
+             "Gdansk", "Quebec City", "Aarhus", "Dunedin", "Leipzig", "Savannah"),
+    "street": ("Maple Avenue", "Harbor Road", "Elm Street", "Station Lane", "Orchard Way", "Mill Road", "Kingfisher Close",
+               "Chestnut Drive", "Canal Street", "Beacon Hill", "Willow Crescent", "Quarry Lane", "Riverside Walk",
+               "Ashgrove Terrace", "Lantern Court", "Foundry Row"),
+    "country": ("Portugal", "Canada", "Kenya", "Japan", "Chile", "Estonia", "New Zealand", "France", "Poland",
+                "Uruguay", "Norway", "Australia", "Slovenia", "Ireland", "Italy", "Germany"),
+    "university": ("Northbridge University", "Lakeshore Institute of Technology", "St. Aldric College",
+                   "Eastvale University", "Riverton Polytechnic", "Highmoor University", "Coastal State University",
+                   "Westbrook College of Arts", "Ironwood University", "Summit Valley University",
+                   "Greyfield Institute", "Marlowe University"),
+    "subject": ("Computational Biology", "Mechanical Engineering", "Medieval History", "Applied Mathematics",
+                "Environmental Science", "Cognitive Psychology", "Urban Planning", "Materials Science",
+                "Comparative Literature", "Public Health", "Econometrics", "Marine Ecology", "Astrophysics",
+                "Linguistics", "Industrial Design", "Supply Chain Management"),
+    "title": ("Patterns in Coastal Erosion", "Quiet Machines", "A Field Guide to Small Data", "Lanterns at Dusk",
+              "Notes on Soil Memory", "The Weight of Glass", "Fast Graphs for Slow Rivers", "Harvest Arithmetic",
+              "Signals from the Tundra", "Paper Boats and Other Vessels", "Learning to Read Maps",
+              "Concrete Gardens", "Echoes of the Old Mill", "Threads of Copper", "Measuring Fog",
+              "Borrowed Light", "The Cartographer's Daughter", "Rust and Resonance", "Winter Ledger",
+              "Salt Roads"),
+    "sentence": ("Please call before delivery.", "I prefer to be contacted by email.",
+                 "The issue started after the last update.", "Access is through the side entrance.",
+                 "I will need a receipt for my employer.", "Our team has four members.",
+                 "The deadline is firm on our side.", "I have attended this event before.",
+                 "The samples must be kept refrigerated.", "Weekends work best for me.",
+                 "This replaces my earlier request.", "I can provide references on request.",
+                 "The parcel may arrive in two boxes.", "Parking is available behind the building.",
+                 "We would like an invoice in euros.", "My availability changes in the summer.",
+                 "The equipment is under warranty.", "Please use my work address for letters.",
+                 "I am happy to join a waiting list.", "A colleague will attend in my place if needed.",
+                 "We need wheelchair access.", "The meeting can be held online.",
+                 "I would like a printed copy as well.", "Please confirm by phone."),
+    "phrase": ("blue folder", "spring batch", "north wing", "second draft", "front desk", "night shift",
+               "main branch", "pilot run", "east annex", "rapid review", "open call", "final proof",
+               "morning slot", "west gate", "field kit", "trial lot"),
+    "product": ("Steel bracket M8", "Oak desk 140 cm", "Nitrile gloves L", "Label printer LP-200", "Copper pipe 15 mm",
+                "Safety goggles", "Ergonomic chair", "Desk lamp LED", "Cable tray 2 m", "Pallet wrap roll",
+                "Torque wrench", "Thermal paper roll", "Hex bolt M10", "Laptop stand", "Rubber gasket 40 mm",
+                "Solder wire 1 mm"),
+}
+EMAIL_DOMAINS = ("example.com", "mail.example.org", "post.example.net", "inbox.example")
+URL_SUFFIXES = (".example.com", ".example.org", ".example.net")
+
+
+def pool(name: str, heldout: bool) -> tuple[str, ...]:
+    """The training (3 of every 4) or held-out (every 4th) part of a pool: disjoint."""
+    items = POOLS[name]
+    return tuple(x for i, x in enumerate(items) if (i % HELDOUT_EVERY == HELDOUT_EVERY - 1) == heldout)
+
+
+def _split_list(items: tuple[str, ...], heldout: bool) -> tuple[str, ...]:
+    """A spec's own list of samples: split like a pool when it is long enough, else shared."""
+    if len(items) < HELDOUT_EVERY:
+        return items
+    return tuple(x for i, x in enumerate(items) if (i % HELDOUT_EVERY == HELDOUT_EVERY - 1) == heldout)
+
+
+def _stable_seed(*parts: object) -> int:
+    """A seed from strings, the same in every process (``hash()`` is salted per process)."""
+    return int.from_bytes(hashlib.sha256("\x1f".join(map(str, parts)).encode()).digest()[:8], "little")
+
+
+# --------------------------------------------------------------------------- records
+
+def _persona(rng: random.Random, heldout: bool) -> dict[str, str]:
+    """One coherent person per record: the name, email and company fields agree."""
+    first, last = rng.choice(pool("first_name", heldout)), rng.choice(pool("last_name", heldout))
+    company = rng.choice(pool("company", heldout))
+    return {"first_name": first, "last_name": last, "full_name": f"{first} {last}", "company": company,
+            "email": f"{first.lower()}.{last.lower()}@{rng.choice(EMAIL_DOMAINS)}",
+            "city": rng.choice(pool("city", heldout))}
+
+
+def _sample_text(f: FieldSpec, rng: random.Random, heldout: bool, persona: dict[str, str]) -> str:
+    src = f.sample
+    if isinstance(src, tuple):
+        return rng.choice(_split_list(src, heldout))
+    if src is None:
+        src = {"email": "email", "tel": "phone", "textarea": "sentence"}.get(f.type, "phrase")
+    if src in persona:
+        return persona[src]
+    if src == "phone":
+        return f"{rng.randint(201, 989)}-555-{rng.randint(0, 9999):04d}"
+    if src == "zip":
+        return f"{rng.randint(10000, 99999)}"
+    if src == "code":
+        letters = "".join(rng.choice("ABCDEFGHJKLMNPRSTUVWXYZ") for _ in range(3))
+        return f"{letters}-{rng.randint(1000, 9999)}"
+    if src == "url":
+        slug = persona["company"].split()[0].lower().replace("&", "and")
+        return f"https://{slug}{rng.choice(URL_SUFFIXES)}"
+    if src == "street":
+        return f"{rng.randint(1, 250)} {rng.choice(pool('street', heldout))}"
+    if src == "sentence":
+        first = rng.choice(pool("sentence", heldout))
+        if rng.random() < 0.4:
+            second = rng.choice([s for s in pool("sentence", heldout) if s != first])
+            return f"{first} {second}"
+        return first
+    return rng.choice(pool(src, heldout))
+
+
+def _sample_value(f: FieldSpec, rng: random.Random, heldout: bool, persona: dict[str, str]) -> Any:
+    if f.type in ("text", "textarea", "email", "tel"):
+        return _sample_text(f, rng, heldout, persona)
+    if f.type == "number":
+        if f.min is not None:
+            lo = f.min
+        else:
+            lo = 0.0 if f.max is None or f.max >= 0 else f.max - 100.0
+        hi = f.max if f.max is not None else lo + 100.0
+        steps = int((hi - lo) // f.step)
+        x = lo + f.step * rng.randint(0, max(steps, 0))
+        return int(round(x)) if f.integer else round(x, 6)
+    if f.type == "date":
+        lo = _dt.date.fromisoformat(f.min) if f.min else _dt.date(2024, 1, 1)
+        hi = _dt.date.fromisoformat(f.max) if f.max else _dt.date(2026, 12, 31)
+        return (lo + _dt.timedelta(days=rng.randint(0, (hi - lo).days))).isoformat()
+    if f.type in ("select", "radio"):
+        return rng.choice(f.options)
+    if f.is_group:
+        k = rng.randint(1, min(3, len(f.options)))
+        chosen = set(rng.sample(f.options, k))
+        return [o for o in f.options if o in chosen]
+    return True                                       # a yes/no box in the record is ticked
+
+
+def draw_record(form: FormSpec, rng: random.Random, heldout: bool) -> dict[str, Any]:
+    """A gold record: every required field, each optional one with probability 0.7 (an optional
+    yes/no box only when ticked). Keys follow the form's field order."""
+    persona = _persona(rng, heldout)
+    record = {}
+    for f in form.fields:
+        if not f.required and rng.random() > OPTIONAL_FIELD_P:
+            continue
+        record[f.name] = _sample_value(f, rng, heldout, persona)
+    return record
+
+
+# --------------------------------------------------------------------------- instructions
+
+def format_value(f: FieldSpec, value: Any) -> str:
+    """A value as typed into the page (and as stated in the instruction)."""
+    if f.type == "number":
+        if isinstance(value, float) and not value.is_integer():
+            return f"{value:.6f}".rstrip("0").rstrip(".")
+        return str(int(value))
+    return str(value)
+
+
+def _join(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+OPENERS = ("Fill out the {title} form at {url}.", "Go to {url} and complete the {title} form.",
+           'Please complete the "{title}" form ({url}).', "Open {url} ({title}) and fill it in.",
+           "You are on the {title} form at {url}.", "Complete the {title} at {url} with these details.")
+CLOSERS = ('Then press "{submit}".', 'Submit it with the "{submit}" button.', 'Finish by clicking "{submit}".',
+           "When you are done, click {submit}.", 'Click "{submit}" at the end.')
+VALUE_TEMPLATES = ("Set {label} to {value}.", "{label}: {value}.", "Enter {value} as the {label}.",
+                   "For {label}, use {value}.", "The {label} is {value}.", 'Put {value} in the "{label}" field.')
+CHOICE_TEMPLATES = ("Choose {value} for {label}.", 'Pick "{value}" under {label}.', "Set {label} to {value}.",
+                    "{label}: {value}.", "For {label}, select {value}.")
+TICK_TEMPLATES = ('Tick "{label}".', 'Check the box "{label}".', 'Make sure "{label}" is checked.')
+GROUP_TEMPLATES = ("{label}: {values}.", "Under {label}, tick {values}.", "For {label}, check {values}.")
+
+
+def _statement(f: FieldSpec, value: Any, rng: random.Random) -> str:
+    label = f.label if rng.random() < 0.7 else f.label.lower()
+    if f.type == "checkbox" and not f.is_group:
+        return rng.choice(TICK_TEMPLATES).format(label=f.label)
+    if f.is_group:
+        return rng.choice(GROUP_TEMPLATES).format(label=label, values=_join([f'"{v}"' for v in value]))
+    text = format_value(f, value)
+    if f.type == "textarea" or (f.type == "text" and rng.random() < 0.3):
+        text = f'"{text}"'
+    templates = CHOICE_TEMPLATES if f.type in ("select", "radio") else VALUE_TEMPLATES
+    return rng.choice(templates).format(label=label, value=text)
+
+
+def _list_item(f: FieldSpec, value: Any) -> str:
+    if f.type == "checkbox" and not f.is_group:
+        return f"- {f.label}: yes"
+    if f.is_group:
+        return f"- {f.label}: {', '.join(value)}"
+    text = format_value(f, value)
+    return f'- {f.label}: "{text}"' if f.type == "textarea" else f"- {f.label}: {text}"
+
+
+def write_instruction(form: FormSpec, record: dict[str, Any], rng: random.Random) -> str:
+    """One of three layouts (prose, bullet list, inline details), the fields in random order."""
+    names = list(record)
+    rng.shuffle(names)
+    opener = rng.choice(OPENERS).format(title=form.title, url=form.path)
+    closer = rng.choice(CLOSERS).format(submit=form.submit)
+    style = rng.choice(("prose", "list", "inline"))
+    if style == "list":
+        items = "\n".join(_list_item(form.field(n), record[n]) for n in names)
+        return f"{opener} Use these details:\n{items}\n{closer}"
+    if style == "inline":
+        parts = [_list_item(form.field(n), record[n])[2:] for n in names]
+        return f"{opener} Details: {'; '.join(parts)}. {closer}"
+    return " ".join([opener, *(_statement(form.field(n), record[n], rng) for n in names), closer])
+
+
+# --------------------------------------------------------------------------- tasks
+
+def task_id(kind: str, form_id: str, seed: int, index: int) -> str:
+    return f"{kind}/{form_id}/{seed}/{index}"
+
+
+def parse_task_id(tid: str) -> tuple[str, str, int, int]:
+    """(kind, form_id, seed, index); ValueError on a malformed id."""
+    parts = str(tid).split("/")
+    if len(parts) != 4 or parts[0] not in KINDS or not parts[2].isdigit() or not parts[3].isdigit():
+        raise ValueError(f"not a forms task id: {tid!r} (expected <kind>/<form_id>/<seed>/<index>, "
+                         f"kind one of {', '.join(KINDS)})")
+    return parts[0], parts[1], int(parts[2]), int(parts[3])
+
+
+def make_task(form: FormSpec, kind: str, seed: int, index: int) -> FormTask:
+    """The task ``index`` of ``kind`` on ``form`` for ``seed``: independent of every other task."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown task kind {kind!r} (one of {', '.join(KINDS)})")
+    rng = random.Random(_stable_seed("flowrl-forms", kind, form.id, seed, index))
+    record = draw_record(form, rng, heldout=kind != "train")
+    return FormTask(task_id=task_id(kind, form.id, seed, index), form_id=form.id, url=form.path,
+                    instruction=write_instruction(form, record, rng), ground_truth_fields=record, split=kind)
+
+
+def task_from_id(tid: str, catalog: FormCatalog) -> FormTask:
+    """Rebuild a task from its id (ValueError: malformed id, KeyError: unknown form)."""
+    kind, form_id, seed, index = parse_task_id(tid)
+    if form_id not in catalog:
+        raise KeyError(f"task {tid!r}: unknown form {form_id!r}")
+    return make_task(catalog[form_id], kind, seed, index)
+
+
+def load_tasks(split: str, forms_dir: str | Path | None = None, seed: int = 0, per_form: int | None = None,
+               catalog: FormCatalog | None = None) -> list[FormTask]:
+    """The tasks of a split (see the module docstring), ordered by form id then index. The same
+    arguments always give the same list. ``per_form`` defaults to 32 for train and 8 for each
+    held-out kind; ``catalog`` (if given) replaces loading the shipped forms + ``forms_dir``."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r} (one of {', '.join(SPLITS)})")
+    if per_form is not None and per_form < 1:
+        raise ValueError(f"per_form must be >= 1, got {per_form}")
+    catalog = catalog if catalog is not None else FormCatalog.load(forms_dir)
+    kinds = ("heldout_values", "heldout_forms") if split == "heldout" else (split,)
+    tasks = []
+    for kind in kinds:
+        n = per_form or DEFAULT_PER_FORM[kind]
+        for form_id in catalog.ids(heldout=kind == "heldout_forms"):
+            tasks.extend(make_task(catalog[form_id], kind, seed, i) for i in range(n))
+    return tasks
+
+
+def gold_actions(task: FormTask, catalog: FormCatalog | None = None) -> str:
+    """The action script that solves ``task``: one action per gold field in the form's order,
+    then a click on the submit button. ``catalog`` defaults to the shipped forms."""
+    catalog = catalog if catalog is not None else FormCatalog.load()
+    form = catalog[task.form_id]
+    lines = []
+    for f in form.fields:
+        if f.name not in task.ground_truth_fields:
+            continue
+        value = task.ground_truth_fields[f.name]
+        if f.is_group:
+            lines.extend(format_action("check", o) for o in value)
+        elif f.type == "checkbox":
+            lines.append(format_action("check" if value else "uncheck", f.label))
+        elif f.type in ("select", "radio"):
+            lines.append(format_action("select", f.label, value))
+        else:
+            lines.append(format_action("fill", f.label, format_value(f, value)))
+    lines.append(format_action("click", form.submit))
+    return "\n".join(lines)

@@ -1,0 +1,93 @@
+"""`flowrl-ray pretrain` for Flow-GRPO configs: masked-diffusion SFT of the language model on
+(prompt -> gold action script) pairs of the forms train split, the start and the KL reference of
+Flow-GRPO. No Ray.
+
+The offline default trains its tokenizer here (byte-level BPE with [MASK], on the same texts);
+a config with ``algo.model.path`` fine-tunes that checkpoint (with LoRA / QLoRA when set).
+The checkpoint directory (``algo.sft_checkpoint`` or ``--out``) is written to a temporary
+directory next to it and renamed into place, so a crash never leaves half a checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from flowrl_ray.config import Config, ConfigError
+
+
+def prompt_text(task, catalog) -> str:
+    """What the model reads: the page it is on (the form's labels, types, options and button,
+    as a browser agent sees them) and the instruction. The answer is the action script."""
+    form = catalog[task.form_id]
+    fields = []
+    for f in form.fields:
+        options = f" ({' | '.join(f.options)})" if getattr(f, "options", None) else ""
+        fields.append(f"- {f.label} [{f.type}]{options}")
+    return (f"Form: {form.title}\nFields:\n" + "\n".join(fields) + f"\nButton: {form.submit}\n"
+            f"Task: {task.instruction}\nActions:\n")
+
+
+def sft_pairs(env_cfg) -> list[tuple[str, str]]:
+    """(prompt, gold action script) of every task of the config's split (``env.id``)."""
+    from flowrl_ray.envs.forms import FormCatalog, FormsSettings, gold_actions, load_tasks
+    forms = FormsSettings.from_env_cfg(env_cfg)
+    catalog = FormCatalog.load(forms.forms_dir)
+    tasks = load_tasks(env_cfg.id, seed=forms.task_seed, catalog=catalog)
+    return [(prompt_text(t, catalog), gold_actions(t, catalog)) for t in tasks]
+
+
+def pretrain_text(cfg: Config, out: str | Path | None = None, epochs: int = 20, batch_size: int = 32,
+                  lr: float = 1e-3, seed: int = 0, progress: bool = True) -> dict:
+    from dataclasses import asdict
+
+    from flowrl_ray.models.masked_diffusion import build_masked_lm, fit_sft
+    from flowrl_ray.models.text_tokenizer import train_tokenizer
+    from flowrl_ray.plotting import plot_curves
+
+    c = cfg.algo
+    out = out if out is not None else c.sft_checkpoint
+    if out is None:
+        raise ConfigError("config key 'algo.sft_checkpoint': where should the SFT model go? (or --out)")
+    out = Path(out)
+    pairs = sft_pairs(cfg.env)
+    model_cfg = asdict(c.model)
+    tokenizer = None
+    if model_cfg["path"] is None and model_cfg["tokenizer_path"] is None:
+        texts = [t for pair in pairs for t in pair]
+        tokenizer = train_tokenizer(texts, model_cfg["vocab_size"])
+    torch.manual_seed(seed)
+    lm = build_masked_lm(model_cfg, tokenizer=tokenizer, seed=seed)
+    t0 = time.perf_counter()
+    losses = fit_sft(lm, pairs, epochs=epochs, batch_size=batch_size, lr=lr, gen_length=c.gen_length,
+                     max_prompt_len=c.max_prompt_len, seed=seed, progress=progress)
+    train_s = time.perf_counter() - t0
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        lm.save(tmp)
+        metrics = [{"step": i + 1, "loss": v} for i, v in enumerate(losses)]
+        (tmp / "sft_metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+        if out.exists():
+            old = out.with_name(out.name + ".old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    finite = [v for v in losses if v == v]
+    plot = plot_curves({"sft": [(list(range(1, len(losses) + 1)), losses)]}, out / "sft_loss.png",
+                       "optimiser step", "masked-diffusion SFT loss", "SFT on the forms train split")
+    params = sum(p.numel() for p in lm.model.parameters())
+    return {"out": str(out), "pairs": len(pairs), "epochs": epochs, "steps": len(losses),
+            "first_loss": finite[0] if finite else None, "final_loss": finite[-1] if finite else None,
+            "train_s": round(train_s, 1), "parameters": params, "loss_plot": str(plot)}
