@@ -176,18 +176,24 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                       f"({type(value).__name__})")
 
 
+def check_known_keys(data: dict, allowed: list[str], prefix: str) -> None:
+    """ConfigError for the first key of ``data`` not in ``allowed``, with the closest valid key
+    (``prefix`` is the section's path with its trailing dot, e.g. ``"algo.model."``)."""
+    for key in data:
+        if key not in allowed:
+            close = difflib.get_close_matches(str(key), list(allowed), n=1, cutoff=0.5)
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else \
+                f"; valid keys: {', '.join(prefix + f for f in allowed)}"
+            raise ConfigError(f"unknown config key '{prefix}{key}'{hint}")
+
+
 def _build(cls: type, data: dict, prefix: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"config key '{prefix.rstrip('.') or '<root>'}': expected a mapping, "
                           f"got {data!r}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    for key in data:
-        if key not in fields:
-            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.5)
-            hint = f"; did you mean '{prefix}{close[0]}'?" if close else \
-                f"; valid keys: {', '.join(prefix + f for f in fields)}"
-            raise ConfigError(f"unknown config key '{prefix}{key}'{hint}")
+    check_known_keys(data, list(fields), prefix)
     kwargs = {}
     for name, f in fields.items():
         if name not in data:

@@ -74,7 +74,6 @@ region, and :meth:`MaskedDiffusionLM.decode` stops at the first [EOS]/[PAD].
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import json
 import math
 import os
@@ -88,7 +87,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flowrl_ray.config import ConfigError
+from flowrl_ray.config import ConfigError, check_known_keys
 
 SFT_T_EPS = 1e-3
 
@@ -120,12 +119,7 @@ def _err(prefix: str, key: str, msg: str) -> ConfigError:
 
 
 def _check_keys(data: Mapping, allowed: Sequence[str], prefix: str) -> None:
-    for key in data:
-        if key not in allowed:
-            close = difflib.get_close_matches(str(key), list(allowed), n=1, cutoff=0.5)
-            hint = f"; did you mean '{prefix}.{close[0]}'?" if close else \
-                f"; valid keys: {', '.join(f'{prefix}.{k}' for k in allowed)}"
-            raise ConfigError(f"unknown config key '{prefix}.{key}'{hint}")
+    check_known_keys(data, list(allowed), prefix + ".")
 
 
 def _is_int(v: Any) -> bool:
