@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import REPO_ROOT, RESULTS_DIR, git_revision, md_table, write_results  # noqa: E402
-from fpopp_lift_learning import FLOWRL, base_policy, evaluate, run_summary  # noqa: E402
+from fpopp_lift_learning import FLOWRL, base_policy, ensure_demos_and_base, evaluate, run_summary  # noqa: E402
 
 os.environ.setdefault("MUJOCO_GL", "egl")
 FLOWSAR = "configs/flowsar/lift_state_quickstart.yaml"
@@ -69,10 +69,7 @@ def main() -> None:
 
     extra = task_overrides(args.task)
     cfg = load_config(FLOWSAR, extra)
-    if not Path(cfg.env.dataset).is_file():
-        subprocess.run([*FLOWRL, "demos", args.task, "--episodes", str(args.demos), "--out", cfg.env.dataset], check=True)
-    if not Path(cfg.algo.base_policy).is_file():
-        subprocess.run([*FLOWRL, "pretrain", FLOWSAR, *extra, "--epochs", str(args.pretrain_epochs)], check=True)
+    ensure_demos_and_base(FLOWSAR, cfg, args.task, args.demos, args.pretrain_epochs, extra)
     run_dirs = [Path(d) for d in args.runs] if args.runs else []
     if not args.runs:
         for seed in args.seeds:

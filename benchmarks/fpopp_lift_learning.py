@@ -68,6 +68,15 @@ def base_policy(cfg):
     return policy
 
 
+def ensure_demos_and_base(config: str, cfg, task: str, demos: int, epochs: int, overrides=()) -> None:
+    """The scripted demos (``env.dataset``) and the pretrained base policy (``algo.base_policy``)
+    of ``cfg``, made once with the CLI; skipped when the files exist."""
+    if not Path(cfg.env.dataset).is_file():
+        subprocess.run([*FLOWRL, "demos", task, "--episodes", str(demos), "--out", cfg.env.dataset], check=True)
+    if not Path(cfg.algo.base_policy).is_file():
+        subprocess.run([*FLOWRL, "pretrain", config, *overrides, "--epochs", str(epochs)], check=True)
+
+
 def run_summary(run_dir: Path) -> dict:
     from flowrl_ray.runtime.metrics import read_metrics
     rows = read_metrics(run_dir)
@@ -104,10 +113,7 @@ def main() -> None:
     from flowrl_ray.config import load_config
 
     cfg = load_config(args.config)
-    if not Path(cfg.env.dataset).is_file():
-        subprocess.run([*FLOWRL, "demos", "lift", "--episodes", str(args.demos), "--out", cfg.env.dataset], check=True)
-    if not Path(cfg.algo.base_policy).is_file():
-        subprocess.run([*FLOWRL, "pretrain", args.config, "--epochs", str(args.pretrain_epochs)], check=True)
+    ensure_demos_and_base(args.config, cfg, "lift", args.demos, args.pretrain_epochs)
     run_dirs = [Path(d) for d in args.runs] if args.runs else []
     if not args.runs:
         for mode in args.ratio_modes:
