@@ -258,12 +258,16 @@ class FlowGRPO(Algorithm):
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        trainable = {k: v for k, v in self.lm.model.state_dict().items()}
+        # Only what trains (all weights of the small model; the adapters of a LoRA model): the
+        # frozen base of an 8B model comes back from algo.model / algo.sft_checkpoint.
+        trainable = {n: p.detach().clone() for n, p in self.lm.model.named_parameters() if p.requires_grad}
         return {"model": trainable, "opt": self.opt.state_dict(), "generator": self.generator.get_state(),
                 "iteration": self.iteration, "skipped_updates": self.skipped_updates}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.lm.model.load_state_dict(state["model"])
+        unexpected = self.lm.model.load_state_dict(state["model"], strict=False).unexpected_keys
+        if unexpected:
+            raise ValueError(f"checkpoint weights the model does not have: {unexpected[:5]}")
         self.opt.load_state_dict(state["opt"])
         self.generator.set_state(state["generator"])
         self.iteration, self.skipped_updates = state["iteration"], state["skipped_updates"]
