@@ -242,6 +242,17 @@ def _forms_catalog(forms_dir: str | None):
         raise UserError(str(e)) from None
 
 
+def _stop_on_signals() -> None:
+    """Ctrl-C and SIGTERM end a serving loop with KeyboardInterrupt, also when the process was
+    started with SIGINT ignored (a shell's background job), where Python installs no handler."""
+    import signal
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+
+
 def cmd_forms_serve(args: argparse.Namespace) -> int:
     from flowrl_ray.envs.forms import FormServer
     catalog = _forms_catalog(args.forms_dir)
@@ -251,6 +262,7 @@ def cmd_forms_serve(args: argparse.Namespace) -> int:
         print(f"[flowrl_ray] {sub.form_id}: submission {verdict}", flush=True)
 
     server = FormServer(catalog, host=args.host, port=args.port, on_submit=show)
+    _stop_on_signals()
     try:
         server.start()
     except OSError as e:
