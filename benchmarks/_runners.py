@@ -230,3 +230,44 @@ def make_runner(cfg, spec, worker_id: int, state_dict: dict | None):
     if state_dict is not None:
         runner.set_weights(state_dict, 1)
     return runner
+
+
+# --------------------------------------------------------------------------- no-Ray reference
+
+def _mp_child(conn, cfg, spec, worker_id: int, state_dict: dict, rollout_length: int) -> None:
+    runner = make_runner(cfg, spec, worker_id, state_dict)
+    conn.send("ready")
+    while conn.recv() == "sample":
+        conn.send(runner.sample(rollout_length).meta)
+    runner.close()
+
+
+class ProcessPair:
+    """Plain spawned processes (no Ray) with an EnvRunner each, built like the Ray workers':
+    ``sample()`` drives all of them in parallel and returns their BatchMetas. The machine's own
+    ceiling for n-way parallelism, to tell Ray's overhead from CPU contention."""
+
+    def __init__(self, cfg, spec, state_dict: dict, n: int = 2):
+        import multiprocessing as mp
+        ctx = mp.get_context("spawn")
+        self.conns, self.procs = [], []
+        for i in range(n):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_mp_child, args=(child, cfg, spec, i, state_dict, cfg.runtime.rollout_length),
+                               daemon=True)
+            proc.start()
+            self.conns.append(parent)
+            self.procs.append(proc)
+        for c in self.conns:
+            assert c.recv() == "ready"
+
+    def sample(self) -> list:
+        for c in self.conns:
+            c.send("sample")
+        return [c.recv() for c in self.conns]
+
+    def close(self) -> None:
+        for c in self.conns:
+            c.send("stop")
+        for p in self.procs:
+            p.join(timeout=60)

@@ -60,7 +60,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import multiprocessing as mp
 import os
 import statistics
 import sys
@@ -69,7 +68,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _runners import make_runner, niceness  # noqa: E402
+from _runners import ProcessPair, make_runner, niceness  # noqa: E402
 from _common import (REPO_ROOT, RESULTS_DIR, LoadMonitor, _descendants, _proc_table, git_revision,  # noqa: E402
                      load_lines, machine_info, md_table, wait_for_quiet, write_results)
 
@@ -130,42 +129,6 @@ def low_level_steps(meta, act_steps: int, max_steps: int) -> tuple[int, int]:
 
 
 # --------------------------------------------------------------------------- the "no Ray" reference
-
-def _mp_child(conn, cfg, spec, worker_id: int, state_dict: dict, rollout_length: int) -> None:
-    runner = make_runner(cfg, spec, worker_id, state_dict)
-    conn.send("ready")
-    while conn.recv() == "sample":
-        conn.send(runner.sample(rollout_length).meta)
-    runner.close()
-
-
-class ProcessPair:
-    """Two spawned processes with an EnvRunner each; sample() drives both in parallel."""
-
-    def __init__(self, cfg, spec, state_dict: dict, n: int = NUM_WORKERS):
-        ctx = mp.get_context("spawn")
-        self.conns, self.procs = [], []
-        for i in range(n):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_mp_child, args=(child, cfg, spec, i, state_dict, cfg.runtime.rollout_length),
-                               daemon=True)
-            proc.start()
-            self.conns.append(parent)
-            self.procs.append(proc)
-        for c in self.conns:
-            assert c.recv() == "ready"
-
-    def sample(self) -> list:
-        for c in self.conns:
-            c.send("sample")
-        return [c.recv() for c in self.conns]
-
-    def close(self) -> None:
-        for c in self.conns:
-            c.send("stop")
-        for p in self.procs:
-            p.join(timeout=60)
-
 
 # --------------------------------------------------------------------------- time split
 
@@ -333,7 +296,7 @@ def measure(args: argparse.Namespace) -> dict:
     pair = None
     if not args.no_mp_reference:
         t0 = time.perf_counter()
-        pair = ProcessPair(cfg, spec, state)
+        pair = ProcessPair(cfg, spec, state, NUM_WORKERS)
         startup["2 plain processes"] = time.perf_counter() - t0
 
     def single_round():

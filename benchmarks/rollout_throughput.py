@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _runners import make_runner, niceness  # noqa: E402
+from _runners import ProcessPair, make_runner, niceness  # noqa: E402
 from _common import (REPO_ROOT, LoadMonitor, git_revision, load_lines, md_table, wait_for_quiet,  # noqa: E402
                      write_results)
 
@@ -89,40 +89,6 @@ def make_config(env_id: str, args: argparse.Namespace):
 
 
 # --------------------------------------------------------------------------- the "no Ray" reference
-
-def _mp_child(conn, cfg, spec, worker_id: int, state_dict: dict, rollout_length: int) -> None:
-    runner = make_runner(cfg, spec, worker_id, state_dict)
-    while conn.recv() == "sample":
-        batch = runner.sample(rollout_length)
-        conn.send((batch.meta.env_steps, batch.meta.sample_time_s))
-    runner.close()
-
-
-class ProcessPair:
-    """Two spawned processes with an EnvRunner each; sample() drives both in parallel."""
-
-    def __init__(self, cfg, spec, state_dict: dict, n: int = 2):
-        ctx = mp.get_context("spawn")
-        self.conns, self.procs = [], []
-        for i in range(n):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_mp_child, args=(child, cfg, spec, i, state_dict, cfg.runtime.rollout_length),
-                               daemon=True)
-            proc.start()
-            self.conns.append(parent)
-            self.procs.append(proc)
-
-    def sample(self) -> list[tuple[int, float]]:
-        for c in self.conns:
-            c.send("sample")
-        return [c.recv() for c in self.conns]
-
-    def close(self) -> None:
-        for c in self.conns:
-            c.send("stop")
-        for p in self.procs:
-            p.join(timeout=30)
-
 
 # --------------------------------------------------------------------------- machine calibration
 
@@ -218,7 +184,7 @@ def measure_env(env_id: str, args: argparse.Namespace) -> dict:
     configs = {"single process": (1, single_round), "ray, 1 worker": (1, ray_round(1, False)),
                "ray, 2 workers": (2, ray_round(2, False)), "ray, 2 workers + fetch": (2, ray_round(2, True))}
     if pair is not None:
-        configs["2 processes, no Ray"] = (2, pair.sample)
+        configs["2 processes, no Ray"] = (2, lambda: [(m.env_steps, m.sample_time_s) for m in pair.sample()])
     samples = {name: Samples() for name in configs}
 
     print(f"[bench] {env_id}: warm-up ({args.warmup} rounds per configuration)", flush=True)
