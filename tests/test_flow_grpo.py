@@ -119,6 +119,21 @@ def test_update_raises_the_log_prob_of_the_better_rollout_and_moves_away_from_th
     assert (k3_kl(new, ref) > 0).all()
 
 
+def test_checkpoint_state_round_trips_and_holds_only_trainable_weights(sft_dir):
+    algo = _algorithm(sft_dir)
+    state = algo.state_dict()
+    assert set(state["model"]) == {n for n, p in algo.lm.model.named_parameters() if p.requires_grad}
+    with torch.no_grad():
+        for p in algo.lm.model.parameters():
+            p.add_(1.0)
+    algo.load_state_dict(state)
+    assert all(torch.equal(p, state["model"][n]) for n, p in algo.lm.model.named_parameters())
+    lora = _algorithm(sft_dir, model={**TINY_MODEL, "lora": {"r": 4, "alpha": 8, "dropout": 0.0,
+                                                             "target_modules": ["q_proj", "v_proj"]}})
+    keys = set(lora.state_dict()["model"])
+    assert keys and all("lora_" in k for k in keys)        # the frozen base is not checkpointed
+
+
 def test_config_mistakes_name_the_key(sft_dir):
     bad_family = _config(None, sft_dir)
     bad_family["env"] = {"family": "robot", "id": "lift"}

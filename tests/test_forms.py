@@ -400,8 +400,10 @@ def test_cli_serve_prints_url_and_stops_on_ctrl_c():
     import signal
     import subprocess
     import sys
+    # Started with SIGINT ignored, as a shell's background job is: Ctrl-C must still stop it.
     proc = subprocess.Popen([sys.executable, "-m", "flowrl_ray.cli", "forms", "serve", "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         line = proc.stdout.readline()
         url = line.split(" forms at ")[1].split()[0]
