@@ -202,6 +202,8 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     data = apply_overrides(read_yaml(args.config), args.overrides)
     if data.get("algorithm") == "flow_grpo":
         return _pretrain_text(args, data)
+    if data.get("algorithm") == "fed_grpo":
+        return _pretrain_edm(args, data)
     from flowrl_ray.pretrain import pretrain
     args.epochs = 50 if args.epochs is None else args.epochs
     args.batch_size = 256 if args.batch_size is None else args.batch_size
@@ -230,6 +232,26 @@ def _pretrain_text(args: argparse.Namespace, data: dict) -> int:
                             batch_size=32 if args.batch_size is None else args.batch_size,
                             lr=1e-3 if args.lr is None else args.lr,
                             seed=cfg.seed if args.seed is None else args.seed, progress=True)
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+def _pretrain_edm(args: argparse.Namespace, data: dict) -> int:
+    """EDM training on QM9 for a FED-GRPO config (flowrl_ray.pretrain_mol)."""
+    from flowrl_ray.pretrain_mol import pretrain_edm
+    if args.dataset is not None or args.eval_episodes:
+        raise UserError("--dataset and --eval-episodes are for robot demos; EDM pretraining reads QM9 "
+                        "(qm9pack) and --eval-samples N samples N molecules afterwards")
+    if args.epochs is not None:
+        raise UserError("--epochs: EDM pretraining counts optimiser steps; use --steps")
+    algo = data.get("algo")
+    out = args.out or (algo.get("base_model") if isinstance(algo, dict) else None)
+    cfg = config_from_dict(apply_overrides(data, ["algo.base_model=null"]))   # the file this creates
+    summary = pretrain_edm(cfg, out=out, steps=2000 if args.steps is None else args.steps,
+                           batch_size=64 if args.batch_size is None else args.batch_size,
+                           lr=1e-4 if args.lr is None else args.lr,
+                           seed=cfg.seed if args.seed is None else args.seed,
+                           eval_samples=args.eval_samples, progress=True)
     print(json.dumps(summary), flush=True)
     return 0
 
@@ -426,13 +448,15 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_demos)
 
     pr = sub.add_parser("pretrain", help="supervised start of a policy: flow-matching BC from robot demos, "
-                                         "or masked-diffusion SFT of a Flow-GRPO language model",
+                                         "masked-diffusion SFT of a Flow-GRPO language model, or EDM on QM9",
                         description="Robot configs (fpopp, flowsar): flow-matching behaviour cloning of the "
                                     "config's flow policy on a robomimic dataset (env.dataset or --dataset); "
                                     "writes the checkpoint that algo.base_policy loads (--out or "
                                     "algo.base_policy), <stem>.metrics.jsonl and <stem>.loss.png. Flow-GRPO "
                                     "configs: masked-diffusion SFT on the forms train split (prompt -> gold "
-                                    "action script), written to algo.sft_checkpoint (or --out). Prints a JSON summary.")
+                                    "action script), written to algo.sft_checkpoint (or --out). FED-GRPO configs: "
+                                    "EDM training on QM9 (the train split), written to algo.base_model (or --out). "
+                                    "Prints a JSON summary.")
     pr.add_argument("config")
     pr.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. algo.hidden_sizes=[256,256]")
     pr.add_argument("--dataset", help="robomimic hdf5 (default env.dataset)")
@@ -442,6 +466,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--lr", type=float, help="default 1e-3")
     pr.add_argument("--eval-episodes", type=int, default=0,
                     help="then evaluate in the env: success with zero and random sampling")
+    pr.add_argument("--steps", type=int, help="EDM (FED-GRPO configs): optimiser steps, default 2000")
+    pr.add_argument("--eval-samples", type=int, default=0,
+                    help="EDM: then sample N molecules and report stability, validity, uniqueness")
     pr.add_argument("--seed", type=int, help="default: the config's seed")
     pr.set_defaults(func=cmd_pretrain)
 

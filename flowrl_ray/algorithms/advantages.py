@@ -38,6 +38,29 @@ def normalize(x: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     return (x - x.mean()) / (x.std() + eps)
 
 
+def group_normalize(values: torch.Tensor, group_index: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Normalise ``values [B, ...]`` within the groups named by ``group_index [B]`` (any integer
+    labels, in any order), column by column for trailing dims, with the population std:
+
+        z_i = (v_i - mean_{g(i)}) / (std_{g(i)} + eps)
+
+    A group whose values are all equal (or a group of one) gets zeros. Vectorised with
+    scatter-adds over the groups. Returns the shape of ``values``."""
+    if group_index.ndim != 1 or group_index.shape[0] != values.shape[0]:
+        raise ValueError(f"group_index must be [B] with B = values.shape[0]; got {tuple(group_index.shape)} "
+                         f"for values {tuple(values.shape)}")
+    _, inverse = torch.unique(group_index, return_inverse=True)                  # [B] in 0..G-1
+    num_groups = int(inverse.max()) + 1 if inverse.numel() else 0
+    flat = values.reshape(values.shape[0], -1)                                     # [B, C]
+    counts = torch.zeros(num_groups, dtype=flat.dtype, device=flat.device).index_add_(
+        0, inverse, torch.ones_like(flat[:, 0]))[:, None]                          # [G, 1]
+    mean = torch.zeros(num_groups, flat.shape[1], dtype=flat.dtype, device=flat.device).index_add_(
+        0, inverse, flat) / counts                                                  # [G, C]
+    centred = flat - mean[inverse]
+    var = torch.zeros_like(mean).index_add_(0, inverse, centred.pow(2)) / counts
+    return (centred / (var.sqrt()[inverse] + eps)).reshape(values.shape)
+
+
 def group_advantages(rewards: torch.Tensor, group_size: int, adv_clip_max: float | None = None,
                      eps: float = 1e-8) -> torch.Tensor:
     """Group-relative advantages (GRPO): rewards [N] in consecutive groups of `group_size`
@@ -50,8 +73,8 @@ def group_advantages(rewards: torch.Tensor, group_size: int, adv_clip_max: float
     if rewards.ndim != 1 or rewards.numel() % group_size:
         raise ValueError(f"rewards must be [N] with N a multiple of group_size={group_size}, "
                          f"got shape {tuple(rewards.shape)}")
-    groups = rewards.reshape(-1, group_size)
-    adv = (groups - groups.mean(1, keepdim=True)) / (groups.std(1, unbiased=False, keepdim=True) + eps)
+    group_index = torch.arange(rewards.numel(), device=rewards.device) // group_size
+    adv = group_normalize(rewards, group_index, eps)
     if adv_clip_max is not None:
         adv = adv.clamp(-adv_clip_max, adv_clip_max)
-    return adv.reshape(-1)
+    return adv

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -100,6 +101,23 @@ def optimizer_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer | list[t
     for o in optimizers:
         o.step()
     return float(norm), True
+
+
+def lr_multiplier(kind: str, total_steps: int, warmup_steps: int = 0, min_ratio: float = 0.0):
+    """The multiplier function of a ``LambdaLR``: linear warm-up over ``warmup_steps``, then
+    ``constant`` (1) or ``cosine`` from 1 down to ``min_ratio`` at ``total_steps`` (held after)."""
+    if kind not in ("constant", "cosine"):
+        raise ValueError(f"lr schedule must be 'constant' or 'cosine', got {kind!r}")
+
+    def multiplier(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if kind == "constant":
+            return 1.0
+        span = max(1, total_steps - warmup_steps)
+        progress = min(step - warmup_steps, span) / span
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    return multiplier
 
 
 def weight_metrics(module: nn.Module, init: dict[str, torch.Tensor] | None = None,

@@ -17,7 +17,6 @@ eps = 0 ("zero-sampling", ``eval.sampling: zero``).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -26,7 +25,7 @@ import numpy as np
 import torch
 
 from flowrl_ray.algorithms.advantages import normalize
-from flowrl_ray.algorithms.base import Algorithm, optimizer_step
+from flowrl_ray.algorithms.base import Algorithm, lr_multiplier, optimizer_step
 from flowrl_ray.algorithms.losses import approx_kl, aspo_objective, ppo_clip_objective, value_loss
 from flowrl_ray.algorithms.onpolicy import advantages_from_rollouts
 from flowrl_ray.batch import Batch, map_obs
@@ -180,9 +179,7 @@ class FPOPP(Algorithm):
         self.critic = ValueMLP(spec.obs_dim, c.critic_hidden_sizes, image_shape(cfg), c.feature_dim).to(device)
         self.actor_opt = torch.optim.AdamW(self._policy.parameters(), lr=c.actor_lr, weight_decay=c.weight_decay)
         self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=c.critic_lr, weight_decay=c.weight_decay)
-        total = cfg.train.iterations
-        cosine = lambda i: 0.5 * (1.0 + math.cos(math.pi * min(i, total) / total))   # noqa: E731
-        schedule = cosine if c.lr_schedule == "cosine" else (lambda i: 1.0)
+        schedule = lr_multiplier(c.lr_schedule, cfg.train.iterations)
         self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in (self.actor_opt, self.critic_opt)]
         self.generator = torch.Generator().manual_seed(cfg.seed)      # minibatch shuffling
         self.iteration = 0

@@ -1,0 +1,420 @@
+"""FED-GRPO (Force and Energy Disentangled GRPO, as used by ELIGN): post-training of an
+E(3)-equivariant diffusion model of molecules (EDM) with group-relative, PPO-clipped policy
+gradients over its reverse-diffusion transitions, rewarded by a force field.
+
+    generate (learner):  P prompts (a number of atoms n_p drawn from the data histogram), G
+                         samples each (rows p*G .. p*G+G-1 form group p). Each reverse step is a
+                         Gaussian transition  z_{t-1} ~ N(mu_theta(z_t, t), sigma_t^2 I)  (positions
+                         in the zero-CoM subspace); with shared_prefix_steps S the G members share
+                         the first S steps, then branch. The K = T - S branched transitions are
+                         recorded with their behaviour log-probs logp_old.
+    score (workers):     the force field turns each molecule into a force reward r_F (-RMS force)
+                         and an energy reward r_E (-formation energy per atom), gated and clipped
+    prepare:             scalar mode
+                             a_F = (r_F - mean_g) / (std_g + 1e-8),  a_E likewise (population std),
+                             A   = clip(w_F a_F + w_E a_E, +-adv_clip_max)        (the same A for all t)
+                         pbrs_return_to_go mode (ELIGN Eq. 4)
+                             G_t = gamma^t Psi_0 - Psi_t   at the scheduled steps (Psi_t: energy
+                             reward of the clean molecule predicted at step t; Psi_0: the final
+                             molecule's), z-scored per step within the group; a_F broadcast over t;
+                             A_t = clip(w_F a_F + w_E a^E_t, +-adv_clip_max)
+    update:              per transition  rho = exp(logp - logp_old)
+                         L_t = mean_rows[ -min(rho A, clip(rho, 1 +- eps) A) ]
+                               + beta * mean_rows[ ||mu - mu_ref||^2 / (2 sigma_t^2) ]
+                         (mu_ref: the frozen base model's mean at the same z_t); each L_t / K is
+                         back-propagated at once (one graph per step), micro-batches of rows
+                         accumulate gradients for an optimiser step; grad-norm clip; lr schedule.
+
+ELIGN's names: ``sample_group_size`` is the number of prompts per iteration and
+``each_prompt_sample`` the group size G (its QM9 paper config: 4 x 24).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import numpy as np
+import torch
+
+from flowrl_ray.algorithms.advantages import group_normalize
+from flowrl_ray.algorithms.base import Algorithm, lr_multiplier
+from flowrl_ray.algorithms.losses import ppo_clip_objective
+from flowrl_ray.batch import Batch
+from flowrl_ray.config import Config, ConfigError, check
+from flowrl_ray.envs import EnvSpec
+from flowrl_ray.models.edm import EDM, EDMModelConfig, NodeDistribution, reference_kl, step_log_prob
+
+__all__ = ["fed_advantages", "pbrs_returns", "fed_advantages_pbrs", "FEDGRPO", "FEDGRPOConfig"]
+
+
+@dataclass
+class ShapingConfig:
+    """``algo.shaping.*``: ELIGN's ``reward.shaping``."""
+    mode: Literal["none", "pbrs_return_to_go"] = "none"
+    gamma: float = field(default=1.0, metadata=check(ge=0, le=1))
+    stride: int = field(default=1, metadata=check(gt=0))      # potentials every `stride` recorded steps
+
+
+@dataclass
+class FEDGRPOConfig:
+    model: EDMModelConfig = field(default_factory=EDMModelConfig)
+    base_model: Optional[str] = None           # `flowrl-ray pretrain` output: start and KL reference
+    sample_group_size: int = field(default=4, metadata=check(gt=0))     # prompts per iteration
+    each_prompt_sample: int = field(default=24, metadata=check(gt=1))   # G, samples per prompt
+    shared_prefix_steps: int = field(default=0, metadata=check(ge=0))
+    learning_rate: float = field(default=4e-6, metadata=check(gt=0))
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    warmup_steps: int = field(default=0, metadata=check(ge=0))          # optimiser steps
+    min_lr_ratio: float = field(default=0.0, metadata=check(ge=0, le=1))
+    weight_decay: float = field(default=0.0, metadata=check(ge=0))
+    clip_range: float = field(default=2e-3, metadata=check(gt=0))
+    kl_penalty_weight: float = field(default=0.04, metadata=check(ge=0))
+    force_adv_weight: float = field(default=1.0, metadata=check(ge=0))
+    energy_adv_weight: float = field(default=0.1, metadata=check(ge=0))
+    adv_clip_max: float = field(default=5.0, metadata=check(gt=0))
+    train_micro_batch_size: int = field(default=4, metadata=check(gt=0))   # rows per backward
+    gradient_accumulation_steps: int = field(default=1, metadata=check(gt=0))
+    epochs: int = field(default=1, metadata=check(gt=0))                 # passes over a batch
+    max_grad_norm: float = field(default=1.0, metadata=check(gt=0))
+    shaping: ShapingConfig = field(default_factory=ShapingConfig)
+
+
+# ---------------------------------------------------------------------- the math
+
+def fed_advantages(force_rewards: torch.Tensor, energy_rewards: torch.Tensor, group_index: torch.Tensor,
+                   force_weight: float, energy_weight: float, adv_clip_max: float) -> torch.Tensor:
+    """Scalar-mode FED-GRPO advantages: each signal normalised separately within its group,
+    then mixed and clipped. All inputs [B] -> [B]:
+
+        a_F = (r_F - mean_g r_F) / (std_g r_F + 1e-8),   a_E likewise (population std)
+        A   = clip(w_F a_F + w_E a_E, -adv_clip_max, adv_clip_max)
+
+    A group with equal rewards contributes zero for that signal."""
+    a_force = group_normalize(force_rewards, group_index)
+    a_energy = group_normalize(energy_rewards, group_index)
+    return (force_weight * a_force + energy_weight * a_energy).clamp(-adv_clip_max, adv_clip_max)
+
+
+def pbrs_returns(potentials: torch.Tensor, final_potential: torch.Tensor, steps: torch.Tensor,
+                 scheduled: torch.Tensor, gamma: float) -> torch.Tensor:
+    """ELIGN Eq. 4, the energy return-to-go of potential-based reward shaping:
+
+        G_t = gamma^t * Psi_0 - Psi_t    at scheduled steps, 0 elsewhere
+
+    potentials [B, K] (Psi_t of the K recorded transitions; ignored where not scheduled),
+    final_potential [B] (Psi_0), steps [K] (the diffusion step t of each transition),
+    scheduled [K] bool. Returns [B, K]."""
+    discount = torch.pow(torch.full_like(steps, gamma, dtype=potentials.dtype), steps.to(potentials.dtype))
+    returns = discount[None, :] * final_potential[:, None] - potentials
+    return torch.where(scheduled[None, :], returns, torch.zeros_like(returns))
+
+
+def fed_advantages_pbrs(force_rewards: torch.Tensor, energy_returns: torch.Tensor, group_index: torch.Tensor,
+                        force_weight: float, energy_weight: float, adv_clip_max: float) -> torch.Tensor:
+    """pbrs_return_to_go mode: force_rewards [B] (terminal), energy_returns [B, K] (G_t) ->
+    per-transition advantages [B, K]:
+
+        a_F   = groupnorm(r_F)                   broadcast over the K steps
+        a^E_t = groupnorm(G_t)                   per step t, within the group
+        A_t   = clip(w_F a_F + w_E a^E_t, +-adv_clip_max)"""
+    a_force = group_normalize(force_rewards, group_index)[:, None]                  # [B, 1]
+    a_energy = group_normalize(energy_returns, group_index)                         # [B, K]
+    return (force_weight * a_force + energy_weight * a_energy).clamp(-adv_clip_max, adv_clip_max)
+
+
+# ---------------------------------------------------------------------- checkpoints of the base model
+
+def load_base_model(path: str | Path) -> dict:
+    """A `flowrl-ray pretrain` EDM checkpoint: {"model_config", "state_dict", "node_histogram", ...}."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config key 'algo.base_model': no such file {str(path)!r} "
+                          f"(make it with `flowrl-ray pretrain CONFIG`)")
+    ckpt = torch.load(p, map_location="cpu", weights_only=False)
+    if not isinstance(ckpt, dict) or "state_dict" not in ckpt or "model_config" not in ckpt:
+        raise ConfigError(f"config key 'algo.base_model': {str(path)!r} is not an EDM pretraining checkpoint")
+    return ckpt
+
+
+def check_base_model(cfg: Config) -> None:
+    """The base model's architecture must be the config's; ConfigError naming the key."""
+    if cfg.algo.base_model is None:
+        return
+    saved = load_base_model(cfg.algo.base_model)["model_config"]
+    mine = asdict(cfg.algo.model)
+    for key, value in saved.items():
+        if key in mine and mine[key] != value:
+            raise ConfigError(f"config key 'algo.model.{key}': {mine[key]!r} does not match the base "
+                              f"model's {value!r} ({cfg.algo.base_model})")
+
+
+# ---------------------------------------------------------------------- the algorithm
+
+class FEDGRPO(Algorithm):
+    name = "fed_grpo"
+    rollout_kind = "group"
+    config_class = FEDGRPOConfig
+
+    @staticmethod
+    def validate_config(cfg: Config) -> None:
+        c: FEDGRPOConfig = cfg.algo
+        if cfg.env.family != "molecules":
+            raise ConfigError(f"config key 'env.family': FED-GRPO scores molecules with a force field "
+                              f"(family 'molecules'), got {cfg.env.family!r}")
+        if c.shared_prefix_steps >= c.model.diffusion_steps:
+            raise ConfigError(f"config key 'algo.shared_prefix_steps': {c.shared_prefix_steps} leaves no "
+                              f"branched step of algo.model.diffusion_steps={c.model.diffusion_steps}")
+
+    @staticmethod
+    def preflight(cfg: Config, spec: EnvSpec) -> None:
+        check_base_model(cfg)
+
+    def __init__(self, cfg: Config, spec: EnvSpec, device: torch.device):
+        super().__init__(cfg, spec, device)
+        self.c: FEDGRPOConfig = cfg.algo
+        self.model = EDM(self.c.model).to(device)
+        histogram = np.full(self.c.model.max_atoms + 1, 1.0 / self.c.model.max_atoms)
+        histogram[0] = 0.0
+        if self.c.base_model is not None:
+            ckpt = load_base_model(self.c.base_model)
+            self.model.load_state_dict(ckpt["state_dict"])
+            histogram = np.asarray(ckpt["node_histogram"], dtype=np.float64)
+        self.node_distribution = NodeDistribution(histogram)
+        self.reference = copy.deepcopy(self.model).eval()      # the base model, for the KL penalty
+        for p in self.reference.parameters():
+            p.requires_grad_(False)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.c.learning_rate,
+                                     weight_decay=self.c.weight_decay)
+        rows = self.c.sample_group_size * self.c.each_prompt_sample
+        steps_per_iter = math.ceil(math.ceil(rows / self.c.train_micro_batch_size)
+                                   / self.c.gradient_accumulation_steps) * self.c.epochs
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, lr_multiplier(self.c.lr_schedule, steps_per_iter * cfg.train.iterations,
+                                    self.c.warmup_steps, self.c.min_lr_ratio))
+        self.generator = torch.Generator().manual_seed(cfg.seed)     # atom counts and diffusion noise
+        self.pending: dict = {}
+        self.iteration = 0
+        self.skipped_updates = 0
+
+    @staticmethod
+    def make_policy(cfg: Config, spec: EnvSpec) -> torch.nn.Module:
+        return torch.nn.Identity()          # sampling happens on the learner; scorers hold no model
+
+    @property
+    def policy(self) -> torch.nn.Module:
+        return self.model
+
+    def policy_state_dict(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    # ------------------------------------------------------------------ generation
+    def _shaping_steps(self, recorded_steps: list[int]) -> list[int]:
+        if self.c.shaping.mode == "none":
+            return []
+        return recorded_steps[:: self.c.shaping.stride]
+
+    @torch.no_grad()
+    def generate(self, num_chunks: int, mode: str = "train") -> list[dict]:
+        c = self.c
+        if mode == "eval":
+            prompts, group, prefix = self.cfg.eval.episodes, 1, 0
+        else:
+            prompts, group, prefix = c.sample_group_size, c.each_prompt_sample, c.shared_prefix_steps
+        n_atoms = self.node_distribution.sample(prompts, self.generator).repeat_interleave(group)   # [B]
+        recorded = list(range(c.model.diffusion_steps - prefix, 0, -1))     # t of the branched steps
+        x0_steps = self._shaping_steps(recorded) if mode == "train" else []
+        self.model.eval()
+        result = self.model.sample(n_atoms.to(self.device), self.generator, group_size=group,
+                                   shared_prefix_steps=prefix, x0_steps=x0_steps)
+        molecules = to_numpy_molecules(result.positions, result.atom_types, result.node_mask)
+        shaping = [[] for _ in molecules]
+        for t in x0_steps:
+            pos, types = result.x0_predictions[t]
+            for i, m in enumerate(to_numpy_molecules(pos, types, result.node_mask)):
+                shaping[i].append(m)
+        self.pending = {"mode": mode, "trajectory": result.trajectory, "n": len(molecules),
+                        "group_index": torch.arange(prompts).repeat_interleave(group),
+                        "n_atoms": n_atoms, "x0_steps": x0_steps}
+        chunks = []
+        for part in np.array_split(np.arange(len(molecules)), num_chunks):
+            if len(part):
+                chunk = {"ids": part, "positions": [molecules[i][0] for i in part],
+                         "atom_types": [molecules[i][1] for i in part]}
+                if x0_steps:
+                    chunk["shaping"] = [shaping[i] for i in part]
+                chunks.append(chunk)
+        return chunks
+
+    def _scores(self, batches: list[Batch]) -> dict[str, Any]:
+        """The scorers' outputs in row order (rows a failed worker never scored keep NaN / "")."""
+        n = self.pending["n"]
+        numeric = ("force_reward", "energy_reward", "energy_eV", "formation_energy_per_atom_eV", "rms_force",
+                   "stable", "stable_atom_fraction", "valid")
+        out: dict[str, Any] = {k: torch.full((n,), float("nan")) for k in numeric}
+        out["smiles"], out["reason"] = [""] * n, ["not_scored"] * n
+        k_steps = len(self.pending["x0_steps"])
+        out["shaping_energy_reward"] = torch.full((n, k_steps), float("nan"))
+        for b in batches:
+            ids = torch.as_tensor(np.asarray(b["ids"]), dtype=torch.long)
+            for k in numeric:
+                out[k][ids] = torch.as_tensor(np.asarray(b[k], dtype=np.float32))
+            if k_steps:
+                out["shaping_energy_reward"][ids] = torch.as_tensor(np.asarray(b["shaping_energy_reward"], dtype=np.float32))
+            for j, i in enumerate(ids.tolist()):
+                out["smiles"][i], out["reason"][i] = str(b["smiles"][j]), str(b["reason"][j])
+        return out
+
+    def prepare(self, batches: list[Batch]) -> dict:
+        c, traj = self.c, self.pending["trajectory"]
+        s = self._scores(batches)
+        scored = ~torch.isnan(s["force_reward"])
+        # A row nobody scored (its worker died twice) gets the group's mean: advantage 0.
+        force = _fill_with_group_mean(s["force_reward"], self.pending["group_index"])
+        energy = _fill_with_group_mean(s["energy_reward"], self.pending["group_index"])
+        group_index = self.pending["group_index"]
+        k = traj["t"].shape[0]
+        if c.shaping.mode == "pbrs_return_to_go":
+            steps = traj["t"].cpu()
+            scheduled = torch.isin(steps, torch.as_tensor(self.pending["x0_steps"], dtype=steps.dtype))
+            potentials = torch.zeros(len(force), k)
+            potentials[:, scheduled] = torch.nan_to_num(s["shaping_energy_reward"])
+            returns = pbrs_returns(potentials, energy, steps, scheduled, c.shaping.gamma)
+            adv = fed_advantages_pbrs(force, returns, group_index, c.force_adv_weight,
+                                      c.energy_adv_weight, c.adv_clip_max)                 # [B, K]
+        else:
+            adv = fed_advantages(force, energy, group_index, c.force_adv_weight, c.energy_adv_weight,
+                                 c.adv_clip_max)[:, None].expand(-1, k)                    # [B, K]
+        adv = torch.where(scored[:, None], adv, torch.zeros_like(adv))
+        return {"trajectory": traj, "advantages": adv.to(self.device), "scores": s}
+
+    # ------------------------------------------------------------------ update
+    def update(self, p: dict) -> dict[str, float]:
+        c, traj, adv = self.c, p["trajectory"], p["advantages"]           # adv [B, K]
+        z, steps, logp_old = traj["z"], traj["t"], traj["logp"]           # [K+1, B, N, D], [K], [K, B]
+        node_mask, sigma = traj["node_mask"], traj["sigma"]               # [B, N], [K]
+        n_rows, k_steps = adv.shape
+        micro = [torch.arange(i, min(i + c.train_micro_batch_size, n_rows))
+                 for i in range(0, n_rows, c.train_micro_batch_size)]
+        stats: dict[str, list[float]] = {}
+        self.model.train()
+        for _ in range(c.epochs):
+            self.opt.zero_grad(set_to_none=True)
+            finite = True
+            for m, rows in enumerate(micro):
+                for j in range(k_steps):
+                    t = int(steps[j])
+                    logp, mu = step_log_prob(self.model, z[j, rows], z[j + 1, rows], t, node_mask[rows])  # [b], [b, N, D]
+                    ratio = torch.exp(logp - logp_old[j, rows])
+                    a = adv[rows, j]
+                    pg = -ppo_clip_objective(ratio, a, c.clip_range).mean()
+                    loss = pg
+                    kl = torch.zeros(())
+                    if c.kl_penalty_weight > 0:
+                        with torch.no_grad():
+                            _, mu_ref = step_log_prob(self.reference, z[j, rows], z[j + 1, rows], t, node_mask[rows])
+                        kl = reference_kl(mu, mu_ref, sigma[j], node_mask[rows]).mean()
+                        loss = loss + c.kl_penalty_weight * kl
+                    if not torch.isfinite(loss):
+                        finite = False
+                        break
+                    (loss / (c.gradient_accumulation_steps * k_steps)).backward()
+                    with torch.no_grad():
+                        for name, v in (("pg_loss", pg), ("kl", kl), ("ratio_mean", ratio.mean()),
+                                        ("ratio_max", ratio.max()), ("ratio_min", ratio.min()),
+                                        ("clipfrac", ((ratio - 1).abs() > c.clip_range).float().mean())):
+                            stats.setdefault(name, []).append(float(v))
+                if not finite:
+                    break
+                if (m + 1) % c.gradient_accumulation_steps == 0 or m + 1 == len(micro):
+                    self._optimizer_step(stats)
+            if not finite:                          # NaN loss: drop this epoch's gradients, count it
+                self.opt.zero_grad(set_to_none=True)
+                self.skipped_updates += 1
+        self.iteration += 1
+        return self._metrics(stats, p)
+
+    def _optimizer_step(self, stats: dict) -> None:
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.c.max_grad_norm)
+        if torch.isfinite(norm):
+            self.opt.step()
+            self.scheduler.step()
+            stats.setdefault("grad_norm", []).append(float(norm))
+        else:
+            self.skipped_updates += 1
+        self.opt.zero_grad(set_to_none=True)
+
+    def _metrics(self, stats: dict, p: dict) -> dict[str, float]:
+        s, adv = p["scores"], p["advantages"]
+        out = {f"fed_grpo/{k}": float(np.mean(v)) for k, v in stats.items()}
+        out.update(molecule_summary(s))
+        out.update({"reward_mean": out["force_reward_mean"], "kl": out.get("fed_grpo/kl", float("nan")),
+                    "clipfrac": out.get("fed_grpo/clipfrac", float("nan")),
+                    "fed_grpo/advantage_mean": float(adv.mean()), "fed_grpo/advantage_std": float(adv.std()),
+                    "fed_grpo/advantage_abs_max": float(adv.abs().max()),
+                    "fed_grpo/transitions": float(adv.shape[1]), "fed_grpo/lr": self.scheduler.get_last_lr()[0],
+                    "fed_grpo/skipped_updates": float(self.skipped_updates)})
+        return out
+
+    def eval_metrics(self, batches: list[Batch]) -> dict[str, float]:
+        s = self._scores(batches)
+        out = {f"eval/{k}": v for k, v in molecule_summary(s).items()}
+        out.update({"eval/return_mean": out["eval/force_reward_mean"], "eval/episodes": float(self.pending["n"])})
+        return out
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model.state_dict(), "opt": self.opt.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "generator": self.generator.get_state(),
+                "iteration": self.iteration, "skipped_updates": self.skipped_updates,
+                "node_histogram": self.node_distribution.probs.numpy()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["opt"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.generator.set_state(state["generator"])
+        self.iteration, self.skipped_updates = state["iteration"], state["skipped_updates"]
+
+
+# ---------------------------------------------------------------------- helpers
+
+def to_numpy_molecules(positions: torch.Tensor, atom_types: torch.Tensor,
+                        node_mask: torch.Tensor) -> list[tuple[np.ndarray, np.ndarray]]:
+    """[B, N, 3], [B, N], [B, N] -> B molecules (positions [n, 3] float64 in Å, types [n] int)."""
+    pos, types, mask = positions.detach().cpu().double().numpy(), atom_types.cpu().numpy(), node_mask.cpu().numpy()
+    return [(pos[i][mask[i]], types[i][mask[i]].astype(np.int64)) for i in range(len(pos))]
+
+
+def _fill_with_group_mean(values: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    """NaN entries (unscored rows) replaced by their group's mean of the scored rows (0 if none)."""
+    out = values.clone()
+    missing = torch.isnan(values)
+    for g in torch.unique(group_index[missing]):
+        rows = group_index == g
+        known = values[rows & ~missing]
+        out[rows & missing] = known.mean() if len(known) else 0.0
+    return out
+
+
+def molecule_summary(s: dict) -> dict[str, float]:
+    """Means over the scored molecules of one batch: rewards, energy, RMS force, stability,
+    validity and uniqueness (EDM's: unique canonical SMILES among the valid)."""
+    def mean(x: torch.Tensor) -> float:
+        x = x[~torch.isnan(x)]
+        return float(x.mean()) if len(x) else float("nan")
+    valid = [smi for smi, v in zip(s["smiles"], s["valid"].tolist()) if v == 1 and smi]
+    uniqueness = len(set(valid)) / len(valid) if valid else 0.0
+    reasons = {}
+    for r in s["reason"]:
+        reasons[r] = reasons.get(r, 0) + 1
+    out = {"force_reward_mean": mean(s["force_reward"]), "energy_reward_mean": mean(s["energy_reward"]),
+           "energy_per_atom_eV": mean(s["formation_energy_per_atom_eV"]), "rms_force_eV_per_A": mean(s["rms_force"]),
+           "molecule_stability": mean(s["stable"]), "atom_stability": mean(s["stable_atom_fraction"]),
+           "validity": mean(s["valid"]), "uniqueness": uniqueness,
+           "valid_and_unique": mean(s["valid"]) * uniqueness if valid else 0.0}
+    out.update({f"reason/{k}": float(v) / len(s["reason"]) for k, v in sorted(reasons.items())})
+    return out
