@@ -31,7 +31,8 @@ class EnvSpec:
 
 
 #: built-in family name -> module; any other name is imported as a module path (a plugin family)
-BUILTIN_FAMILIES = {"gym": "flowrl_ray.envs.gym", "robot": "flowrl_ray.envs.robot", "forms": "flowrl_ray.envs.forms"}
+BUILTIN_FAMILIES = {"gym": "flowrl_ray.envs.gym", "robot": "flowrl_ray.envs.robot", "forms": "flowrl_ray.envs.forms",
+                    "molecules": "flowrl_ray.envs.molecules"}
 
 
 def env_family(name: str) -> ModuleType:

@@ -1,0 +1,140 @@
+"""Force and energy rewards of one generated molecule, and the settings that shape them.
+
+FED-GRPO (Elign, ``liyy2/Elign``: ``docs/fed_grpo.md``, ``elign/worker/reward/README.md``)
+normalises a force reward and an energy reward *separately* within each group and only then
+mixes the two advantages with the algorithm's weights, so the scorer hands both back unmixed.
+Following ``UMAForceReward`` (``elign/worker/reward/force.py``) and the paper config
+(``elign/trainer/config/fed_grpo_qm9_paper_pbrs.yaml``: RMS aggregation, formation energy per atom):
+
+* **force reward** = ``-RMS_a |F_a|`` in eV/Å, where each atom's force vector is first scaled
+  down to norm at most ``force_clip`` (Elign's ``force_clip_threshold``: per-atom clipping before
+  aggregation), so the reward lies in ``[-force_clip, 0]``.
+* **energy reward** = ``-clip(E_form / n, -energy_clip, +energy_clip)`` in eV/atom, E_form the
+  formation energy (total energy minus the isolated atoms' GFN2 energies; the total MMFF energy
+  for ``backend: mmff``). Elign's ``energy_transform_clip`` clamps the same way; offset 0 and
+  scale 1 as in its paper config. GFN2 gives -4.4 to -7.6 eV/atom on QM9's DFT geometries.
+
+Gating and failures. Elign multiplies a gated reward by 0. Our force reward is <= 0, so a 0
+would make an unstable molecule the best of its group; a gated channel here gets the worst value
+a scored molecule can have instead (``-force_clip`` / ``-energy_clip``): ``force_only_if_stable``
+/ ``energy_only_if_stable`` gate unstable molecules (reason ``unstable_gated``). Elign's
+``filters.invalid_penalty_scale`` puts RDKit-invalid molecules ``scale`` below the worst valid
+reward of the batch in every channel (only when scale > 0); with per-molecule scoring the worst
+valid reward is bounded by the clip, so an invalid molecule (when scale > 0; reason
+``rdkit_invalid``) and any molecule the force field could not score (always) get
+``-clip - invalid_penalty_scale`` in both channels.
+
+``force_weight`` / ``energy_weight`` (Elign's raw weights, 1 and 1) only form the scalar
+``reward`` that is logged as the episode return; FED-GRPO's per-channel normalisation cancels
+them (its mixing weights are the algorithm's).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+
+from flowrl_ray.envs.molecules.forcefield import BACKENDS, FFResult
+
+#: every reason a scored molecule can carry: "ok", gating, then force-field failures
+REASONS = ("ok", "unstable_gated", "rdkit_invalid", "overlap", "timeout", "scf_failed", "nan_coordinates",
+           "invalid_atom_type", "bond_perception_failed", "mmff_setup_failed", "nonfinite_output")
+DATASETS = ("qm9",)
+
+
+def _config_error(key: str, msg: str):
+    from flowrl_ray.config import ConfigError
+    return ConfigError(f"config key 'env.{key}': {msg}")
+
+
+@dataclass(frozen=True)
+class RewardSettings:
+    """The molecules family's ``env.kwargs`` (all optional). Units: Å, eV/Å, eV/atom, seconds."""
+    backend: str = "gfn2"               # "gfn2" (GFN2-xTB via tblite) | "mmff" (RDKit MMFF94)
+    max_iter: int = 250                 # SCF cycles before scf_failed
+    timeout_s: float = 10.0             # wall-clock cap per molecule
+    min_distance: float = 0.5           # Å; closer pairs are "overlap", never computed
+    force_clip: float = 10.0            # eV/Å, per-atom force norm cap; force reward in [-clip, 0]
+    energy_clip: float = 10.0           # eV/atom; energy reward in [-clip, clip]
+    energy_only_if_stable: bool = False
+    force_only_if_stable: bool = False
+    invalid_penalty_scale: float = 0.0  # >0: RDKit-invalid molecules get -clip - scale
+    force_weight: float = 1.0           # the logged scalar reward only
+    energy_weight: float = 1.0
+
+    @classmethod
+    def from_env_cfg(cls, env_cfg) -> "RewardSettings":
+        """Validate ``env_cfg.id`` (the dataset) and ``env_cfg.kwargs``; ConfigError names the key."""
+        from flowrl_ray.config import check_known_keys
+        if getattr(env_cfg, "id", None) not in DATASETS:
+            raise _config_error("id", f"the molecules family takes a dataset name ({', '.join(DATASETS)}), "
+                                f"got {getattr(env_cfg, 'id', None)!r}")
+        kw: dict[str, Any] = dict(getattr(env_cfg, "kwargs", None) or {})
+        check_known_keys(kw, [f.name for f in fields(cls)], "env.kwargs.")
+
+        def get(k: str):
+            return kw.get(k, getattr(cls, k))
+
+        def number(k: str, lo: float, inclusive: bool) -> float:
+            v = get(k)
+            ok = (not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+                  and (v >= lo if inclusive else v > lo))
+            if not ok:
+                raise _config_error(f"kwargs.{k}", f"must be a finite number {'>=' if inclusive else '>'} {lo}, "
+                                    f"got {v!r}")
+            return float(v)
+
+        def flag(k: str) -> bool:
+            v = get(k)
+            if not isinstance(v, bool):
+                raise _config_error(f"kwargs.{k}", f"must be true or false, got {v!r}")
+            return v
+
+        backend, max_iter = get("backend"), get("max_iter")
+        if backend not in BACKENDS:
+            raise _config_error("kwargs.backend", f"must be one of {', '.join(BACKENDS)}, got {backend!r}")
+        if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1:
+            raise _config_error("kwargs.max_iter", f"must be an integer >= 1, got {max_iter!r}")
+        return cls(backend=backend, max_iter=max_iter, timeout_s=number("timeout_s", 0, False),
+                   min_distance=number("min_distance", 0, True), force_clip=number("force_clip", 0, False),
+                   energy_clip=number("energy_clip", 0, False),
+                   energy_only_if_stable=flag("energy_only_if_stable"),
+                   force_only_if_stable=flag("force_only_if_stable"),
+                   invalid_penalty_scale=number("invalid_penalty_scale", 0, True),
+                   force_weight=number("force_weight", 0, True), energy_weight=number("energy_weight", 0, True))
+
+
+def molecule_rewards(result: FFResult, stable: bool, settings: RewardSettings, valid: bool = True) -> dict:
+    """The rewards of one molecule from its force-field result, its EDM stability and its RDKit
+    validity. Returns ``force_reward`` (eV/Å, <= 0), ``energy_reward`` (eV/atom), ``reward``
+    (the weighted sum, for logging), ``force_gated`` / ``energy_gated`` (the channel got its floor
+    value instead of its physics), ``reason`` (one of REASONS), ``rms_force`` (unclipped, eV/Å)
+    and ``formation_energy_per_atom_eV`` (NaN when the force field failed)."""
+    s = settings
+    f_floor, e_floor = -s.force_clip, -s.energy_clip
+    if not result.ok:
+        f = f_floor - s.invalid_penalty_scale
+        e = e_floor - s.invalid_penalty_scale
+        return {"force_reward": f, "energy_reward": e, "reward": s.force_weight * f + s.energy_weight * e,
+                "force_gated": True, "energy_gated": True, "reason": result.reason,
+                "rms_force": math.nan, "formation_energy_per_atom_eV": math.nan}
+    norms2 = np.einsum("ij,ij->i", result.forces, result.forces)         # |F_a|^2, [n]
+    rms = math.sqrt(norms2.mean())
+    e_atom = result.formation_energy_eV / max(result.n_atoms, 1)
+    if s.invalid_penalty_scale > 0 and not valid:
+        f, e = f_floor - s.invalid_penalty_scale, e_floor - s.invalid_penalty_scale
+        f_gated = e_gated = True
+        reason = "rdkit_invalid"
+    else:
+        f = -math.sqrt(np.minimum(norms2, s.force_clip ** 2).mean())      # each |F_a| capped at the clip
+        e = -min(max(e_atom, -s.energy_clip), s.energy_clip)
+        f_gated = s.force_only_if_stable and not stable
+        e_gated = s.energy_only_if_stable and not stable
+        f, e = (f_floor if f_gated else f), (e_floor if e_gated else e)
+        reason = "unstable_gated" if (f_gated or e_gated) else "ok"
+    return {"force_reward": f, "energy_reward": e, "reward": s.force_weight * f + s.energy_weight * e,
+            "force_gated": f_gated, "energy_gated": e_gated, "reason": reason,
+            "rms_force": rms, "formation_energy_per_atom_eV": e_atom}

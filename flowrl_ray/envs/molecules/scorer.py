@@ -1,0 +1,136 @@
+"""The scoring side of the ``molecules`` family: what a scoring actor holds.
+
+Settings live in the config's ``env.kwargs`` (all optional; see
+:class:`~flowrl_ray.envs.molecules.rewards.RewardSettings` for units and meaning)::
+
+    env:
+      family: molecules
+      id: qm9
+      kwargs:
+        backend: gfn2              # or mmff
+        max_iter: 250
+        timeout_s: 10
+        min_distance: 0.5          # Å
+        force_clip: 10             # eV/Å
+        energy_clip: 10            # eV/atom
+        energy_only_if_stable: false
+        force_only_if_stable: false
+        invalid_penalty_scale: 0
+        force_weight: 1            # the logged scalar reward only
+        energy_weight: 1
+
+Per scored molecule the cost is one force-field call in the actor's child process (GFN2: a few
+ms on QM9) plus EDM stability and RDKit validity/SMILES here (about 1 ms). The calls for a whole
+chunk (final molecules, then the shaping molecules) are submitted first, and the chemistry runs
+in this process while the child computes.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from flowrl_ray.batch import Batch, BatchMeta
+from flowrl_ray.envs.molecules.chemistry import canonical_smiles, check_stability, rdkit_molecule
+from flowrl_ray.envs.molecules.forcefield import ForceField
+from flowrl_ray.envs.molecules.rewards import RewardSettings, molecule_rewards
+
+
+class MoleculeScorer:
+    """Turns generated molecules into force and energy rewards (one per scoring actor).
+
+    ``score(samples)`` takes ``{"ids": int [K], "positions": K arrays [n_i, 3] (Å), "atom_types":
+    K arrays [n_i] (indices into ATOM_TYPES)}`` and optionally ``"shaping"``: per molecule a list
+    of S (positions [n, 3], atom_types [n]) pairs, the predicted clean molecules at the scheduled
+    diffusion steps (same S for every molecule). It returns a :class:`Batch` with, all [K]:
+    ``ids``, ``force_reward`` (eV/Å), ``energy_reward`` (eV/atom), ``reward`` (weighted sum, for
+    logging) (float32); ``energy_eV`` (total), ``formation_energy_per_atom_eV``, ``rms_force``
+    (eV/Å, unclipped) (float64, NaN where the force field failed), ``ff_seconds`` (float64, the
+    calculation's time; 0 when rejected before any call); ``stable``,
+    ``stable_atom_fraction``, ``valid`` (float32, 0/1 for the flags); ``smiles`` ("" when
+    invalid) and ``reason`` (object arrays of str); with shaping also ``shaping_energy_reward``
+    [K, S] (float32, gated like the final energy reward). ``meta.env_steps`` = K,
+    ``meta.episode_returns`` = ``reward``, ``meta.episode_lengths`` = atoms per molecule,
+    ``meta.extra``: ``reasons`` (reason -> count), ``shaping_reasons`` (with shaping),
+    ``successes`` (stable, per molecule) and ``ff_restarts`` (child restarts so far).
+    """
+
+    def __init__(self, settings: RewardSettings, worker_id: int = 0):
+        self.settings = settings
+        self.worker_id = worker_id
+        self.ff = ForceField(settings.backend, max_iter=settings.max_iter, timeout_s=settings.timeout_s,
+                             min_distance=settings.min_distance)
+
+    def score(self, samples: dict) -> Batch:
+        s = self.settings
+        ids = np.asarray(samples["ids"])
+        positions, atom_types = list(samples["positions"]), list(samples["atom_types"])
+        k = len(ids)
+        if not (k == len(positions) == len(atom_types)):
+            raise ValueError(f"samples: ids, positions and atom_types differ in length "
+                             f"({k}, {len(positions)}, {len(atom_types)})")
+        shaping = samples.get("shaping")
+        steps = 0
+        if shaping is not None:
+            shaping = [list(x) for x in shaping]
+            steps = len(shaping[0]) if shaping else 0
+            if len(shaping) != k or any(len(x) != steps for x in shaping):
+                raise ValueError(f"samples: 'shaping' needs {k} lists of the same length "
+                                 f"(got lengths {[len(x) for x in shaping]})")
+        molecules = list(zip(positions, atom_types))
+        extra_molecules = [m for per in (shaping or []) for m in per]
+
+        self.ff.submit(molecules + extra_molecules)     # the child computes while we do chemistry
+        try:
+            stable_info = [check_stability(p, t) for p, t in molecules]
+            smiles = [canonical_smiles(p, t) for p, t in molecules]
+            # shaping molecules need only what their gating reads
+            shaping_stable = [check_stability(p, t)[0] if s.energy_only_if_stable else True
+                              for p, t in extra_molecules]
+            shaping_valid = [rdkit_molecule(p, t) is not None if s.invalid_penalty_scale > 0 else True
+                             for p, t in extra_molecules]
+        finally:
+            results = self.ff.collect()
+
+        rewards = [molecule_rewards(r, st[0], s, valid=sm is not None)
+                   for r, st, sm in zip(results[:k], stable_info, smiles)]
+        f32 = lambda key: np.array([r[key] for r in rewards], dtype=np.float32)   # noqa: E731
+        f64 = lambda key: np.array([r[key] for r in rewards], dtype=np.float64)   # noqa: E731
+        data = {"ids": ids, "force_reward": f32("force_reward"), "energy_reward": f32("energy_reward"),
+                "reward": f32("reward"),
+                "energy_eV": np.array([r.energy_eV for r in results[:k]], dtype=np.float64),
+                "formation_energy_per_atom_eV": f64("formation_energy_per_atom_eV"),
+                "rms_force": f64("rms_force"),
+                "stable": np.array([st[0] for st in stable_info], dtype=np.float32),
+                "stable_atom_fraction": np.array([st[1] / st[2] if st[2] else 0.0 for st in stable_info],
+                                                 dtype=np.float32),
+                "valid": np.array([sm is not None for sm in smiles], dtype=np.float32),
+                "smiles": np.array([sm or "" for sm in smiles], dtype=object),
+                "reason": np.array([r["reason"] for r in rewards], dtype=object),
+                "ff_seconds": np.array([r.seconds for r in results[:k]], dtype=np.float64)}
+        extra = {"reasons": dict(Counter(r["reason"] for r in rewards)),
+                 "successes": [bool(st[0]) for st in stable_info], "ff_restarts": self.ff.restarts}
+        if shaping is not None:
+            shaped = [molecule_rewards(r, st, s, valid=v)
+                      for r, st, v in zip(results[k:], shaping_stable, shaping_valid)]
+            data["shaping_energy_reward"] = np.array([r["energy_reward"] for r in shaped],
+                                                     dtype=np.float32).reshape(k, steps)
+            extra["shaping_reasons"] = dict(Counter(r["reason"] for r in shaped))
+        meta = BatchMeta(policy_version=-1, worker_id=self.worker_id, env_steps=k,
+                         episode_returns=data["reward"].tolist(),
+                         episode_lengths=[len(t) for t in atom_types],
+                         extra=extra)
+        return Batch(data, meta)
+
+    def close(self) -> None:
+        """Stop the force-field child (idempotent)."""
+        ff, self.ff = getattr(self, "ff", None), None
+        if ff is not None:
+            ff.close()
+
+    def __enter__(self) -> "MoleculeScorer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
