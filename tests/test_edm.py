@@ -228,6 +228,7 @@ def test_step_log_prob_reproduces_behaviour_and_has_grad(sampled):
         assert torch.allclose(logp, tr["logp"][k], rtol=0, atol=1e-5)
         assert torch.exp(logp - tr["logp"][k]).sub(1).abs().max() < 1e-5          # PPO ratio 1
         assert mu.shape == tr["z"][k].shape and mu.requires_grad
+        assert torch.allclose(mu, tr["mu"][k], rtol=0, atol=1e-5)                      # recorded behaviour mean
         total = total + logp.sum()
     total.backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]

@@ -241,3 +241,15 @@ def test_pretrain_train_eval_through_the_cli(tmp_path, capsys):
     assert main(["eval", str(run), "--episodes", "4"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert "validity" in json.dumps(result)
+
+
+def test_lr_multiplier_warms_up_then_follows_the_cosine_to_its_floor():
+    from flowrl_ray.algorithms.base import lr_multiplier
+    f = lr_multiplier("cosine", total_steps=12, warmup_steps=2, min_ratio=0.3)
+    assert [f(0), f(1)] == [0.5, 1.0]                            # linear warm-up over 2 steps
+    assert f(2) == pytest.approx(1.0)                            # cosine starts at 1 ...
+    assert f(7) == pytest.approx(0.3 + 0.7 * 0.5)                # ... half-way: the mid point
+    assert f(12) == pytest.approx(0.3) and f(50) == pytest.approx(0.3)   # floor, held after
+    assert lr_multiplier("constant", 10)(7) == 1.0
+    with pytest.raises(ValueError):
+        lr_multiplier("linear", 10)

@@ -103,6 +103,16 @@ def optimizer_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer | list[t
     return float(norm), True
 
 
+def frozen_copy(module: nn.Module) -> nn.Module:
+    """A frozen copy (eval mode, no gradients) of ``module``: the KL reference of GRPO-style
+    algorithms, i.e. the model they started from."""
+    import copy
+    ref = copy.deepcopy(module).eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref
+
+
 def lr_multiplier(kind: str, total_steps: int, warmup_steps: int = 0, min_ratio: float = 0.0):
     """The multiplier function of a ``LambdaLR``: linear warm-up over ``warmup_steps``, then
     ``constant`` (1) or ``cosine`` from 1 down to ``min_ratio`` at ``total_steps`` (held after)."""

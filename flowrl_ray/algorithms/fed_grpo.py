@@ -31,7 +31,6 @@ ELIGN's names: ``sample_group_size`` is the number of prompts per iteration and
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -41,7 +40,7 @@ import numpy as np
 import torch
 
 from flowrl_ray.algorithms.advantages import group_normalize
-from flowrl_ray.algorithms.base import Algorithm, lr_multiplier
+from flowrl_ray.algorithms.base import Algorithm, frozen_copy, lr_multiplier
 from flowrl_ray.algorithms.losses import ppo_clip_objective
 from flowrl_ray.batch import Batch
 from flowrl_ray.config import Config, ConfigError, check
@@ -184,9 +183,7 @@ class FEDGRPO(Algorithm):
             self.model.load_state_dict(ckpt["state_dict"])
             histogram = np.asarray(ckpt["node_histogram"], dtype=np.float64)
         self.node_distribution = NodeDistribution(histogram)
-        self.reference = copy.deepcopy(self.model).eval()      # the base model, for the KL penalty
-        for p in self.reference.parameters():
-            p.requires_grad_(False)
+        self.reference = frozen_copy(self.model)               # the base model, for the KL penalty
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.c.learning_rate,
                                      weight_decay=self.c.weight_decay)
         rows = self.c.sample_group_size * self.c.each_prompt_sample

@@ -21,7 +21,6 @@ its own generation trajectory.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -29,7 +28,7 @@ import numpy as np
 import torch
 
 from flowrl_ray.algorithms.advantages import group_advantages
-from flowrl_ray.algorithms.base import Algorithm, optimizer_step
+from flowrl_ray.algorithms.base import Algorithm, frozen_copy, optimizer_step
 from flowrl_ray.algorithms.losses import ppo_clip_objective
 from flowrl_ray.batch import Batch
 from flowrl_ray.config import Config, ConfigError, check
@@ -108,7 +107,7 @@ class FlowGRPO(Algorithm):
         from flowrl_ray.envs.forms import FormCatalog, FormsSettings, load_tasks
         self.c: FlowGRPOConfig = cfg.algo
         self.lm = load_policy_lm(cfg, device)                          # theta (trainable)
-        self.reference = frozen_reference(self.lm)                     # the SFT model, for k3
+        self.reference = frozen_copy(self.lm.model)                    # the SFT model, for k3
         params = [p for p in self.lm.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=self.c.learning_rate, weight_decay=0.0)
         forms = FormsSettings.from_env_cfg(cfg.env)
@@ -285,12 +284,3 @@ def load_policy_lm(cfg: Config, device: torch.device):
     lm = load_sft_checkpoint(c.sft_checkpoint, model_config(cfg)) if c.sft_checkpoint else build_masked_lm(model_config(cfg))
     lm.model.to(device)
     return lm
-
-
-def frozen_reference(lm) -> torch.nn.Module:
-    """The KL reference: a frozen copy of the starting (SFT) model."""
-    ref = copy.deepcopy(lm.model).eval()
-    for p in ref.parameters():
-        p.requires_grad_(False)
-    return ref
-

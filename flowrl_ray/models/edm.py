@@ -132,7 +132,7 @@ class SampleResult:
     positions: Tensor            # [B, N, 3] Å, zero CoM, 0 on padding
     atom_types: Tensor           # [B, N] long, -1 on padding (and on every node of a NaN molecule)
     node_mask: Tensor            # [B, N] bool
-    trajectory: dict             # z [K+1,B,N,D], t [K], logp [K,B], sigma [K], node_mask [B,N]
+    trajectory: dict             # z [K+1,B,N,D], mu [K,B,N,D], t [K], logp [K,B], sigma [K], node_mask [B,N]
     x0_predictions: dict         # t -> (positions [B,N,3], atom_types [B,N])
 
 
@@ -231,7 +231,8 @@ class EDM(nn.Module):
         P chains, then each chain is repeated to its group's rows and the remaining K = T - S steps
         use independent noise per row; only those are recorded (shared steps carry no
         group-relative signal). With S = 0 group members share z_T only. Trajectory memory:
-        4 (K+1) B N D bytes for z in float32, ~90 MB at K = 1000, B = 96, N = 29, D = 8.
+        4 (2K+1) B N D bytes for z and the behaviour means mu in float32, ~180 MB at K = 1000,
+        B = 96, N = 29, D = 8.
         """
         T, G, S = self.T, int(group_size), int(shared_prefix_steps)
         n_atoms = torch.as_tensor(n_atoms, dtype=torch.long, device=self.device).reshape(-1)
@@ -247,6 +248,7 @@ class EDM(nn.Module):
         node_mask = torch.arange(N, device=self.device)[None] < n_atoms[:, None]       # [B, N]
         K = T - S
         zs = torch.empty((K + 1, B, N, self.D), dtype=self.dtype, device=self.device)
+        mus = torch.empty((K, B, N, self.D), dtype=self.dtype, device=self.device)
         logp = torch.empty((K, B), dtype=self.dtype, device=self.device)
         sig = torch.empty(K, dtype=torch.float64)
         x0: dict = {}
@@ -262,7 +264,8 @@ class EDM(nn.Module):
             z_next = mu + sigma * self.noise(mask, generator)
             if t <= K:
                 k = K - t
-                zs[k], logp[k], sig[k] = z, transition_log_prob(z_next, mu, sigma, mask), sigma
+                zs[k], mus[k], sig[k] = z, mu, sigma
+                logp[k] = transition_log_prob(z_next, mu, sigma, mask)
             z = z_next
         if K == 0:
             z = z.repeat_interleave(G, 0)
@@ -270,7 +273,7 @@ class EDM(nn.Module):
         positions, types = self.decode(z, node_mask)
         if 0 in steps:
             x0[0] = (positions, types)
-        traj = {"z": zs, "t": torch.arange(K, 0, -1, device=self.device), "logp": logp,
+        traj = {"z": zs, "mu": mus, "t": torch.arange(K, 0, -1, device=self.device), "logp": logp,
                 "sigma": sig.to(self.device, self.dtype), "node_mask": node_mask}
         return SampleResult(positions, types, node_mask, traj, x0)
 
