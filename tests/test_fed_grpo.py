@@ -253,3 +253,22 @@ def test_lr_multiplier_warms_up_then_follows_the_cosine_to_its_floor():
     assert lr_multiplier("constant", 10)(7) == 1.0
     with pytest.raises(ValueError):
         lr_multiplier("linear", 10)
+
+
+def test_molecule_summary_by_hand():
+    from flowrl_ray.algorithms.fed_grpo import molecule_summary
+    s = {"force_reward": torch.tensor([-1.0, -3.0, float("nan"), -2.0]),
+         "energy_reward": torch.tensor([1.0, 2.0, float("nan"), 3.0]),
+         "formation_energy_per_atom_eV": torch.tensor([-4.0, -2.0, float("nan"), -3.0]),
+         "rms_force": torch.tensor([1.0, 3.0, float("nan"), 2.0]),
+         "stable": torch.tensor([1.0, 0.0, float("nan"), 0.0]),
+         "stable_atom_fraction": torch.tensor([1.0, 0.5, float("nan"), 0.0]),
+         "valid": torch.tensor([1.0, 1.0, float("nan"), 1.0]),
+         "smiles": ["CO", "CO", "", "CCO"], "reason": ["ok", "ok", "not_scored", "overlap"]}
+    out = molecule_summary(s)
+    # unscored rows (NaN) are left out of the means; uniqueness = unique SMILES among the valid
+    assert out["force_reward_mean"] == pytest.approx(-2.0) and out["rms_force_eV_per_A"] == pytest.approx(2.0)
+    assert out["molecule_stability"] == pytest.approx(1 / 3) and out["atom_stability"] == pytest.approx(0.5)
+    assert out["validity"] == pytest.approx(1.0) and out["uniqueness"] == pytest.approx(2 / 3)
+    assert out["valid_and_unique"] == pytest.approx(2 / 3)
+    assert out["reason/ok"] == 0.5 and out["reason/overlap"] == 0.25 and out["reason/not_scored"] == 0.25
