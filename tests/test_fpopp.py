@@ -255,6 +255,19 @@ def test_update_freezes_the_actor_during_critic_warmup_then_moves_it():
         assert key in m and m[key] == m[key], key                     # present and not NaN
 
 
+def test_actor_lr_warms_up_over_its_own_iterations_and_the_critics_does_not():
+    cfg = tiny_cfg(critic_warmup_iters=1, actor_lr=1e-3, critic_lr=1e-2, actor_lr_warmup_iters=4)
+    algo = FPOPP(cfg, EnvSpec((19,), 7), torch.device("cpu"))
+    actor_lrs, critic_lrs = [], []
+    for i in range(6):
+        m = algo.update(algo.prepare([_rollout_batch(algo, seed=i)]))
+        actor_lrs.append(m["fpopp/actor_lr"])
+        critic_lrs.append(m["fpopp/critic_lr"])
+    # Iteration 0 is the critic warm-up (the actor's schedule does not move); then 1/4, 2/4, 3/4, 1.
+    assert actor_lrs == pytest.approx([2.5e-4, 2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3])
+    assert critic_lrs == pytest.approx([1e-2] * 6)
+
+
 def test_target_kl_stops_the_actor_and_the_critic_goes_on():
     cfg = tiny_cfg(critic_warmup_iters=0, actor_lr=3e-2, epochs=20, target_kl=1e-4, minibatch_size=32)
     algo = FPOPP(cfg, EnvSpec((19,), 7), torch.device("cpu"))

@@ -60,6 +60,10 @@ class FPOPPConfig:
     actor_lr: float = field(default=1e-5, metadata=check(gt=0))
     critic_lr: float = field(default=1e-4, metadata=check(gt=0))
     lr_schedule: Literal["constant", "cosine"] = "constant"
+    # Linear warm-up of the actor's lr over its first iterations: Adam's first steps are
+    # lr * sign(g) on every weight, a large move in function space while its moment
+    # estimates are still empty.
+    actor_lr_warmup_iters: int = field(default=0, metadata=check(ge=0))
     weight_decay: float = field(default=0.0, metadata=check(ge=0))
     vf_coef: float = field(default=0.5, metadata=check(ge=0))
     max_grad_norm: float = field(default=1.0, metadata=check(gt=0))
@@ -179,8 +183,11 @@ class FPOPP(Algorithm):
         self.critic = ValueMLP(spec.obs_dim, c.critic_hidden_sizes, image_shape(cfg), c.feature_dim).to(device)
         self.actor_opt = torch.optim.AdamW(self._policy.parameters(), lr=c.actor_lr, weight_decay=c.weight_decay)
         self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=c.critic_lr, weight_decay=c.weight_decay)
-        schedule = lr_multiplier(c.lr_schedule, cfg.train.iterations)
-        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in (self.actor_opt, self.critic_opt)]
+        # The actor's schedule counts its own iterations (it starts after the critic warm-up).
+        actor_schedule = lr_multiplier(c.lr_schedule, cfg.train.iterations, c.actor_lr_warmup_iters)
+        critic_schedule = lr_multiplier(c.lr_schedule, cfg.train.iterations)
+        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(self.actor_opt, actor_schedule),
+                           torch.optim.lr_scheduler.LambdaLR(self.critic_opt, critic_schedule)]
         self.generator = torch.Generator().manual_seed(cfg.seed)      # minibatch shuffling
         self.iteration = 0
         self.skipped_updates = 0
