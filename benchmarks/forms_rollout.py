@@ -16,7 +16,7 @@ but never submitted), so that the mix has both outcomes. Configurations:
 - ``single process``: the scorer called directly in this process (no Ray): the baseline.
 - ``ray, 1 actor`` / ``ray, 2 actors``: plain Ray actors (``num_cpus=1``) that each hold a scorer
   built by ``make_scorer`` — what a scoring RolloutWorker holds — on a local
-  ``ray.init(num_cpus=2)``. A round sends each actor its own ``--episodes`` episodes and waits for
+  ``ray.init``. A round sends each actor its own ``--episodes`` episodes and waits for
   all; only the small per-episode rewards come back.
 
 Reported: median episodes/s over ``--repeats`` timed rounds (after ``--warmup`` untimed rounds:
@@ -60,6 +60,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds per configuration")
     p.add_argument("--wait-quiet", type=float, default=60,
                    help="first wait up to this many seconds for the machine to be idle (0: don't)")
+    p.add_argument("--no-pinned", dest="pinned", action="store_false",
+                   help="skip the one-core-per-browser configurations")
     p.add_argument("--output", default="forms_rollout", help="results name: benchmarks/results/<name>.md and .json")
     return p.parse_args()
 
@@ -83,10 +85,23 @@ def make_samples(n: int, offset: int) -> dict:
     return {"ids": np.arange(n), "task_ids": tids, "texts": texts}
 
 
-class _Scoring:
-    """What a scoring actor holds: a scorer from the family's factory."""
+def pin_to_cores(cores: set[int]) -> None:
+    """Confine every thread of this process to ``cores``; processes it starts later (Playwright's
+    driver, Chromium) inherit the mask."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except ProcessLookupError:                 # a thread that ended meanwhile
+            pass
 
-    def __init__(self, pages: int, worker_id: int):
+
+class _Scoring:
+    """What a scoring actor holds: a scorer from the family's factory (its browser pinned to
+    ``core`` when one is given)."""
+
+    def __init__(self, pages: int, worker_id: int, core: int | None = None):
+        if core is not None:
+            pin_to_cores({core})
         from flowrl_ray.envs.forms import make_scorer
         self.scorer = make_scorer(env_cfg(pages), seed=worker_id, worker_id=worker_id)
 
@@ -96,6 +111,22 @@ class _Scoring:
     def close(self) -> bool:
         self.scorer.close()
         return True
+
+
+_CHILD_SCORER = None
+
+
+def _child_init(pages: int, core: int) -> None:
+    global _CHILD_SCORER
+    _CHILD_SCORER = _Scoring(pages, 0, core)
+
+
+def _child_score(samples: dict) -> list[float]:
+    return _CHILD_SCORER.score(samples)
+
+
+def _child_close() -> bool:
+    return _CHILD_SCORER.close()
 
 
 def tree_cpu_s() -> float:
@@ -113,12 +144,29 @@ def main() -> None:
     t0 = time.perf_counter()
     single = _Scoring(args.pages, 0)
     startup = {"single process scorer": time.perf_counter() - t0}
+    pinned_single = None
+    if args.pinned:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+        t0 = time.perf_counter()
+        # A plain child process (no Ray), pinned with its browser to core 0.
+        pinned_single = ProcessPoolExecutor(1, multiprocessing.get_context("spawn"),
+                                            initializer=_child_init, initargs=(args.pages, 0))
+        pinned_single.submit(_child_score, make_samples(1, 0)).result()
+        startup["single process scorer on 1 core"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # Idle actors keep their CPU reservation: room for the pinned pair as well.
+    ray.init(num_cpus=4 if args.pinned else 2, include_dashboard=False, log_to_driver=False)
     Actor = ray.remote(num_cpus=1)(_Scoring)
     actors = [Actor.remote(args.pages, i) for i in range(2)]
     ray.get([a.score.remote(make_samples(1, 0)) for a in actors])
     startup["ray.init + 2 scoring actors"] = time.perf_counter() - t0
+    pinned_actors = []
+    if args.pinned:
+        t0 = time.perf_counter()
+        pinned_actors = [Actor.remote(args.pages, 10 + i, i) for i in range(2)]
+        ray.get([a.score.remote(make_samples(1, 0)) for a in pinned_actors])
+        startup["2 scoring actors, 1 core each"] = time.perf_counter() - t0
 
     def run_single(r: int) -> tuple[int, float, list]:
         s = make_samples(args.episodes, r * 101)
@@ -126,21 +174,30 @@ def main() -> None:
         rewards = single.score(s)
         return len(rewards), time.perf_counter() - t, rewards
 
-    def run_ray(n: int, r: int) -> tuple[int, float, list]:
+    def run_pinned_single(r: int) -> tuple[int, float, list]:
+        s = make_samples(args.episodes, r * 101)
+        t = time.perf_counter()
+        rewards = pinned_single.submit(_child_score, s).result()
+        return len(rewards), time.perf_counter() - t, rewards
+
+    def run_ray(n: int, r: int, pool=actors) -> tuple[int, float, list]:
         samples = [make_samples(args.episodes, r * 101 + 53 * i) for i in range(n)]
         t = time.perf_counter()
-        out = ray.get([a.score.remote(s) for a, s in zip(actors[:n], samples)])
+        out = ray.get([a.score.remote(s) for a, s in zip(pool[:n], samples)])
         return sum(map(len, out)), time.perf_counter() - t, [x for o in out for x in o]
 
     configs = {"single process": run_single, "ray, 1 actor": lambda r: run_ray(1, r),
                "ray, 2 actors": lambda r: run_ray(2, r)}
+    if args.pinned:
+        configs["single process, 1 core"] = run_pinned_single
+        configs["ray, 2 actors, 1 core each"] = lambda r: run_ray(2, r, pinned_actors)
     rates: dict[str, list[float]] = {k: [] for k in configs}
     per_cpu: dict[str, list[float]] = {k: [] for k in configs}     # episodes per CPU-second of our tree
     rewards: dict[str, list[float]] = {k: [] for k in configs}
     monitor = LoadMonitor()
     names = list(configs)
     for r in range(args.warmup + args.repeats):
-        order = names[r % 3:] + names[:r % 3]                  # rotate: no configuration always goes first
+        order = names[r % len(names):] + names[:r % len(names)]                  # rotate: no configuration always goes first
         for name in order:
             cpu0 = tree_cpu_s()
             n, dt, rw = configs[name](r)
@@ -152,23 +209,36 @@ def main() -> None:
             print(f"[bench] round {r} {'(warmup) ' if r < args.warmup else ''}{name}: {n} episodes in "
                   f"{dt:.2f} s = {n / dt:.2f} episodes/s", flush=True)
     load = monitor.stop()
-    ray.get([a.close.remote() for a in actors])
+    ray.get([a.close.remote() for a in actors + pinned_actors])
     single.close()
+    if pinned_single is not None:
+        pinned_single.submit(_child_close).result()
+        pinned_single.shutdown()
     ray.shutdown()
 
     base = statistics.median(rates["single process"])
     base_cpu = statistics.median(per_cpu["single process"])
     rows, result = [], {"args": vars(args), "startup_s": startup, "machine": machine_info(),
                         "git": git_revision(), "load": load, "configs": {}}
-    for name, n_actors in (("single process", 1), ("ray, 1 actor", 1), ("ray, 2 actors", 2)):
+    baselines = {"single process": (base, base_cpu)}
+    if args.pinned:
+        baselines["single process, 1 core"] = (statistics.median(rates["single process, 1 core"]),
+                                               statistics.median(per_cpu["single process, 1 core"]))
+    layout = [("single process", 1, "single process"), ("ray, 1 actor", 1, "single process"),
+              ("ray, 2 actors", 2, "single process")]
+    if args.pinned:
+        layout += [("single process, 1 core", 1, "single process, 1 core"),
+                   ("ray, 2 actors, 1 core each", 2, "single process, 1 core")]
+    for name, n_actors, against in layout:
+        ref, ref_cpu = baselines[against]
         med = statistics.median(rates[name])
-        eff = med / n_actors / base
+        eff = med / n_actors / ref
         cpu_med = statistics.median(per_cpu[name])
         rows.append([name, n_actors, args.episodes * n_actors, med, min(rates[name]), max(rates[name]), eff,
-                     cpu_med, cpu_med / base_cpu, statistics.fmean(rewards[name])])
+                     cpu_med, cpu_med / ref_cpu, statistics.fmean(rewards[name])])
         result["configs"][name] = {"episodes_per_s": rates[name], "median": med, "efficiency": eff,
-                                   "episodes_per_cpu_s": per_cpu[name], "cpu_efficiency": cpu_med / base_cpu,
-                                   "reward_mean": statistics.fmean(rewards[name])}
+                                   "baseline": against, "episodes_per_cpu_s": per_cpu[name],
+                                   "cpu_efficiency": cpu_med / ref_cpu, "reward_mean": statistics.fmean(rewards[name])}
     two = result["configs"]["ray, 2 actors"]["efficiency"]
     table = md_table(["configuration", "actors", "episodes/round", "median ep/s", "min", "max",
                       "per-actor efficiency", "ep per CPU-s", "CPU efficiency", "mean reward"], rows)
@@ -177,6 +247,11 @@ def main() -> None:
             f"per-actor efficiency {two:.2f} (target >= {TARGET_EFFICIENCY}: "
             f"{'met' if two >= TARGET_EFFICIENCY else 'not met'})\n"
             f"- ratio 1 actor / single process: {result['configs']['ray, 1 actor']['median'] / base:.2f}x\n"
+            + (f"- per core (every browser pinned to one core): 2 actors on 1 core each vs the single process on 1 core: "
+               f"per-actor efficiency {result['configs']['ray, 2 actors, 1 core each']['efficiency']:.2f} "
+               f"(target >= {TARGET_EFFICIENCY}: "
+               f"{'met' if result['configs']['ray, 2 actors, 1 core each']['efficiency'] >= TARGET_EFFICIENCY else 'not met'}); "
+               f"the pinned rows' efficiencies are against the pinned single process\n" if args.pinned else "") +
             f"- ep per CPU-s: episodes per CPU-second used by this benchmark's process tree (driver, Ray workers, "
             f"Playwright drivers, Chromium) during the round; CPU efficiency: that, relative to the single process "
             f"(1.00 = Ray and a second browser cost no extra CPU per episode)\n"

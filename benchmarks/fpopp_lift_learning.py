@@ -9,12 +9,15 @@ Run from the repository root (each fine-tuning run is `train.iterations` of the 
     .venv/bin/python benchmarks/fpopp_lift_learning.py --ratio-modes per_sample
     .venv/bin/python benchmarks/fpopp_lift_learning.py --runs runs/fpopp-lift-quickstart-1
                                                        # evaluate finished `flowrl-ray train` runs
+    .venv/bin/python benchmarks/fpopp_lift_learning.py train.iterations=35 algo.n_mc=32
+                                                       # config overrides, as for `flowrl-ray train`
 
 Steps: 50 scripted demos (`demos/lift.hdf5`, made if missing), the base policy
 (`flowrl-ray pretrain ... --epochs 10`, made if missing), then per ratio mode one
 `flowrl-ray train` run of the quickstart config. Every policy (the base and each run's final
 checkpoint) is then evaluated in this process on the same seeded episodes with zero-sampling
 (eps = 0, FPO++'s test-time rule) and random sampling (eps ~ N(0, I), what training rollouts use).
+With ``--runs``, the base is each run's own ``algo.base_policy``.
 Results: ``benchmarks/results/fpopp_lift_learning.{md,json}`` and the runs' success curves. No
 assertion is made. "env steps" are policy steps (one action chunk each, `act_steps` = 8
 low-level 20 Hz robosuite steps, fewer at the end of an episode).
@@ -39,7 +42,8 @@ FLOWRL = [sys.executable, "-m", "flowrl_ray.cli"]
 
 
 def evaluate(policy, cfg, episodes: int) -> dict:
-    """Success rate with zero and with random sampling over the same seeded episodes."""
+    """Success rate with zero and with random sampling over the same seeded episodes (initial
+    states and sampling noise)."""
     import torch
 
     from flowrl_ray.envs import env_family
@@ -48,6 +52,7 @@ def evaluate(policy, cfg, episodes: int) -> dict:
     out = {}
     for sampling in ("zero", "random"):
         runner = EnvRunner(env_family("robot"), cfg.env, 8, seed=12345, policy=policy.eval())
+        torch.manual_seed(12345)             # the same action noise for every policy evaluated
         try:
             r = runner.evaluate(episodes, deterministic=sampling == "zero")
         finally:
@@ -107,45 +112,53 @@ def main() -> None:
     p.add_argument("--eval-episodes", type=int, default=50)
     p.add_argument("--demos", type=int, default=50)
     p.add_argument("--pretrain-epochs", type=int, default=10)
+    p.add_argument("overrides", nargs="*", help="config overrides (key.sub=value) for every run")
     args = p.parse_args()
     os.chdir(REPO_ROOT)
     from flowrl_ray.checkpoint import load_policy
     from flowrl_ray.config import load_config
 
-    cfg = load_config(args.config)
-    ensure_demos_and_base(args.config, cfg, "lift", args.demos, args.pretrain_epochs)
+    cfg = load_config(args.config, args.overrides)
     run_dirs = [Path(d) for d in args.runs] if args.runs else []
     if not args.runs:
+        ensure_demos_and_base(args.config, cfg, "lift", args.demos, args.pretrain_epochs, args.overrides)
         for mode in args.ratio_modes:
             run_dir = Path("runs") / f"bench-fpopp-lift-{mode}-{time.strftime('%Y%m%d-%H%M%S')}"
-            subprocess.run([*FLOWRL, "train", args.config, "--run-dir", str(run_dir), f"algo.ratio_mode={mode}"],
-                           check=True)
+            subprocess.run([*FLOWRL, "train", args.config, "--run-dir", str(run_dir), *args.overrides,
+                            f"algo.ratio_mode={mode}"], check=True)
             run_dirs.append(run_dir)
 
-    print(f"[bench] evaluating the base policy ({args.eval_episodes} episodes x zero/random)", flush=True)
     t0 = time.perf_counter()
-    results = {"config": args.config, "revision": git_revision(), "eval_episodes": args.eval_episodes,
-               "base": evaluate(base_policy(cfg), cfg, args.eval_episodes), "runs": []}
+    results = {"config": args.config, "overrides": args.overrides, "revision": git_revision(),
+               "eval_episodes": args.eval_episodes, "bases": {}, "runs": []}
+    for run_cfg in [_config_of(d) for d in run_dirs] or [cfg]:
+        path = run_cfg.algo.base_policy
+        if path not in results["bases"]:
+            print(f"[bench] evaluating the base policy {path} ({args.eval_episodes} episodes x zero/random)",
+                  flush=True)
+            results["bases"][path] = evaluate(base_policy(run_cfg), run_cfg, args.eval_episodes)
     for run_dir in run_dirs:
         print(f"[bench] evaluating {run_dir}", flush=True)
         run_cfg, _, policy = load_policy(run_dir)
         results["runs"].append({"run_dir": str(run_dir), **run_summary(run_dir),
-                                "ratio_mode": run_cfg.algo.ratio_mode,
+                                "ratio_mode": run_cfg.algo.ratio_mode, "n_mc": run_cfg.algo.n_mc,
+                                "actor_lr": run_cfg.algo.actor_lr, "base_policy": run_cfg.algo.base_policy,
                                 "final": evaluate(policy, run_cfg, args.eval_episodes)})
     results["eval_time_s"] = round(time.perf_counter() - t0, 1)
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     (RESULTS_DIR / "fpopp_lift_learning.json").write_text(json.dumps(results, indent=2) + "\n")
 
     pct = lambda v: "-" if v is None else f"{100 * v:.0f} %"     # noqa: E731
-    base = results["base"]
-    rows = [["pretrained (base)", "-", "-", pct(base["zero"]), pct(base["random"]), "-"]]
+    rows = [[f"pretrained base `{path}`", "-", "-", pct(b["zero"]), pct(b["random"]), "-"]
+            for path, b in results["bases"].items()]
     for r in results["runs"]:
-        rows.append([f"FPO++ {r['ratio_mode']} ({r['run_dir']})", f"{r['env_steps']:,} ({8 * r['env_steps']:,} low-level)",
+        rows.append([f"FPO++ {r['ratio_mode']}, N_mc {r['n_mc']}, actor lr {r['actor_lr']:g} ({r['run_dir']}, "
+                     f"base `{r['base_policy']}`)", f"{r['env_steps']:,} ({8 * r['env_steps']:,} low-level)",
                      f"{r['time_s'] / 60:.1f} min", pct(r["final"]["zero"]), pct(r["final"]["random"]),
                      f"{pct(r['train_success_first'])} -> {pct(r['train_success_last'])}"])
-    curves = "\n".join(f"- {r['ratio_mode']}: " + ", ".join(f"{s:,}: {pct(v)}" for s, v in r["eval_curve"])
+    curves = "\n".join(f"- {r['run_dir']}: " + ", ".join(f"{s:,}: {pct(v)}" for s, v in r["eval_curve"])
                        for r in results["runs"])
-    body = (f"Config `{args.config}`; every policy evaluated on the same {args.eval_episodes} seeded episodes per "
+    body = (f"Config `{args.config}`{' with ' + ' '.join(args.overrides) if args.overrides else ''}; every policy evaluated on the same {args.eval_episodes} seeded episodes per "
             f"sampling rule, in one process. Training success = last 100 training episodes (random sampling).\n\n"
             + md_table(["policy", "env steps (chunks)", "fine-tuning wall-clock", "success, zero-sampling",
                         "success, random sampling", "training success first -> last"], rows)
