@@ -197,7 +197,8 @@ def main() -> None:
     monitor = LoadMonitor()
     names = list(configs)
     for r in range(args.warmup + args.repeats):
-        order = names[r % len(names):] + names[:r % len(names)]                  # rotate: no configuration always goes first
+        k = r % len(names)
+        order = names[k:] + names[:k]                  # rotate: no configuration always goes first
         for name in order:
             cpu0 = tree_cpu_s()
             n, dt, rw = configs[name](r)
