@@ -112,6 +112,8 @@ def main() -> None:
     p.add_argument("--eval-episodes", type=int, default=50)
     p.add_argument("--demos", type=int, default=50)
     p.add_argument("--pretrain-epochs", type=int, default=10)
+    p.add_argument("--output", default="fpopp_lift_learning",
+                   help="results name: benchmarks/results/<name>.md and .json")
     p.add_argument("overrides", nargs="*", help="config overrides (key.sub=value) for every run")
     args = p.parse_args()
     os.chdir(REPO_ROOT)
@@ -146,7 +148,7 @@ def main() -> None:
                                 "final": evaluate(policy, run_cfg, args.eval_episodes)})
     results["eval_time_s"] = round(time.perf_counter() - t0, 1)
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    (RESULTS_DIR / "fpopp_lift_learning.json").write_text(json.dumps(results, indent=2) + "\n")
+    (RESULTS_DIR / f"{args.output}.json").write_text(json.dumps(results, indent=2) + "\n")
 
     pct = lambda v: "-" if v is None else f"{100 * v:.0f} %"     # noqa: E731
     rows = [[f"pretrained base `{path}`", "-", "-", pct(b["zero"]), pct(b["random"]), "-"]
@@ -163,7 +165,7 @@ def main() -> None:
             + md_table(["policy", "env steps (chunks)", "fine-tuning wall-clock", "success, zero-sampling",
                         "success, random sampling", "training success first -> last"], rows)
             + "\n\nPeriodic eval during training (zero-sampling, 20 episodes; env steps: success):\n\n" + curves + "\n")
-    write_results("fpopp_lift_learning", "FPO++ fine-tuning on Lift (state) on this machine", body)
+    write_results(args.output, "FPO++ fine-tuning on Lift (state) on this machine", body)
 
 
 if __name__ == "__main__":
