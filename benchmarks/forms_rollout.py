@@ -18,6 +18,12 @@ but never submitted), so that the mix has both outcomes. Configurations:
   built by ``make_scorer`` — what a scoring RolloutWorker holds — on a local
   ``ray.init``. A round sends each actor its own ``--episodes`` episodes and waits for
   all; only the small per-episode rewards come back.
+- ``single process, 1 core`` / ``2 plain processes, 1 core each`` / ``ray, 2 actors, 1 core each``
+  (skipped with ``--no-pinned``): every browser confined to one core (its threads, the Playwright
+  driver and Chromium inherit the CPU affinity). The plain processes are spawned children
+  without Ray: the pair shows what two browsers get from this machine's two cores (shared cache,
+  memory, kernel work) without any framework, so that Ray's own cost is the ratio of the Ray pair
+  to the plain pair.
 
 Reported: median episodes/s over ``--repeats`` timed rounds (after ``--warmup`` untimed rounds:
 browser start, first page loads), the configurations interleaved round by round, and the per-actor
@@ -60,6 +66,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds per configuration")
     p.add_argument("--wait-quiet", type=float, default=60,
                    help="first wait up to this many seconds for the machine to be idle (0: don't)")
+    p.add_argument("--ray-worker-niceness", type=int, default=None,
+                   help="RAY_worker_niceness for the local Ray (default: Ray's, 15; Chromium inherits it)")
     p.add_argument("--no-pinned", dest="pinned", action="store_false",
                    help="skip the one-core-per-browser configurations")
     p.add_argument("--output", default="forms_rollout", help="results name: benchmarks/results/<name>.md and .json")
@@ -108,6 +116,9 @@ class _Scoring:
     def score(self, samples: dict) -> list[float]:
         return self.scorer.score(samples)["rewards"].tolist()
 
+    def niceness(self) -> int:
+        return os.nice(0)
+
     def close(self) -> bool:
         self.scorer.close()
         return True
@@ -139,21 +150,27 @@ def main() -> None:
     args = parse_args()
     quiet = wait_for_quiet(args.wait_quiet)
     print(f"[bench] {quiet}", flush=True)
+    if args.ray_worker_niceness is not None:
+        os.environ["RAY_worker_niceness"] = str(args.ray_worker_niceness)
     import ray
 
     t0 = time.perf_counter()
     single = _Scoring(args.pages, 0)
     startup = {"single process scorer": time.perf_counter() - t0}
-    pinned_single = None
+    pinned_children = []
     if args.pinned:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
         t0 = time.perf_counter()
-        # A plain child process (no Ray), pinned with its browser to core 0.
-        pinned_single = ProcessPoolExecutor(1, multiprocessing.get_context("spawn"),
-                                            initializer=_child_init, initargs=(args.pages, 0))
-        pinned_single.submit(_child_score, make_samples(1, 0)).result()
-        startup["single process scorer on 1 core"] = time.perf_counter() - t0
+        # Plain child processes (no Ray), each pinned with its browser to one core: child 0 is
+        # the per-core baseline; both together are what 2 browsers get from this machine
+        # without any framework.
+        pinned_children = [ProcessPoolExecutor(1, multiprocessing.get_context("spawn"),
+                                               initializer=_child_init, initargs=(args.pages, core))
+                           for core in (0, 1)]
+        for child in pinned_children:
+            child.submit(_child_score, make_samples(1, 0)).result()
+        startup["2 plain processes, 1 core each"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     # Idle actors keep their CPU reservation: room for the pinned pair as well.
     ray.init(num_cpus=4 if args.pinned else 2, include_dashboard=False, log_to_driver=False)
@@ -174,11 +191,12 @@ def main() -> None:
         rewards = single.score(s)
         return len(rewards), time.perf_counter() - t, rewards
 
-    def run_pinned_single(r: int) -> tuple[int, float, list]:
-        s = make_samples(args.episodes, r * 101)
+    def run_pinned(n: int, r: int) -> tuple[int, float, list]:
+        samples = [make_samples(args.episodes, r * 101 + 53 * i) for i in range(n)]
         t = time.perf_counter()
-        rewards = pinned_single.submit(_child_score, s).result()
-        return len(rewards), time.perf_counter() - t, rewards
+        futures = [child.submit(_child_score, s) for child, s in zip(pinned_children, samples)]
+        out = [f.result() for f in futures]
+        return sum(map(len, out)), time.perf_counter() - t, [x for o in out for x in o]
 
     def run_ray(n: int, r: int, pool=actors) -> tuple[int, float, list]:
         samples = [make_samples(args.episodes, r * 101 + 53 * i) for i in range(n)]
@@ -189,7 +207,8 @@ def main() -> None:
     configs = {"single process": run_single, "ray, 1 actor": lambda r: run_ray(1, r),
                "ray, 2 actors": lambda r: run_ray(2, r)}
     if args.pinned:
-        configs["single process, 1 core"] = run_pinned_single
+        configs["single process, 1 core"] = lambda r: run_pinned(1, r)
+        configs["2 plain processes, 1 core each"] = lambda r: run_pinned(2, r)
         configs["ray, 2 actors, 1 core each"] = lambda r: run_ray(2, r, pinned_actors)
     rates: dict[str, list[float]] = {k: [] for k in configs}
     per_cpu: dict[str, list[float]] = {k: [] for k in configs}     # episodes per CPU-second of our tree
@@ -210,17 +229,18 @@ def main() -> None:
             print(f"[bench] round {r} {'(warmup) ' if r < args.warmup else ''}{name}: {n} episodes in "
                   f"{dt:.2f} s = {n / dt:.2f} episodes/s", flush=True)
     load = monitor.stop()
+    nice = {"ray actors (and their browsers)": ray.get(actors[0].niceness.remote()), "this process": os.nice(0)}
     ray.get([a.close.remote() for a in actors + pinned_actors])
     single.close()
-    if pinned_single is not None:
-        pinned_single.submit(_child_close).result()
-        pinned_single.shutdown()
+    for child in pinned_children:
+        child.submit(_child_close).result()
+        child.shutdown()
     ray.shutdown()
 
     base = statistics.median(rates["single process"])
     base_cpu = statistics.median(per_cpu["single process"])
     rows, result = [], {"args": vars(args), "startup_s": startup, "machine": machine_info(),
-                        "git": git_revision(), "load": load, "configs": {}}
+                        "git": git_revision(), "load": load, "niceness": nice, "configs": {}}
     baselines = {"single process": (base, base_cpu)}
     if args.pinned:
         baselines["single process, 1 core"] = (statistics.median(rates["single process, 1 core"]),
@@ -229,6 +249,7 @@ def main() -> None:
               ("ray, 2 actors", 2, "single process")]
     if args.pinned:
         layout += [("single process, 1 core", 1, "single process, 1 core"),
+                   ("2 plain processes, 1 core each", 2, "single process, 1 core"),
                    ("ray, 2 actors, 1 core each", 2, "single process, 1 core")]
     for name, n_actors, against in layout:
         ref, ref_cpu = baselines[against]
@@ -252,12 +273,18 @@ def main() -> None:
                f"per-actor efficiency {result['configs']['ray, 2 actors, 1 core each']['efficiency']:.2f} "
                f"(target >= {TARGET_EFFICIENCY}: "
                f"{'met' if result['configs']['ray, 2 actors, 1 core each']['efficiency'] >= TARGET_EFFICIENCY else 'not met'}); "
-               f"the pinned rows' efficiencies are against the pinned single process\n" if args.pinned else "") +
+               f"the pinned rows' efficiencies are against the pinned single process\n"
+               f"- 2 plain processes (no Ray), 1 core each, vs the single process on 1 core: per-process efficiency "
+               f"{result['configs']['2 plain processes, 1 core each']['efficiency']:.2f}: what 2 browsers get from "
+               f"this machine without a framework; Ray's pinned pair / the plain pair: "
+               f"{result['configs']['ray, 2 actors, 1 core each']['median'] / result['configs']['2 plain processes, 1 core each']['median']:.2f}x\n"
+               if args.pinned else "") +
             f"- ep per CPU-s: episodes per CPU-second used by this benchmark's process tree (driver, Ray workers, "
             f"Playwright drivers, Chromium) during the round; CPU efficiency: that, relative to the single process "
             f"(1.00 = Ray and a second browser cost no extra CPU per episode)\n"
             f"- {args.pages} pages per browser, {args.episodes} episodes per actor per round, {args.warmup} warmup + "
             f"{args.repeats} timed rounds per configuration (interleaved)\n"
+            f"- niceness: " + ", ".join(f"{k} {v}" for k, v in nice.items()) + "\n"
             f"- startup: " + "; ".join(f"{k} {v:.1f} s" for k, v in startup.items()) + "\n"
             f"- git: {result['git']}\n\n## CPU load during the run\n\n{quiet}\n\n" + "\n".join(load_lines(load)) + "\n")
     write_results(args.output, "Browser form-filling rollout throughput", body)

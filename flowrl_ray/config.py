@@ -95,6 +95,9 @@ class RuntimeConfig:
     checkpoint_interval: int = field(default=10, metadata=check(ge=0))  # 0: only at the end
     keep_checkpoints: int = field(default=3, metadata=check(gt=0))
     num_cpus: Optional[int] = field(default=None, metadata=check(gt=0))  # local Ray only
+    # local Ray only: nice value of its worker processes (Ray's default 15; the actors' children,
+    # e.g. browsers, inherit it). 0 runs rollouts at the priority of any other program.
+    worker_niceness: Optional[int] = field(default=None, metadata=check(ge=0, le=19))
     torch_threads: int = field(default=1, metadata=check(gt=0))          # per actor
 
 

@@ -45,6 +45,7 @@ def test_unknown_key_names_it_and_the_closest_valid_one():
     ("eval.episodes=0", "eval.episodes"),
     ("runtime.checkpoint_interval=-2", "runtime.checkpoint_interval"),
     ("algo.clip=0", "algo.clip"),
+    ("runtime.worker_niceness=20", "runtime.worker_niceness"),
 ])
 def test_impossible_values(override, key):
     msg = _error(override)

@@ -1,5 +1,6 @@
 """GAE against values computed by hand from the equations."""
 
+import numpy as np
 import torch
 
 from flowrl_ray.algorithms.advantages import gae, normalize
@@ -90,3 +91,34 @@ def test_group_advantages_by_hand():
     import pytest
     with pytest.raises(ValueError):
         group_advantages(torch.ones(5), 2)
+
+
+def _one_env_batch(truncated_at: int):
+    """One env, 3 steps, no rewards, the episode truncated (time limit) at ``truncated_at``."""
+    from flowrl_ray.batch import Batch, BatchMeta
+    trunc = np.zeros((3, 1), bool)
+    trunc[truncated_at] = True
+    data = {"obs": np.array([[[0.0]], [[1.0]], [[2.0]]], np.float32), "rewards": np.zeros((3, 1), np.float32),
+            "terminated": np.zeros((3, 1), bool), "truncated": trunc,
+            "final_obs": np.full((3, 1, 1), 9.0, np.float32), "last_obs": np.array([[3.0]], np.float32)}
+    return Batch(data, BatchMeta(policy_version=0, worker_id=0, env_steps=3))
+
+
+def test_time_limit_as_end_of_task_bootstraps_nothing_from_the_final_obs():
+    from flowrl_ray.algorithms.onpolicy import advantages_from_rollouts
+
+    def values(obs):                                    # V(s) = 0.1 * s, so V(final obs) = 0.9
+        return 0.1 * obs[..., 0]
+    g, lam = 0.5, 1.0
+    # truncated at step 1: steps 0-1 are one episode, step 2 starts the next
+    boot = advantages_from_rollouts([_one_env_batch(1)], values, g, lam, 1.0, torch.device("cpu"))
+    end = advantages_from_rollouts([_one_env_batch(1)], values, g, lam, 1.0, torch.device("cpu"),
+                                   bootstrap_truncated=False)
+    # by hand, bootstrapping: A_1 = 0 + 0.5 * 0.9 - 0.1 = 0.35; A_0 = (0 + 0.5 * 0.1 - 0) + 0.5 * A_1 = 0.225
+    assert torch.allclose(boot["advantages"][:2], torch.tensor([0.225, 0.35]))
+    # the time limit ends the task: A_1 = 0 - 0.1; A_0 = 0.05 + 0.5 * (-0.1) = 0.0; returns = rewards = 0
+    assert torch.allclose(end["advantages"][:2], torch.tensor([0.0, -0.1]), atol=1e-7)
+    assert torch.allclose(end["returns"][:2], torch.zeros(2), atol=1e-7)
+    # the next episode (step 2) bootstraps from the rollout's last obs either way: 0.5 * 0.3 - 0.2
+    assert torch.allclose(end["advantages"][2], boot["advantages"][2])
+    assert torch.allclose(end["advantages"][2], torch.tensor(-0.05))

@@ -170,3 +170,17 @@ def test_dead_learner_resumes_from_the_last_checkpoint(local_ray, tmp_path):
     assert summary["iterations"] == 4 and rows[-1]["learner_restarts"] == 1
     # the new learner continued from the checkpoint's policy version, not from scratch
     assert rows[-1]["policy_version"] >= 3
+
+
+def test_worker_niceness_reaches_the_local_ray_that_init_ray_starts(monkeypatch):
+    # What the raylet reads when ray.init starts it; that Ray honours it is measured by
+    # benchmarks/forms_rollout.py (it records the actors' nice value).
+    from flowrl_ray.runtime import trainer
+    seen = []
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("RAY_worker_niceness", "15")      # so that teardown restores the original
+    monkeypatch.delenv("RAY_worker_niceness")
+    monkeypatch.setattr(trainer.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(trainer.ray, "init", lambda **kw: seen.append(os.environ.get("RAY_worker_niceness")))
+    assert trainer.init_ray(tiny_config()) and seen == [None]          # Ray's own default
+    assert trainer.init_ray(tiny_config("runtime.worker_niceness=0")) and seen == [None, "0"]

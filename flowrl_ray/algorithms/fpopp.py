@@ -53,6 +53,9 @@ class FPOPPConfig:
     gamma: float = field(default=0.99, metadata=check(ge=0, le=1))
     gae_lambda: float = field(default=0.99, metadata=check(ge=0, le=1))
     reward_scale: float = field(default=1.0, metadata=check(gt=0))
+    # false: the time limit ends the task (success must come within max_episode_steps), so a
+    # timed-out episode bootstraps nothing; true: V(final obs), for limits that only cut episodes
+    bootstrap_truncated: bool = True
     epochs: int = field(default=5, metadata=check(gt=0))
     minibatch_size: int = field(default=500, metadata=check(gt=0))
     grad_accumulation: int = field(default=1, metadata=check(gt=0))  # minibatch split in parts
@@ -209,7 +212,8 @@ class FPOPP(Algorithm):
     # ------------------------------------------------------------------ prepare
     def prepare(self, batches: list[Batch]) -> dict:
         c = self.c
-        return advantages_from_rollouts(batches, self.values, c.gamma, c.gae_lambda, c.reward_scale, self.device)
+        return advantages_from_rollouts(batches, self.values, c.gamma, c.gae_lambda, c.reward_scale, self.device,
+                                        c.bootstrap_truncated)
 
     # ------------------------------------------------------------------ update
     def _losses(self, b: dict, idx: torch.Tensor, train_actor: bool) -> tuple[torch.Tensor, dict]:

@@ -24,7 +24,8 @@ def _as_float(x: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def advantages_from_rollouts(batches: list[Batch], values_fn: Callable, gamma: float, lam: float,
-                             reward_scale: float, device: torch.device) -> dict:
+                             reward_scale: float, device: torch.device,
+                             bootstrap_truncated: bool = True) -> dict:
     """Env-step batches -> flat {obs [M, ...], values_old [M], advantages [M], returns [M],
     and every key of the policy's record (actions [M, ...], logp [M], ...)} with M = T * N.
     ``values_fn(obs [T, N, ...] or [K, ...]) -> [T, N] or [K]``; dict observations (an image
@@ -33,11 +34,16 @@ def advantages_from_rollouts(batches: list[Batch], values_fn: Callable, gamma: f
     V of what followed each step is the next obs, the rollout's last obs, or, where the step was
     truncated (time limit), the episode's final obs (same-step autoreset already replaced
     obs[t+1] with a new episode's start); terminated steps bootstrap nothing (see `gae`).
+    ``bootstrap_truncated=False`` treats the time limit as the end of the task (a sparse success
+    task that must be solved within ``max_episode_steps``): a truncated step then bootstraps
+    nothing either, so an episode that ran out of time is worth its rewards, not V(final obs).
     """
     d = {k: torch.as_tensor(v, device=device) for k, v in concat_time_major(batches).items()}
     obs = map_obs(_as_float, gather_obs(d, "obs"))                        # [T, N, ...]
     rewards = d["rewards"].float() * reward_scale                         # [T, N]
     terminated, truncated = d["terminated"].bool(), d["truncated"].bool()
+    if not bootstrap_truncated:
+        terminated = terminated | truncated
     values = values_fn(obs)                                               # [T, N]
     last_obs = map_obs(lambda x: _as_float(x)[None], gather_obs(d, "last_obs"))
     next_values = torch.cat([values[1:], values_fn(last_obs)], 0)

@@ -63,6 +63,8 @@ def init_ray(cfg: Config, **kwargs) -> bool:
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True, **kwargs)
     else:
         num_cpus = cfg.runtime.num_cpus or max(os.cpu_count() or 1, math.ceil(required_cpus(cfg)))
+        if cfg.runtime.worker_niceness is not None:      # read by the raylet that ray.init starts
+            os.environ["RAY_worker_niceness"] = str(cfg.runtime.worker_niceness)
         ray.init(num_cpus=num_cpus, log_to_driver=True, **kwargs)
     return True
 
