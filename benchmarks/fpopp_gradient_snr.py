@@ -85,6 +85,7 @@ def main() -> None:
 
     import torch
 
+    from flowrl_ray.algorithms.advantages import explained_variance
     from flowrl_ray.algorithms.fpopp import FPOPP, load_base_policy
     from flowrl_ray.config import load_config
     from flowrl_ray.envs import env_family
@@ -110,8 +111,7 @@ def main() -> None:
     for _ in range(args.critic_updates):                      # actor frozen: the critic warm-up
         algo.update(algo.prepare(fit_windows))
     b = algo.prepare(grad_windows)
-    with torch.no_grad():
-        explained = float(1 - (b["returns"] - b["values_old"]).var() / b["returns"].var())
+    explained = explained_variance(b["returns"], b["values_old"])
     t_len, n_cols = cfg.runtime.rollout_length, b["advantages"].shape[0] // cfg.runtime.rollout_length
     g = torch.Generator().manual_seed(0)
     cols = torch.randperm(n_cols, generator=g)

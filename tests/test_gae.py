@@ -1,9 +1,11 @@
 """GAE against values computed by hand from the equations."""
 
+import math
+
 import numpy as np
 import torch
 
-from flowrl_ray.algorithms.advantages import gae, normalize
+from flowrl_ray.algorithms.advantages import explained_variance, gae, normalize
 
 
 def _t(rows):
@@ -122,3 +124,13 @@ def test_time_limit_as_end_of_task_bootstraps_nothing_from_the_final_obs():
     # the next episode (step 2) bootstraps from the rollout's last obs either way: 0.5 * 0.3 - 0.2
     assert torch.allclose(end["advantages"][2], boot["advantages"][2])
     assert torch.allclose(end["advantages"][2], torch.tensor(-0.05))
+
+
+def test_explained_variance_by_hand():
+    ret = torch.tensor([0.0, 1.0, 2.0, 3.0])              # Var = 5/3 (unbiased)
+    assert explained_variance(ret, ret) == 1.0
+    assert abs(explained_variance(ret, torch.full((4,), 7.0))) < 1e-6          # a constant critic
+    # residuals [0, 1, 0, 1]: Var = 1/3, so 1 - (1/3) / (5/3) = 0.8
+    assert abs(explained_variance(ret, torch.tensor([0.0, 0.0, 2.0, 2.0])) - 0.8) < 1e-6
+    assert explained_variance(ret, -ret) < 0                                    # worse than a constant
+    assert math.isnan(explained_variance(torch.ones(4), torch.zeros(4)))

@@ -31,6 +31,14 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, next_values: torch.Tensor,
     return advantages, advantages + values
 
 
+@torch.no_grad()
+def explained_variance(returns: torch.Tensor, values: torch.Tensor) -> float:
+    """1 - Var(returns - values) / Var(returns): 1 for a perfect critic, 0 for a constant one,
+    negative for a worse one; NaN when the returns do not vary."""
+    var_ret = returns.var()
+    return float(1.0 - (returns - values).var() / var_ret) if var_ret > 0 else float("nan")
+
+
 def normalize(x: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """(x - mean) / (std + eps) over all elements; a single element is returned centred."""
     if x.numel() < 2:

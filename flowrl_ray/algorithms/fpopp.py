@@ -24,7 +24,7 @@ from typing import Any, Literal, Optional
 import numpy as np
 import torch
 
-from flowrl_ray.algorithms.advantages import normalize
+from flowrl_ray.algorithms.advantages import explained_variance, normalize
 from flowrl_ray.algorithms.base import Algorithm, lr_multiplier, optimizer_step
 from flowrl_ray.algorithms.losses import approx_kl, aspo_objective, ppo_clip_objective, value_loss
 from flowrl_ray.algorithms.onpolicy import advantages_from_rollouts
@@ -278,14 +278,12 @@ class FPOPP(Algorithm):
             if opt is self.critic_opt or train_actor:
                 sched.step()
         self.iteration += 1
-        with torch.no_grad():
-            var_ret = b["returns"].var()
-            explained = 1.0 - (b["returns"] - b["values_old"]).var() / var_ret if var_ret > 0 else torch.tensor(float("nan"))
         # The metric names of the FPO++ paper's logs, unprefixed; the rest under fpopp/.
         out = {k: float(np.mean(v)) for k, v in stats.items() if k != "grad_norm"}
         out.update(lrs)
         out.update({"fpopp/grad_norm": float(np.mean(stats["grad_norm"])) if stats else float("nan"),
-                    "fpopp/explained_variance": float(explained), "fpopp/actor_steps": actor_steps,
+                    "fpopp/explained_variance": explained_variance(b["returns"], b["values_old"]),
+                    "fpopp/actor_steps": actor_steps,
                     "fpopp/critic_steps": critic_steps,
                     "fpopp/early_stopped": float(early_stop), "fpopp/actor_frozen": float(not train_actor),
                     "fpopp/skipped_updates": self.skipped_updates,

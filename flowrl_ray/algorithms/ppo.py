@@ -16,7 +16,7 @@ from typing import Any, Literal, Optional
 import numpy as np
 import torch
 
-from flowrl_ray.algorithms.advantages import normalize
+from flowrl_ray.algorithms.advantages import explained_variance, normalize
 from flowrl_ray.algorithms.base import Algorithm, optimizer_step
 from flowrl_ray.algorithms.losses import approx_kl, ppo_clip_objective, value_loss
 from flowrl_ray.algorithms.onpolicy import advantages_from_rollouts
@@ -149,11 +149,9 @@ class PPO(Algorithm):
         # The normaliser moves after the update, so the epochs above used the statistics the
         # batch was sampled with (first-epoch ratios are exactly 1 in synchronous mode).
         self._policy.obs_norm.update(b.obs)
-        with torch.no_grad():
-            var_ret = b.returns.var()
-            explained = 1.0 - (b.returns - b.values_old).var() / var_ret if var_ret > 0 else torch.tensor(float("nan"))
         out = {f"ppo/{k}": float(np.mean(v)) if v else float("nan") for k, v in stats.items()}
-        out.update({"ppo/explained_variance": float(explained), "ppo/lr": lr, "ppo/epochs_run": epochs_run,
+        out.update({"ppo/explained_variance": explained_variance(b.returns, b.values_old),
+                    "ppo/lr": lr, "ppo/epochs_run": epochs_run,
                     "ppo/early_stopped": float(early_stop), "ppo/skipped_updates": self.skipped_updates,
                     "ppo/log_std_mean": float(self._policy.log_std.detach().mean()),
                     "ppo/advantage_mean": float(b.advantages.mean()), "ppo/advantage_std": float(b.advantages.std())})
