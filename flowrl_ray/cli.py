@@ -202,6 +202,8 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     data = apply_overrides(read_yaml(args.config), args.overrides)
     if data.get("algorithm") == "flow_grpo":
         return _pretrain_text(args, data)
+    if args.tasks_per_form is not None:
+        raise UserError("--tasks-per-form is for Flow-GRPO configs (the forms SFT)")
     if data.get("algorithm") == "fed_grpo":
         return _pretrain_edm(args, data)
     from flowrl_ray.pretrain import pretrain
@@ -227,11 +229,18 @@ def _pretrain_text(args: argparse.Namespace, data: dict) -> int:
     if args.dataset is not None or args.eval_episodes:
         raise UserError("--dataset and --eval-episodes are for robot demos; Flow-GRPO's SFT reads the "
                         "forms train split (then `flowrl-ray train` evaluates on held-out tasks)")
+    if args.epochs is not None and args.steps is not None:
+        raise UserError("--epochs and --steps: give one SFT budget, not both")
+    if args.tasks_per_form is not None and args.tasks_per_form < 1:
+        raise UserError(f"--tasks-per-form must be >= 1, got {args.tasks_per_form}")
     cfg = config_from_dict(data)
-    summary = pretrain_text(cfg, out=args.out, epochs=20 if args.epochs is None else args.epochs,
+    steps = 3000 if args.steps is None and args.epochs is None else args.steps
+    summary = pretrain_text(cfg, out=args.out, epochs=args.epochs, steps=steps,
                             batch_size=32 if args.batch_size is None else args.batch_size,
                             lr=1e-3 if args.lr is None else args.lr,
-                            seed=cfg.seed if args.seed is None else args.seed, progress=True)
+                            tasks_per_form=200 if args.tasks_per_form is None else args.tasks_per_form,
+                            seed=cfg.seed if args.seed is None else args.seed,
+                            progress=True)
     print(json.dumps(summary), flush=True)
     return 0
 
@@ -461,12 +470,17 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. algo.hidden_sizes=[256,256]")
     pr.add_argument("--dataset", help="robomimic hdf5 (default env.dataset)")
     pr.add_argument("--out", help="checkpoint path (default algo.base_policy)")
-    pr.add_argument("--epochs", type=int, help="default 50 (robot), 20 (language model)")
+    pr.add_argument("--epochs", type=int, help="default 50 (robot); the language model's SFT counts --steps "
+                    "unless --epochs is given")
     pr.add_argument("--batch-size", type=int, help="default 256 (robot), 32 (language model)")
     pr.add_argument("--lr", type=float, help="default 1e-3")
     pr.add_argument("--eval-episodes", type=int, default=0,
                     help="then evaluate in the env: success with zero and random sampling")
-    pr.add_argument("--steps", type=int, help="EDM (FED-GRPO configs): optimiser steps, default 2000")
+    pr.add_argument("--steps", type=int, help="optimiser steps: EDM (FED-GRPO configs) default 2000, "
+                    "language model (Flow-GRPO configs) default 3000")
+    pr.add_argument("--tasks-per-form", type=int,
+                    help="language model: train-split tasks drawn per form for SFT, default 200 "
+                         "(the split's first 32 plus new records from the training value pools)")
     pr.add_argument("--eval-samples", type=int, default=0,
                     help="EDM: then sample N molecules and report stability, validity, uniqueness")
     pr.add_argument("--seed", type=int, help="default: the config's seed")

@@ -11,6 +11,7 @@ directory next to it and renamed into place, so a crash never leaves half a chec
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -34,17 +35,27 @@ def prompt_text(task, catalog) -> str:
             f"Task: {task.instruction}\nActions:\n")
 
 
-def sft_pairs(env_cfg) -> list[tuple[str, str]]:
-    """(prompt, gold action script) of every task of the config's split (``env.id``)."""
+def sft_pairs(env_cfg, tasks_per_form: int | None = None) -> list[tuple[str, str]]:
+    """(prompt, gold action script) of every task of the config's split (``env.id``).
+
+    ``tasks_per_form`` draws that many tasks per form instead of the split's default. Tasks are
+    drawn by index, so a larger count keeps the split's own tasks and adds new records from the
+    same value pools: more training data, with the held-out pools and forms still unseen."""
     from flowrl_ray.envs.forms import FormCatalog, FormsSettings, gold_actions, load_tasks
     forms = FormsSettings.from_env_cfg(env_cfg)
     catalog = FormCatalog.load(forms.forms_dir)
-    tasks = load_tasks(env_cfg.id, seed=forms.task_seed, catalog=catalog)
+    tasks = load_tasks(env_cfg.id, seed=forms.task_seed, catalog=catalog, per_form=tasks_per_form)
     return [(prompt_text(t, catalog), gold_actions(t, catalog)) for t in tasks]
 
 
-def pretrain_text(cfg: Config, out: str | Path | None = None, epochs: int = 20, batch_size: int = 32,
-                  lr: float = 1e-3, seed: int = 0, progress: bool = True) -> dict:
+def pretrain_text(cfg: Config, out: str | Path | None = None, epochs: int | None = None,
+                  steps: int | None = None, batch_size: int = 32, lr: float = 1e-3,
+                  tasks_per_form: int | None = None, warmup_steps: int | None = None,
+                  lr_schedule: str = "cosine", min_lr_ratio: float = 0.1, seed: int = 0,
+                  progress: bool = True) -> dict:
+    """SFT budget: ``epochs`` passes or ``steps`` optimiser steps (one of them; see ``fit_sft``).
+    The learning rate warms up over ``warmup_steps`` (default: 10 % of the steps, at most 200),
+    then follows ``lr_schedule`` down to ``min_lr_ratio`` x ``lr``."""
     from dataclasses import asdict
 
     from flowrl_ray.models.masked_diffusion import build_masked_lm, fit_sft
@@ -56,7 +67,12 @@ def pretrain_text(cfg: Config, out: str | Path | None = None, epochs: int = 20, 
     if out is None:
         raise ConfigError("config key 'algo.sft_checkpoint': where should the SFT model go? (or --out)")
     out = Path(out)
-    pairs = sft_pairs(cfg.env)
+    pairs = sft_pairs(cfg.env, tasks_per_form)
+    if (epochs is None) == (steps is None):
+        raise ValueError(f"pretrain_text takes either epochs or steps, got epochs={epochs}, steps={steps}")
+    if warmup_steps is None:
+        total = steps if steps is not None else epochs * math.ceil(len(pairs) / batch_size)
+        warmup_steps = min(200, total // 10)
     model_cfg = asdict(c.model)
     tokenizer = None
     if model_cfg["path"] is None and model_cfg["tokenizer_path"] is None:
@@ -65,8 +81,10 @@ def pretrain_text(cfg: Config, out: str | Path | None = None, epochs: int = 20, 
     torch.manual_seed(seed)
     lm = build_masked_lm(model_cfg, tokenizer=tokenizer, seed=seed)
     t0 = time.perf_counter()
-    losses = fit_sft(lm, pairs, epochs=epochs, batch_size=batch_size, lr=lr, gen_length=c.gen_length,
-                     max_prompt_len=c.max_prompt_len, seed=seed, progress=progress)
+    losses = fit_sft(lm, pairs, epochs=epochs, steps=steps, batch_size=batch_size, lr=lr,
+                     gen_length=c.gen_length, max_prompt_len=c.max_prompt_len, seed=seed,
+                     warmup_steps=warmup_steps, lr_schedule=lr_schedule, min_lr_ratio=min_lr_ratio,
+                     progress=progress)
     train_s = time.perf_counter() - t0
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
@@ -88,6 +106,7 @@ def pretrain_text(cfg: Config, out: str | Path | None = None, epochs: int = 20, 
     plot = plot_curves({"sft": [(list(range(1, len(losses) + 1)), losses)]}, out / "sft_loss.png",
                        "optimiser step", "masked-diffusion SFT loss", "SFT on the forms train split")
     params = sum(p.numel() for p in lm.model.parameters())
-    return {"out": str(out), "pairs": len(pairs), "epochs": epochs, "steps": len(losses),
+    return {"out": str(out), "pairs": len(pairs), "epochs": round(len(losses) * batch_size / len(pairs), 2),
+            "steps": len(losses),
             "first_loss": finite[0] if finite else None, "final_loss": finite[-1] if finite else None,
             "train_s": round(train_s, 1), "parameters": params, "loss_plot": str(plot)}

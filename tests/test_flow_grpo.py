@@ -14,6 +14,7 @@ from flowrl_ray.algorithms.flow_grpo import FlowGRPO, group_advantages, k3_kl
 from flowrl_ray.batch import Batch, BatchMeta
 from flowrl_ray.config import ConfigError, config_from_dict
 from flowrl_ray.envs import EnvSpec
+from flowrl_ray.envs.forms import FormCatalog
 
 TINY_MODEL = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64,
               "max_len": 416, "vocab_size": 400}
@@ -149,15 +150,55 @@ def test_config_mistakes_name_the_key(sft_dir):
         config_from_dict(typo)
 
 
+def test_sft_pairs_with_more_tasks_per_form_keep_the_split_and_add_new_training_records():
+    from flowrl_ray.pretrain_text import sft_pairs
+    env = config_from_dict(_config(None, "unused")).env
+    split, more = sft_pairs(env), sft_pairs(env, tasks_per_form=40)
+    per_form = len(split) // len(FormCatalog.load().ids(heldout=False))
+    assert per_form == 32 and len(more) == 40 * len(split) // 32
+    # ordered by form then index: each form's first 32 are the split's own pairs
+    for k in range(len(split) // 32):
+        assert more[40 * k:40 * k + 32] == split[32 * k:32 * k + 32]
+    assert len({p for p, _ in more}) == len(more)
+
+
+def test_warn_if_cut_counts_prompts_and_answers_that_cannot_fit(sft_dir):
+    import warnings as _warnings
+    from flowrl_ray.algorithms.flow_grpo import warn_if_cut
+    from flowrl_ray.envs.forms import gold_actions, load_tasks
+    from flowrl_ray.models.masked_diffusion import load_sft_checkpoint
+    from flowrl_ray.pretrain_text import prompt_text
+    lm = load_sft_checkpoint(sft_dir, TINY_MODEL)
+    catalog = FormCatalog.load()
+    task = load_tasks("heldout_forms", catalog=catalog)[0]
+    n_prompt = len(lm.tokenizer(prompt_text(task, catalog))["input_ids"])
+    n_answer = len(lm.tokenizer(gold_actions(task, catalog), add_special_tokens=False)["input_ids"])
+    with _warnings.catch_warnings():
+        _warnings.simplefilter("error")          # fits exactly: no warning
+        assert warn_if_cut(lm, [task], catalog, n_prompt, n_answer + 1, "held-out") == (0, 0)
+    with pytest.warns(UserWarning, match="1 of 1 held-out prompts .* and 1 gold action scripts"):
+        assert warn_if_cut(lm, [task], catalog, n_prompt - 1, n_answer, "held-out") == (1, 1)
+
+
+def test_pretrain_cli_refuses_two_budgets_and_a_bad_task_count(tmp_path):
+    from flowrl_ray.cli import main
+    config = tmp_path / "fg.yaml"
+    config.write_text(yaml.safe_dump(_config(tmp_path, str(tmp_path / "sft"))))
+    assert main(["pretrain", str(config), "--epochs", "1", "--steps", "3"]) == 2
+    assert main(["pretrain", str(config), "--tasks-per-form", "0"]) == 2
+    assert not (tmp_path / "sft").exists()
+
+
 @pytest.mark.slow
 def test_sft_then_flow_grpo_then_eval_through_the_cli(tmp_path, capsys):
     from flowrl_ray.cli import main
     config = tmp_path / "fg.yaml"
     sft, run = tmp_path / "sft", tmp_path / "run"
     config.write_text(yaml.safe_dump(_config(tmp_path, str(sft))))
-    assert main(["pretrain", str(config), "--epochs", "1", "--batch-size", "128"]) == 0
+    assert main(["pretrain", str(config), "--steps", "3", "--tasks-per-form", "4", "--batch-size", "32"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert summary["pairs"] > 0 and (sft / "sft_loss.png").is_file() and (sft / "config.json").is_file()
+    assert summary["pairs"] == 4 * len(FormCatalog.load().ids(heldout=False)) and summary["steps"] == 3
+    assert (sft / "sft_loss.png").is_file() and (sft / "config.json").is_file()
 
     assert main(["train", str(config), "--run-dir", str(run), "--no-tensorboard"]) == 0
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -272,6 +272,30 @@ def test_sft_overfits_and_greedy_reproduces_the_answer(tok_dir):
         assert out == [a for _, a in PAIRS]
 
 
+def test_sft_step_budget_follows_warmup_then_cosine(tok_dir, monkeypatch):
+    policy = md.build_masked_lm({**TINY, "tokenizer_path": tok_dir}, seed=1)
+    seen = []
+    step = torch.optim.AdamW.step
+
+    def recording_step(self, *a, **k):
+        seen.append(self.param_groups[0]["lr"])
+        return step(self, *a, **k)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", recording_step)
+    # 6 steps over 2 pairs with batch 1: three reshuffled passes
+    losses = md.fit_sft(policy, PAIRS[:2], epochs=None, steps=6, batch_size=1, lr=1e-2,
+                        gen_length=12, warmup_steps=2, lr_schedule="cosine", min_lr_ratio=0.1)
+    assert len(losses) == 6 and all(math.isfinite(x) for x in losses)
+    # warm-up (s + 1) / 2, then 0.1 + 0.9 * (1 + cos(pi * (s - 2) / 4)) / 2
+    c = math.cos(math.pi / 4)
+    expected = [0.5, 1.0, 1.0, 0.1 + 0.45 * (1 + c), 0.55, 0.1 + 0.45 * (1 - c)]
+    assert seen == pytest.approx([1e-2 * m for m in expected])
+    with pytest.raises(ValueError, match="either epochs or steps"):
+        md.fit_sft(policy, PAIRS, epochs=1, steps=3, batch_size=2, lr=1e-3)
+    with pytest.raises(ValueError, match="either epochs or steps"):
+        md.fit_sft(policy, PAIRS, epochs=None, batch_size=2, lr=1e-3)
+
+
 # --------------------------------------------------------------------------- HF, LoRA, 4-bit
 
 def _logits(lm, ids, mask):

@@ -21,6 +21,7 @@ its own generation trajectory.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -79,6 +80,24 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     return torch.exp(d) - d - 1.0
 
 
+def warn_if_cut(lm, tasks: list, catalog, max_prompt_len: int, gen_length: int, name: str) -> tuple[int, int]:
+    """Warn when prompts are longer than ``max_prompt_len`` tokens (their end, the instruction's
+    values, is cut off) or gold action scripts do not fit ``gen_length`` with their [EOS]:
+    such a task cannot be solved, whatever the model. -> (prompts cut, answers cut)."""
+    from flowrl_ray.envs.forms import gold_actions
+    from flowrl_ray.pretrain_text import prompt_text
+    tok = lm.tokenizer
+    prompts = sum(len(tok(prompt_text(t, catalog))["input_ids"]) > max_prompt_len for t in tasks)
+    answers = sum(len(tok(gold_actions(t, catalog), add_special_tokens=False)["input_ids"]) >= gen_length
+                  for t in tasks)
+    if prompts or answers:
+        warnings.warn(f"{prompts} of {len(tasks)} {name} prompts are longer than algo.max_prompt_len "
+                      f"({max_prompt_len} tokens) and {answers} gold action scripts do not fit "
+                      f"algo.gen_length ({gen_length}); those tasks cannot be solved: raise the lengths "
+                      f"(and algo.model.max_len)", stacklevel=2)
+    return prompts, answers
+
+
 class FlowGRPO(Algorithm):
     name = "flow_grpo"
     rollout_kind = "group"
@@ -117,6 +136,8 @@ class FlowGRPO(Algorithm):
         # eval.episodes tasks spread evenly over the held-out values and the held-out forms
         pick = np.linspace(0, len(heldout) - 1, min(cfg.eval.episodes, len(heldout))).round().astype(int)
         self.eval_tasks = [heldout[i] for i in pick]
+        for name, tasks in (("training", self.train_tasks), ("held-out", heldout)):
+            warn_if_cut(self.lm, tasks, self.catalog, self.c.max_prompt_len, self.c.gen_length, name)
         self.generator = torch.Generator().manual_seed(cfg.seed)       # prompts and sampling
         self.pending: dict = {}
         self.iteration = 0

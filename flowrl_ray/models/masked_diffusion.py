@@ -742,19 +742,28 @@ def sft_loss(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     return (nll * weight.expand_as(masked)[masked]).sum() / b
 
 
-def fit_sft(policy: MaskedDiffusionLM, pairs: Sequence[tuple[str, str]], epochs: int,
+def fit_sft(policy: MaskedDiffusionLM, pairs: Sequence[tuple[str, str]], epochs: int | None,
             batch_size: int, lr: float, gen_length: int | None = None,
             max_prompt_len: int | None = None, seed: int = 0, grad_clip: float | None = 1.0,
-            weight_decay: float = 0.0, progress: bool = False) -> list[float]:
+            weight_decay: float = 0.0, progress: bool = False, steps: int | None = None,
+            warmup_steps: int = 0, lr_schedule: str = "constant", min_lr_ratio: float = 0.0
+            ) -> list[float]:
     """Masked-diffusion SFT on (instruction, gold answer text) pairs with AdamW on the
     trainable parameters (all, or the LoRA adapters).
 
+    The budget is ``epochs`` passes over the pairs or, when ``steps`` is given (then ``epochs``
+    must be None), that many optimiser steps over reshuffled passes. The learning rate follows
+    ``lr_multiplier(lr_schedule, total steps, warmup_steps, min_lr_ratio)``.
     gen_length: the completion region (answers are padded with [EOS] up to it; generate with the
     same value); default: the longest answer + 1. Returns the loss of every optimiser step
     (NaN where a non-finite loss or gradient skipped the update). Leaves the model in eval mode.
     """
+    from flowrl_ray.algorithms.base import lr_multiplier   # the schedule the RL updates use
+
     if not pairs:
         raise ValueError("fit_sft needs at least one (prompt, answer) pair")
+    if (epochs is None) == (steps is None):
+        raise ValueError(f"fit_sft takes either epochs or steps, got epochs={epochs}, steps={steps}")
     prompts = [p for p, _ in pairs]
     answers = [a for _, a in pairs]
     if gen_length is None:
@@ -763,42 +772,46 @@ def fit_sft(policy: MaskedDiffusionLM, pairs: Sequence[tuple[str, str]], epochs:
     ids, pmask = policy.encode_prompts(prompts, max_prompt_len)                # [N, Lp]
     ans = policy.encode_answers(answers, gen_length)                          # [N, Lg]
     amask = torch.ones_like(ans, dtype=torch.bool)
+    n = len(pairs)
+    steps_per_epoch = math.ceil(n / batch_size)
+    total = steps if steps is not None else epochs * steps_per_epoch
     params = policy.trainable_parameters()
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lr_multiplier(lr_schedule, total, warmup_steps, min_lr_ratio))
     gen = torch.Generator().manual_seed(seed)
-    n, losses, skipped, start = len(pairs), [], 0, time.perf_counter()
-    steps_per_epoch = math.ceil(n / batch_size)
+    losses, skipped, start = [], 0, time.perf_counter()
     policy.model.train()
     try:
-        for epoch in range(1, epochs + 1):
+        while len(losses) < total:
             perm = torch.randperm(n, generator=gen).to(ids.device)
             for i in range(0, n, batch_size):
+                if len(losses) == total:
+                    break
                 idx = perm[i:i + batch_size]
                 keep = pmask[idx].any(dim=0)                                  # drop all-pad columns
                 loss = sft_loss(policy.model, ids[idx][:, keep], pmask[idx][:, keep], ans[idx],
                                 amask[idx], policy.mask_token_id, gen)
                 opt.zero_grad(set_to_none=True)
-                if not torch.isfinite(loss):
-                    skipped += 1
-                    losses.append(float("nan"))
-                    continue
-                loss.backward()
-                if grad_clip is not None:
-                    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
-                    if not torch.isfinite(norm):
-                        skipped += 1
-                        losses.append(float("nan"))
-                        continue
-                opt.step()
-                losses.append(loss.item())
-            if progress:
-                done = epoch * steps_per_epoch
-                elapsed = time.perf_counter() - start
-                recent = [v for v in losses[-steps_per_epoch:] if math.isfinite(v)]
-                mean = sum(recent) / len(recent) if recent else float("nan")
-                eta = elapsed / done * (epochs * steps_per_epoch - done)
-                print(f"[sft] epoch {epoch}/{epochs} loss {mean:.4f} skipped {skipped} "
-                      f"({elapsed:.1f}s, eta {eta:.1f}s)", flush=True)
+                ok = bool(torch.isfinite(loss))
+                if ok:
+                    loss.backward()
+                    if grad_clip is not None:
+                        ok = bool(torch.isfinite(torch.nn.utils.clip_grad_norm_(params, grad_clip)))
+                if ok:
+                    opt.step()
+                skipped += not ok
+                losses.append(loss.item() if ok else float("nan"))
+                sched.step()
+                done = len(losses)
+                if progress and (done % steps_per_epoch == 0 or done == total):
+                    elapsed = time.perf_counter() - start
+                    recent = [v for v in losses[-steps_per_epoch:] if math.isfinite(v)]
+                    mean = sum(recent) / len(recent) if recent else float("nan")
+                    eta = elapsed / done * (total - done)
+                    print(f"[sft] step {done}/{total} (epoch {done / steps_per_epoch:.1f}) loss "
+                          f"{mean:.4f} lr {sched.get_last_lr()[0]:.2e} skipped {skipped} "
+                          f"({elapsed:.1f}s, eta {eta:.1f}s)", flush=True)
     finally:
         policy.model.eval()
     return losses
