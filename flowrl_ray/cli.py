@@ -234,7 +234,7 @@ def _pretrain_text(args: argparse.Namespace, data: dict) -> int:
     if args.tasks_per_form is not None and args.tasks_per_form < 1:
         raise UserError(f"--tasks-per-form must be >= 1, got {args.tasks_per_form}")
     cfg = config_from_dict(data)
-    steps = 3000 if args.steps is None and args.epochs is None else args.steps
+    steps = 2000 if args.steps is None and args.epochs is None else args.steps
     summary = pretrain_text(cfg, out=args.out, epochs=args.epochs, steps=steps,
                             batch_size=32 if args.batch_size is None else args.batch_size,
                             lr=1e-3 if args.lr is None else args.lr,
@@ -473,11 +473,11 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--epochs", type=int, help="default 50 (robot); the language model's SFT counts --steps "
                     "unless --epochs is given")
     pr.add_argument("--batch-size", type=int, help="default 256 (robot), 32 (language model)")
-    pr.add_argument("--lr", type=float, help="default 1e-3")
+    pr.add_argument("--lr", type=float, help="default 1e-3 (EDM: 1e-4)")
     pr.add_argument("--eval-episodes", type=int, default=0,
                     help="then evaluate in the env: success with zero and random sampling")
-    pr.add_argument("--steps", type=int, help="optimiser steps: EDM (FED-GRPO configs) default 2000, "
-                    "language model (Flow-GRPO configs) default 3000")
+    pr.add_argument("--steps", type=int, help="optimiser steps, default 2000 (EDM for FED-GRPO configs, the "
+                    "language model of Flow-GRPO configs)")
     pr.add_argument("--tasks-per-form", type=int,
                     help="language model: train-split tasks drawn per form for SFT, default 200 "
                          "(the split's first 32 plus new records from the training value pools)")

@@ -191,7 +191,7 @@ class FlowGRPO(Algorithm):
         for b in batches:
             ids = torch.as_tensor(np.array(b["ids"]), dtype=torch.long)
             for k in keys:
-                out[k][ids] = torch.as_tensor(np.asarray(b[k], dtype=np.float32))
+                out[k][ids] = torch.tensor(np.asarray(b[k], dtype=np.float32))    # a copy: Ray arrays are read-only
         return out
 
     def prepare(self, batches: list[Batch]) -> dict:
