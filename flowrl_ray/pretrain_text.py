@@ -62,14 +62,14 @@ def pretrain_text(cfg: Config, out: str | Path | None = None, epochs: int | None
     from flowrl_ray.models.text_tokenizer import train_tokenizer
     from flowrl_ray.plotting import plot_curves
 
+    if (epochs is None) == (steps is None):
+        raise ValueError(f"pretrain_text takes either epochs or steps, got epochs={epochs}, steps={steps}")
     c = cfg.algo
     out = out if out is not None else c.sft_checkpoint
     if out is None:
         raise ConfigError("config key 'algo.sft_checkpoint': where should the SFT model go? (or --out)")
     out = Path(out)
     pairs = sft_pairs(cfg.env, tasks_per_form)
-    if (epochs is None) == (steps is None):
-        raise ValueError(f"pretrain_text takes either epochs or steps, got epochs={epochs}, steps={steps}")
     if warmup_steps is None:
         total = steps if steps is not None else epochs * math.ceil(len(pairs) / batch_size)
         warmup_steps = min(200, total // 10)
