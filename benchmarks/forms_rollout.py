@@ -1,8 +1,9 @@
 """Browser form-filling rollout throughput: scoring actors (Chromium via Playwright) on Ray vs one
 process.
 
-Run from the repository root (about 2-3 minutes on 2 cores with the defaults, plus up to
---wait-quiet seconds waiting for an idle machine first):
+Run from the repository root (about 12 minutes on 2 cores with the defaults, plus up to
+--wait-quiet seconds waiting for an idle machine first; rounds of one configuration vary by
++-15 % on this machine, so fewer rounds give a noisy median):
 
     .venv/bin/python benchmarks/forms_rollout.py
     .venv/bin/python benchmarks/forms_rollout.py --episodes 8 --repeats 2 --output forms_rollout_smoke
@@ -60,9 +61,9 @@ TARGET_EFFICIENCY = 0.85
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--episodes", type=int, default=16, help="episodes per actor per round")
+    p.add_argument("--episodes", type=int, default=24, help="episodes per actor per round")
     p.add_argument("--pages", type=int, default=4, help="parallel pages per browser")
-    p.add_argument("--repeats", type=int, default=3, help="timed rounds per configuration")
+    p.add_argument("--repeats", type=int, default=7, help="timed rounds per configuration")
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds per configuration")
     p.add_argument("--wait-quiet", type=float, default=60,
                    help="first wait up to this many seconds for the machine to be idle (0: don't)")

@@ -69,7 +69,8 @@ def main() -> None:
     c = cfg.algo
     forms = FormsSettings.from_env_cfg(cfg.env)
     catalog = FormCatalog.load(forms.forms_dir)
-    lm = load_sft_checkpoint(c.sft_checkpoint, asdict(c.model))
+    lm = load_sft_checkpoint(c.sft_checkpoint, asdict(c.model),
+                             device="cuda" if torch.cuda.is_available() else "cpu")
     results = {"args": vars(args), "machine": machine_info(), "git": git_revision(),
                "sft_checkpoint": c.sft_checkpoint, "splits": {}}
     rows = []

@@ -52,10 +52,11 @@ def pretrain_text(cfg: Config, out: str | Path | None = None, epochs: int | None
                   steps: int | None = None, batch_size: int = 32, lr: float = 1e-3,
                   tasks_per_form: int | None = None, warmup_steps: int | None = None,
                   lr_schedule: str = "cosine", min_lr_ratio: float = 0.1, seed: int = 0,
-                  progress: bool = True) -> dict:
+                  progress: bool = True, device: str | None = None) -> dict:
     """SFT budget: ``epochs`` passes or ``steps`` optimiser steps (one of them; see ``fit_sft``).
     The learning rate warms up over ``warmup_steps`` (default: 10 % of the steps, at most 200),
-    then follows ``lr_schedule`` down to ``min_lr_ratio`` x ``lr``."""
+    then follows ``lr_schedule`` down to ``min_lr_ratio`` x ``lr``. ``device``: default the GPU
+    when there is one."""
     from dataclasses import asdict
 
     from flowrl_ray.models.masked_diffusion import build_masked_lm, fit_sft
@@ -79,7 +80,8 @@ def pretrain_text(cfg: Config, out: str | Path | None = None, epochs: int | None
         texts = [t for pair in pairs for t in pair]
         tokenizer = train_tokenizer(texts, model_cfg["vocab_size"])
     torch.manual_seed(seed)
-    lm = build_masked_lm(model_cfg, tokenizer=tokenizer, seed=seed)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    lm = build_masked_lm(model_cfg, tokenizer=tokenizer, seed=seed, device=device)
     t0 = time.perf_counter()
     losses = fit_sft(lm, pairs, epochs=epochs, steps=steps, batch_size=batch_size, lr=lr,
                      gen_length=c.gen_length, max_prompt_len=c.max_prompt_len, seed=seed,
@@ -109,4 +111,5 @@ def pretrain_text(cfg: Config, out: str | Path | None = None, epochs: int | None
     return {"out": str(out), "pairs": len(pairs), "epochs": round(len(losses) * batch_size / len(pairs), 2),
             "steps": len(losses),
             "first_loss": finite[0] if finite else None, "final_loss": finite[-1] if finite else None,
-            "train_s": round(train_s, 1), "parameters": params, "loss_plot": str(plot)}
+            "train_s": round(train_s, 1), "parameters": params, "device": str(lm.device),
+            "loss_plot": str(plot)}

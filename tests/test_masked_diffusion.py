@@ -360,6 +360,30 @@ def test_4bit_switch_errors_clearly_without_cuda(tok_dir, monkeypatch):
         md.build_masked_lm({**cfg, "hidden_size": 72, "num_heads": 2})
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="4-bit QLoRA (bitsandbytes) needs a CUDA GPU")
+def test_qlora_4bit_on_cuda_trains_only_adapters(tok_dir):
+    bnb = pytest.importorskip("bitsandbytes")
+    lora = {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]}
+    policy = md.build_masked_lm({**TINY, "tokenizer_path": tok_dir, "load_in_4bit": True, "lora": lora},
+                                seed=0)
+    assert policy.device.type == "cuda"
+    quantised = [m for m in policy.model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(quantised) == 2 * 7                  # layers x (q, k, v, o, gate, up, down)
+    trainable = {n: p for n, p in policy.model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    frozen = {n: p.detach().clone() for n, p in policy.model.named_parameters() if not p.requires_grad}
+    before = {n: p.detach().clone() for n, p in trainable.items()}
+    ids, mask = prompts(policy)
+    _, traj = md.generate_with_trajectory(policy.model, ids, mask, 6, 3, 1.0,
+                                          policy.mask_token_id, torch.Generator().manual_seed(0))
+    torch.testing.assert_close(md.trajectory_log_probs(policy.model, traj, 1.0), traj["logp"],
+                               atol=1e-3, rtol=0)
+    losses = md.fit_sft(policy, PAIRS, epochs=None, steps=60, batch_size=3, lr=1e-2, seed=0)
+    assert sum(losses[-10:]) < sum(losses[:10])
+    assert all(not torch.equal(before[n], p) for n, p in trainable.items() if "lora_B" in n)
+    assert all(torch.equal(frozen[n], p) for n, p in policy.model.named_parameters() if n in frozen)
+
+
 @pytest.mark.parametrize("override,key", [
     ({"hidden_size": -1}, "hidden_size"),
     ({"num_layers": 2.5}, "num_layers"),
