@@ -29,7 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RESULTS_DIR, git_revision, machine_info, md_table, write_results  # noqa: E402
 
 CONFIG = "configs/flow_grpo/forms_small.yaml"
-SPLITS = ("train", "heldout_values", "heldout_forms")
 
 
 def parse_args() -> argparse.Namespace:
@@ -60,6 +59,7 @@ def main() -> None:
     from flowrl_ray.algorithms.flow_grpo import warn_if_cut
     from flowrl_ray.config import apply_overrides, config_from_dict, read_yaml
     from flowrl_ray.envs.forms import FormCatalog, FormsSettings, gold_actions, load_tasks
+    from flowrl_ray.envs.forms.tasks import KINDS             # train, held-out values, held-out forms
     from flowrl_ray.models.masked_diffusion import load_sft_checkpoint
     from flowrl_ray.pretrain_text import prompt_text
 
@@ -74,7 +74,7 @@ def main() -> None:
     results = {"args": vars(args), "machine": machine_info(), "git": git_revision(),
                "sft_checkpoint": c.sft_checkpoint, "splits": {}}
     rows = []
-    for split in SPLITS:
+    for split in KINDS:
         tasks = load_tasks(split, seed=forms.task_seed, catalog=catalog)
         in_split = len(tasks)
         cut = warn_if_cut(lm, tasks, catalog, c.max_prompt_len, c.gen_length, split)

@@ -198,6 +198,7 @@ def test_sft_then_flow_grpo_then_eval_through_the_cli(tmp_path, capsys):
     assert main(["pretrain", str(config), "--steps", "3", "--tasks-per-form", "4", "--batch-size", "32"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["pairs"] == 4 * len(FormCatalog.load().ids(heldout=False)) and summary["steps"] == 3
+    assert summary["device"] == ("cuda:0" if torch.cuda.is_available() else "cpu")    # the GPU when there is one
     assert (sft / "sft_loss.png").is_file() and (sft / "config.json").is_file()
 
     assert main(["train", str(config), "--run-dir", str(run), "--no-tensorboard"]) == 0
