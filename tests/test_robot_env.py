@@ -125,10 +125,30 @@ def test_autoreset_puts_the_last_observation_in_final_obs():
     vec.close()
 
 
-def test_snapshot_restore_continues_identically_through_the_rollout_runner():
+def test_seeded_reset_fixes_the_scene_across_env_instances():
+    # robosuite draws Lift's cube size when it builds the model, from an unseeded Generator:
+    # two instances reset with one seed must still see the same cube and the same trajectory.
+    envs = [robot.RobotEnv(_cfg()) for _ in range(2)]
+    first = [env.reset(seed=5)[0] for env in envs]
+    assert np.array_equal(*first)
+    assert np.array_equal(envs[0].raw.cube.size, envs[1].raw.cube.size)
+    chunk = np.tile(np.array([0.3, -0.2, -0.5, 0, 0, 0, 1.0]), (16, 1))
+    after = [env.step(chunk)[0] for env in envs]
+    assert np.array_equal(*after)
+    size = envs[0].raw.cube.size.copy()
+    envs[0].reset(seed=6)
+    assert not np.array_equal(envs[0].raw.cube.size, size)          # another seed, another cube
+    envs[1].reset()                                                  # unseeded: the scene stays
+    assert np.array_equal(envs[1].raw.cube.size, size)
+    for env in envs:
+        env.close()
+
+
+@pytest.mark.parametrize("task", ["lift", "can"])
+def test_snapshot_restore_continues_identically_through_the_rollout_runner(task):
     from flowrl_ray.algorithms.ppo import PPO
     from flowrl_ray.envs.rollout import EnvRunner
-    cfg = tiny_config("env.family=robot", "env.id=can", "env.max_episode_steps=12")
+    cfg = tiny_config("env.family=robot", f"env.id={task}", "env.max_episode_steps=12")
     spec = robot.spec(cfg.env)
 
     def runner(seed):

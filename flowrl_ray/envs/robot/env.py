@@ -162,6 +162,7 @@ class RobotEnv(gym.Env):
         low, high = self.raw.action_spec
         self.action_low = norm.action_min if norm is not None else np.asarray(low, np.float64)
         self.action_high = norm.action_max if norm is not None else np.asarray(high, np.float64)
+        self.model_seed: int | None = None   # seed of the last model build (see rebuild)
         self.steps = 0                 # low-level steps in this episode
         self.solved = False            # success reached at some step of this episode
 
@@ -217,11 +218,25 @@ class RobotEnv(gym.Env):
     def reset(self, *, seed: int | None = None, options: dict | None = None):
         super().reset(seed=seed)
         if seed is not None:
-            # robosuite's placement samplers hold this Generator; reseed it in place.
-            self.raw.rng.bit_generator.state = np.random.default_rng(seed).bit_generator.state
+            self.rebuild(seed)
         self.raw.reset()
         self.steps, self.solved = 0, False
         return self.observation(self.raw_obs()), {"success": False}
+
+    def rebuild(self, seed: int) -> None:
+        """Reload robosuite's model with its Generator seeded: ``reset(seed)`` then fixes
+        everything random about the env. robosuite draws part of the scene when it builds the
+        model (Lift's cube size), from an unseeded Generator at construction; with
+        ``hard_reset=False`` that draw otherwise lasts the env's lifetime and differs between
+        processes. A reload takes about 0.14 s (Lift), paid only on seeded resets. The
+        placement samplers and the robot's initial-joint noise draw from the same Generator."""
+        self.raw.rng.bit_generator.state = np.random.default_rng(seed).bit_generator.state
+        self.raw.hard_reset = True
+        try:
+            self.raw.reset()
+        finally:
+            self.raw.hard_reset = False
+        self.model_seed = seed
 
     def step(self, action: np.ndarray):
         """action: [T, 7] with T >= act_steps (a chunk; rows past act_steps are ignored) or [7]
@@ -263,7 +278,8 @@ class RobotEnv(gym.Env):
     # ------------------------------------------------------------------ exact resume
 
     def get_state(self) -> dict:
-        """Everything the next steps depend on: the MuJoCo integration state (which includes
+        """Everything the next steps depend on: the seed the model was built from (the scene:
+        Lift's cube size), the MuJoCo integration state (which includes
         the actuator controls and the solver's warm start), robosuite's RNG (object placement
         at the next reset), the gripper's ramped command, the controllers' arrays (the OSC pulls
         the arm's null space towards the episode's initial joints, and caches kinematics), the
@@ -274,12 +290,15 @@ class RobotEnv(gym.Env):
                               for k, v in vars(c).items()
                               if isinstance(v, np.ndarray) or k == "new_update"}
                        for name, c in robot.composite_controller.part_controllers.items()}
-        return {"sim": sim, "rng": self.raw.rng.bit_generator.state, "controllers": controllers,
+        return {"model_seed": self.model_seed, "sim": sim, "rng": self.raw.rng.bit_generator.state,
+                "controllers": controllers,
                 "gripper": {arm: np.array(robot.gripper[arm].current_action) for arm in robot.arms},
                 "timestep": self.raw.timestep, "cur_time": self.raw.cur_time,
                 "steps": self.steps, "solved": self.solved}
 
     def set_state(self, state: dict) -> None:
+        if state["model_seed"] is not None:
+            self.rebuild(state["model_seed"])   # the same scene (cube size) as the saved env
         self.raw.reset()          # sets up robosuite's per-episode bookkeeping
         set_mujoco_state(self.raw.sim.model._model, self.raw.sim.data._data, state["sim"])
         self.raw.rng.bit_generator.state = state["rng"]
