@@ -223,6 +223,15 @@ def test_lift_expert_writes_loadable_demos_and_normalised_env(lift_demos):
     with h5py.File(path) as f:
         assert json.loads(f["stats"].attrs["obs_keys"]) == list(robot.LOW_DIM_KEYS)
         assert f["data/demo_0/states"].shape[0] == len(demos[0]["actions"])
+        model_files = [f[f"data/demo_{i}"].attrs["model_file"] for i in range(2)]
+    # each demo keeps the MJCF of its own episode's scene (the seeded reset draws the cube)
+    env = robot.RobotEnv(_cfg())
+    scenes = []
+    for seed in range(stats.attempts):
+        env.reset(seed=seed)
+        scenes.append(env.raw.sim.model.get_xml())
+    env.close()
+    assert all(m in scenes for m in model_files) and model_files[0] != model_files[1]
     # an env normalised by the dataset: its first observation lies in (about) [-1, 1]
     env = robot.make_env(_cfg(dataset=str(path)))
     obs, _ = env.reset(seed=0)

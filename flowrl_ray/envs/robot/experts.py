@@ -357,7 +357,6 @@ def collect_demos(task: str, episodes: int, out_path: str | Path, seed: int = 0,
     args = {"env_name": t.env_name, "env_version": env.robosuite_version, "type": ROBOSUITE_ENV_TYPE,
             "env_kwargs": {**env.robosuite_kwargs, "camera_names": list(cameras),
                            "camera_heights": image_size, "camera_widths": image_size}}
-    model_file = env.raw.sim.model.get_xml()
     with DemoWriter(out_path, args) as writer:
         while successes < episodes and attempts < max_attempts:
             record, ok = run_expert(env, expert, seed=seed + attempts)
@@ -370,7 +369,9 @@ def collect_demos(task: str, episodes: int, out_path: str | Path, seed: int = 0,
                 dones = np.zeros(n)
                 dones[-1] = 1
                 writer.add(obs, np.array(record["actions"]), np.array(record["rewards"]), dones,
-                           np.stack(record["states"]), model_file=model_file)
+                           np.stack(record["states"]),
+                           # each seeded reset rebuilds the scene (Lift's cube size): its own MJCF
+                           model_file=env.raw.sim.model.get_xml())
             if progress:
                 print(f"[demos {t.name}] attempt {attempts}: {'ok' if ok else 'failed'} "
                       f"({successes}/{episodes} demos, {time.perf_counter() - start:.0f}s)", flush=True)
