@@ -5,6 +5,7 @@ Run from the repository root (about 10 minutes on 2 cores with the defaults):
 
     .venv/bin/python benchmarks/fpopp_gradient_snr.py
     .venv/bin/python benchmarks/fpopp_gradient_snr.py --rounds 24 algo.base_policy=pretrained/lift_state_e20.pt
+    .venv/bin/python benchmarks/fpopp_gradient_snr.py --gae-lambdas 0.99 0.95 0.9   # same rollouts, each lambda
 
 Steps: two plain processes (no Ray) roll out the pretrained base policy exactly as FPO++'s
 rollout workers do (random sampling, ``runtime.envs_per_worker`` envs, windows of
@@ -23,6 +24,7 @@ No assertion is made.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -76,6 +78,8 @@ def main() -> None:
                    help="FPO++ critic-only updates (each: algo.epochs over the batch) before the gradients")
     p.add_argument("--sizes", type=int, nargs="+", default=[160, 320, 640, 1280, 2560],
                    help="chunks per gradient (rounded down to whole env windows)")
+    p.add_argument("--gae-lambdas", type=float, nargs="+",
+                   help="analyse the same rollouts with each GAE lambda (default: the config's)")
     p.add_argument("--output", default="fpopp_gradient_snr")
     p.add_argument("overrides", nargs="*", help="config overrides (key.sub=value)")
     args = p.parse_args()
@@ -101,46 +105,51 @@ def main() -> None:
     print(f"[bench] {len(batches)} windows, {sum(b.meta.env_steps for b in batches):,} chunks in {collect_s:.0f} s; "
           f"{len(successes)} episodes ended, success {sum(successes) / max(len(successes), 1):.2f}", flush=True)
 
-    torch.manual_seed(0)
     torch.set_num_threads(2)
-    algo = FPOPP(cfg, spec, torch.device("cpu"))              # the base policy, a fresh critic
-    # The critic is fitted on half of the windows and the gradients are taken on the other half,
-    # as in training, where V comes from earlier data (fitted on the same rows, V would absorb
-    # the part of each return that the action caused).
-    fit_windows, grad_windows = batches[::2], batches[1::2]
-    for _ in range(args.critic_updates):                      # actor frozen: the critic warm-up
-        algo.update(algo.prepare(fit_windows))
-    b = algo.prepare(grad_windows)
-    explained = explained_variance(b["returns"], b["values_old"])
-    t_len, n_cols = cfg.runtime.rollout_length, b["advantages"].shape[0] // cfg.runtime.rollout_length
-    g = torch.Generator().manual_seed(0)
-    cols = torch.randperm(n_cols, generator=g)
-    rows_of = lambda c: (torch.arange(t_len)[:, None] * n_cols + c[None, :]).flatten()   # [T, N] flat
     results = {"args": vars(args), "machine": machine_info(), "git": git_revision(), "collect_s": collect_s,
-               "chunks": int(b["advantages"].shape[0]), "episodes": len(successes),
-               "success_rate": sum(successes) / max(len(successes), 1),
-               "critic_explained_variance_held_out": explained, "sizes": {}}
-    rows = []
-    for size in args.sizes:
-        per = size // t_len
-        k = n_cols // per
-        if per < 1 or k < 2:
-            continue
-        sets = [rows_of(cols[i * per:(i + 1) * per]) for i in range(k)]
-        true = mean_pairwise_cosine([actor_gradient(algo, b, r, False, g) for r in sets])
-        null = mean_pairwise_cosine([actor_gradient(algo, b, r, True, g) for r in sets])
-        results["sizes"][per * t_len] = {"sets": k, "cosine": true, "cosine_shuffled": null}
-        rows.append([per * t_len, k, f"{true:.3f}", f"{null:.3f}"])
-        print(f"[bench] B = {per * t_len}: {k} sets, cosine {true:.3f} (shuffled advantages {null:.3f})", flush=True)
+               "episodes": len(successes), "success_rate": sum(successes) / max(len(successes), 1),
+               "gae_lambda": {}}
+    rows, explained_of = [], {}
+    for lam in args.gae_lambdas or [cfg.algo.gae_lambda]:
+        # Every lambda sees the same rollouts (a paired comparison), a fresh critic and seed.
+        lam_cfg = dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, gae_lambda=lam))
+        torch.manual_seed(0)
+        algo = FPOPP(lam_cfg, spec, torch.device("cpu"))          # the base policy, a fresh critic
+        # The critic is fitted on half of the windows and the gradients are taken on the other
+        # half, as in training, where V comes from earlier data (fitted on the same rows, V
+        # would absorb the part of each return that the action caused).
+        fit_windows, grad_windows = batches[::2], batches[1::2]
+        for _ in range(args.critic_updates):                  # actor frozen: the critic warm-up
+            algo.update(algo.prepare(fit_windows))
+        b = algo.prepare(grad_windows)
+        explained = explained_of[lam] = explained_variance(b["returns"], b["values_old"])
+        t_len, n_cols = cfg.runtime.rollout_length, b["advantages"].shape[0] // cfg.runtime.rollout_length
+        g = torch.Generator().manual_seed(0)
+        cols = torch.randperm(n_cols, generator=g)
+        rows_of = lambda c: (torch.arange(t_len)[:, None] * n_cols + c[None, :]).flatten()   # noqa: E731
+        results["chunks"] = int(b["advantages"].shape[0])
+        per_lam = results["gae_lambda"][lam] = {"critic_explained_variance_held_out": explained, "sizes": {}}
+        for size in args.sizes:
+            per = size // t_len
+            k = n_cols // per
+            if per < 1 or k < 2:
+                continue
+            sets = [rows_of(cols[i * per:(i + 1) * per]) for i in range(k)]
+            true = mean_pairwise_cosine([actor_gradient(algo, b, r, False, g) for r in sets])
+            null = mean_pairwise_cosine([actor_gradient(algo, b, r, True, g) for r in sets])
+            per_lam["sizes"][per * t_len] = {"sets": k, "cosine": true, "cosine_shuffled": null}
+            rows.append([lam, per * t_len, k, f"{true:.3f}", f"{null:.3f}"])
+            print(f"[bench] lambda {lam}, B = {per * t_len}: {k} sets, cosine {true:.3f} "
+                  f"(shuffled advantages {null:.3f})", flush=True)
     lines = [f"- {len(batches)} rollout windows of {t_len} chunk steps x {cfg.runtime.envs_per_worker} envs "
              f"({2 * results['chunks']:,} chunks, {results['episodes']} episodes ended, random-sampling success "
              f"{results['success_rate']:.2f}) collected in {collect_s:.0f} s by 2 plain processes",
              f"- gradients on {results['chunks']:,} chunks (every second window); the critic fitted on the other "
              f"half ({args.critic_updates} FPO++ critic-only updates), explained variance on the gradient half "
-             f"{explained:.2f}"]
+             + ", ".join(f"{v:.2f} (lambda {lam})" for lam, v in explained_of.items())]
     body = (f"Config `{args.config}`{' with ' + ' '.join(args.overrides) if args.overrides else ''}, base "
             f"`{cfg.algo.base_policy}`.\n\n"
-            + md_table(["chunks per gradient B", "disjoint sets", "mean cosine between sets",
+            + md_table(["GAE lambda", "chunks per gradient B", "disjoint sets", "mean cosine between sets",
                         "same, advantages shuffled"], rows) + "\n\n" + "\n".join(lines) + "\n")
     write_results(args.output, "FPO++ on Lift: policy-gradient agreement between disjoint batches", body)
     (RESULTS_DIR / f"{args.output}.json").write_text(json.dumps(results, indent=2, default=str))

@@ -297,8 +297,8 @@ class RobotEnv(gym.Env):
                 "steps": self.steps, "solved": self.solved}
 
     def set_state(self, state: dict) -> None:
-        if state["model_seed"] is not None:
-            self.rebuild(state["model_seed"])   # the same scene (cube size) as the saved env
+        if state.get("model_seed") is not None:     # absent in snapshots of older versions
+            self.rebuild(state["model_seed"])        # the same scene (cube size) as the saved env
         self.raw.reset()          # sets up robosuite's per-episode bookkeeping
         set_mujoco_state(self.raw.sim.model._model, self.raw.sim.data._data, state["sim"])
         self.raw.rng.bit_generator.state = state["rng"]
