@@ -40,7 +40,8 @@ VARIANTS = {"flowsar": (FLOWSAR, []),
             "flowsar-uniform": (FLOWSAR, ["algo.flowsar.weight_mode=uniform"]),
             "flowsar-random": (FLOWSAR, ["algo.flowsar.weight_mode=random"]),
             "flowsar-inverse": (FLOWSAR, ["algo.flowsar.weight_mode=inverse"]),
-            "fpopp": (FPOPP, [])}
+            # FlowSAR's batch shape (the same chunks per iteration), FPO++'s own update settings
+            "fpopp": (FPOPP, ["runtime.rollout_length=40"])}
 
 
 def task_overrides(task: str) -> list[str]:

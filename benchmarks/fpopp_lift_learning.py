@@ -19,8 +19,8 @@ checkpoint) is then evaluated in this process on the same seeded episodes with z
 (eps = 0, FPO++'s test-time rule) and random sampling (eps ~ N(0, I), what training rollouts use).
 With ``--runs``, the base is each run's own ``algo.base_policy``.
 Results: ``benchmarks/results/fpopp_lift_learning.{md,json}`` and the runs' success curves. No
-assertion is made. "env steps" are policy steps (one action chunk each, `act_steps` = 8
-low-level 20 Hz robosuite steps, fewer at the end of an episode).
+assertion is made. "env steps" are policy steps (one action chunk each, `act_steps` (8 in the
+quickstart) low-level 20 Hz robosuite steps, fewer at the end of an episode).
 """
 
 from __future__ import annotations
@@ -71,6 +71,12 @@ def base_policy(cfg):
     policy = FPOPP.make_policy(cfg, spec)
     policy.load_state_dict(torch.load(cfg.algo.base_policy, map_location="cpu", weights_only=False)["policy"])
     return policy
+
+
+def base_key(cfg) -> str:
+    """The base policy's path, with the executed chunk length when it is not the config's 8."""
+    path = cfg.algo.base_policy
+    return path if cfg.env.act_steps == 8 else f"{path}, act_steps {cfg.env.act_steps}"
 
 
 def ensure_demos_and_base(config: str, cfg, task: str, demos: int, epochs: int, overrides=()) -> None:
@@ -134,17 +140,18 @@ def main() -> None:
     results = {"config": args.config, "overrides": args.overrides, "revision": git_revision(),
                "eval_episodes": args.eval_episodes, "bases": {}, "runs": []}
     for run_cfg in [_config_of(d) for d in run_dirs] or [cfg]:
-        path = run_cfg.algo.base_policy
-        if path not in results["bases"]:
-            print(f"[bench] evaluating the base policy {path} ({args.eval_episodes} episodes x zero/random)",
+        key = base_key(run_cfg)        # a base executed with another chunk length is another policy
+        if key not in results["bases"]:
+            print(f"[bench] evaluating the base policy {key} ({args.eval_episodes} episodes x zero/random)",
                   flush=True)
-            results["bases"][path] = evaluate(base_policy(run_cfg), run_cfg, args.eval_episodes)
+            results["bases"][key] = evaluate(base_policy(run_cfg), run_cfg, args.eval_episodes)
     for run_dir in run_dirs:
         print(f"[bench] evaluating {run_dir}", flush=True)
         run_cfg, _, policy = load_policy(run_dir)
         results["runs"].append({"run_dir": str(run_dir), **run_summary(run_dir),
                                 "ratio_mode": run_cfg.algo.ratio_mode, "n_mc": run_cfg.algo.n_mc,
-                                "actor_lr": run_cfg.algo.actor_lr, "base_policy": run_cfg.algo.base_policy,
+                                "actor_lr": run_cfg.algo.actor_lr, "base_policy": base_key(run_cfg),
+                                "act_steps": run_cfg.env.act_steps,
                                 "final": evaluate(policy, run_cfg, args.eval_episodes)})
     results["eval_time_s"] = round(time.perf_counter() - t0, 1)
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
@@ -155,7 +162,7 @@ def main() -> None:
             for path, b in results["bases"].items()]
     for r in results["runs"]:
         rows.append([f"FPO++ {r['ratio_mode']}, N_mc {r['n_mc']}, actor lr {r['actor_lr']:g} ({r['run_dir']}, "
-                     f"base `{r['base_policy']}`)", f"{r['env_steps']:,} ({8 * r['env_steps']:,} low-level)",
+                     f"base `{r['base_policy']}`)", f"{r['env_steps']:,} ({r['act_steps'] * r['env_steps']:,} low-level)",
                      f"{r['time_s'] / 60:.1f} min", pct(r["final"]["zero"]), pct(r["final"]["random"]),
                      f"{pct(r['train_success_first'])} -> {pct(r['train_success_last'])}"])
     curves = "\n".join(f"- {r['run_dir']}: " + ", ".join(f"{s:,}: {pct(v)}" for s, v in r["eval_curve"])

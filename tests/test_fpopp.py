@@ -43,6 +43,35 @@ def test_cfm_losses_match_hand_computation():
     torch.testing.assert_close(out, torch.tensor([[20.3125, 15.25]]))
 
 
+def test_cfm_losses_with_the_huber_error_by_hand():
+    # The same two pairs as above, elementwise errors d: pair 1 [-.25, 4.5], pair 2 [2.5, -3].
+    # delta = 1: |d| <= 1 -> d^2, else 2|d| - 1:  pair 1 .0625 + 8 = 8.0625; pair 2 4 + 5 = 9.
+    velocity = lambda x, tau, obs: x + obs[:, None, :]               # noqa: E731
+    obs, a = torch.tensor([[0.5, -1.0]]), torch.tensor([[[1.0, 2.0]]])
+    taus, eps = torch.tensor([[0.25, 1.0]]), torch.tensor([[[[0.0, 4.0]], [[2.0, -2.0]]]])
+    torch.testing.assert_close(cfm_losses(velocity, obs, a, taus, eps, huber_delta=1.0),
+                               torch.tensor([[8.0625, 9.0]]))
+    # A delta above every |d| is the squared error.
+    torch.testing.assert_close(cfm_losses(velocity, obs, a, taus, eps, huber_delta=10.0),
+                               cfm_losses(velocity, obs, a, taus, eps))
+
+
+def test_a_huber_policy_records_and_recomputes_the_same_losses_but_clones_with_squared_error():
+    policy = FlowPolicy(5, 2, 3, [32], n_mc=4, cfm_huber_delta=0.1)
+    obs = torch.randn(8, 5)
+    actions, record = policy.act(obs, generator=torch.Generator().manual_seed(0))
+    recomputed = policy.cfm_losses(obs, actions, record["taus"], record["mc_eps"])
+    torch.testing.assert_close(record["cfm_old"], recomputed)          # ratios exactly 1
+    squared = policy.cfm_losses(obs, actions, record["taus"], record["mc_eps"], huber_delta=0.0)
+    assert (recomputed < squared).all()                                # untrained: errors exceed 0.1
+    gen = torch.Generator().manual_seed(1)
+    bc = policy.bc_loss(obs, actions, generator=gen)
+    gen = torch.Generator().manual_seed(1)
+    taus, eps = torch.rand(8, 1, generator=gen), torch.randn(8, 1, 3, 2, generator=gen)
+    torch.testing.assert_close(bc, squared.new_tensor(float(
+        policy.cfm_losses(obs, actions, taus, eps, huber_delta=0.0).mean() / 6)))
+
+
 def test_cfm_losses_of_the_exact_velocity_field_of_a_point_mass():
     # For data concentrated at a*, the flow's velocity is v*(x, tau) = (a* - x) / (1 - tau):
     # its CFM loss is 0 at a*, and ||v* - (a - eps)||^2 = ||(a* - a) / (1 - tau)||^2 elsewhere.

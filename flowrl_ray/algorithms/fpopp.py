@@ -11,7 +11,8 @@ flow-matching action policy, with the likelihood ratio replaced by CFM-loss diff
                       separate actor / critic learning rates.
 
 The CFM loss of a sample sums the squared error over the chunk and action dims (chunk-level
-ratio); the same advantage is shared by an action's N_mc samples. Evaluation integrates from
+ratio; ``cfm_huber_delta`` > 0 sums the FPO++ release's Huber error instead); the same advantage
+is shared by an action's N_mc samples. Evaluation integrates from
 eps = 0 ("zero-sampling", ``eval.sampling: zero``).
 """
 
@@ -49,6 +50,9 @@ class FPOPPConfig:
     ratio_mode: Literal["per_sample", "averaged"] = "per_sample"
     cfm_loss_clamp: float = field(default=0.0, metadata=check(ge=0))   # 0: off
     cfm_diff_clamp: float = field(default=5.0, metadata=check(ge=0))   # 0: off
+    # > 0: each element's error is Huber (squared inside delta, linear outside) before the sum,
+    # as in the FPO++ release's manipulation runs; 0: the squared error
+    cfm_huber_delta: float = field(default=0.0, metadata=check(ge=0))
     # PPO machinery
     gamma: float = field(default=0.99, metadata=check(ge=0, le=1))
     gae_lambda: float = field(default=0.99, metadata=check(ge=0, le=1))
@@ -91,7 +95,8 @@ def make_flow_policy(cfg: Config, spec: EnvSpec) -> FlowPolicy:
     c = cfg.algo
     # n_mc: the (tau, eps) pairs FPO++ records per action; other algorithms record none.
     return FlowPolicy(spec.obs_dim, spec.action_dim, cfg.env.horizon_steps, c.hidden_sizes, c.time_dim,
-                      c.flow_steps, getattr(c, "n_mc", 0), image_shape(cfg), c.feature_dim)
+                      c.flow_steps, getattr(c, "n_mc", 0), image_shape(cfg), c.feature_dim,
+                      getattr(c, "cfm_huber_delta", 0.0))
 
 
 def load_base_policy(path: str | Path) -> dict:

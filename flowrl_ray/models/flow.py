@@ -42,14 +42,16 @@ def obs_batch_size(obs: Obs) -> int:
 
 
 def cfm_losses(velocity_fn: VelocityFn, obs: Obs, actions: torch.Tensor, taus: torch.Tensor,
-               eps: torch.Tensor) -> torch.Tensor:
+               eps: torch.Tensor, huber_delta: float = 0.0) -> torch.Tensor:
     """Per-sample conditional flow-matching losses (FPO++ Eq. 5-8), all in one forward pass:
 
         x_i = tau_i * a + (1 - tau_i) * eps_i
         l_i = || v(x_i, tau_i | o) - (a - eps_i) ||^2     summed over the chunk and action dims
 
     obs [B, ...] (repeated ``N`` times for the call), actions [B, Ta, Da], taus [B, N],
-    eps [B, N, Ta, Da] -> [B, N].
+    eps [B, N, Ta, Da] -> [B, N]. With ``huber_delta`` > 0 each element's squared error d^2
+    becomes ``2 delta |d| - delta^2`` where ``|d| > delta`` (the FPO++ release's Huber error:
+    equal to d^2 inside delta, linear outside, so large noise-dominated errors weigh less).
     """
     b, n = taus.shape
     a = actions.unsqueeze(1)                                    # [B, 1, Ta, Da]
@@ -57,7 +59,12 @@ def cfm_losses(velocity_fn: VelocityFn, obs: Obs, actions: torch.Tensor, taus: t
     x = t * a + (1.0 - t) * eps                                 # [B, N, Ta, Da]
     target = a - eps                                            # [B, N, Ta, Da]
     v = velocity_fn(x.reshape(b * n, *actions.shape[1:]), taus.reshape(b * n), repeat_obs(obs, n))
-    return (v.reshape(b, n, *actions.shape[1:]) - target).pow(2).sum(dim=(-2, -1))
+    d = v.reshape(b, n, *actions.shape[1:]) - target            # [B, N, Ta, Da]
+    if huber_delta > 0:
+        err = torch.where(d.abs() <= huber_delta, d.pow(2), 2.0 * huber_delta * d.abs() - huber_delta ** 2)
+    else:
+        err = d.pow(2)
+    return err.sum(dim=(-2, -1))
 
 
 def euler_sample(velocity_fn: VelocityFn, obs: Obs, eps: torch.Tensor, steps: int) -> torch.Tensor:
@@ -160,10 +167,14 @@ class FlowPolicy(nn.Module):
 
     def __init__(self, state_dim: int, action_dim: int, horizon_steps: int, hidden_sizes: list[int],
                  time_dim: int = 32, flow_steps: int = 10, n_mc: int = 8,
-                 image_shape: tuple[int, int, int] | None = None, feature_dim: int = 64):
+                 image_shape: tuple[int, int, int] | None = None, feature_dim: int = 64,
+                 cfm_huber_delta: float = 0.0):
         super().__init__()
         self.action_dim, self.horizon_steps = action_dim, horizon_steps
         self.flow_steps, self.n_mc = flow_steps, n_mc
+        # the error of the recorded and the recomputed CFM losses (0: squared; behaviour cloning
+        # always uses the squared error)
+        self.cfm_huber_delta = cfm_huber_delta
         self.encoder = ObsEncoder(state_dim, image_shape, feature_dim)
         self.velocity = VelocityMLP(self.encoder.out_dim, horizon_steps, action_dim, hidden_sizes, time_dim)
 
@@ -177,10 +188,11 @@ class FlowPolicy(nn.Module):
         return euler_sample(self.velocity, cond, eps, steps or self.flow_steps).clamp(-1.0, 1.0)
 
     def cfm_losses(self, obs: Obs, actions: torch.Tensor, taus: torch.Tensor, eps: torch.Tensor,
-                   augment: bool = False) -> torch.Tensor:
-        """[B, N] per-sample CFM losses (see :func:`cfm_losses`); the observation is encoded
-        once per row, not once per Monte Carlo sample."""
-        return cfm_losses(self.velocity, self.encoder(obs, augment), actions, taus, eps)
+                   augment: bool = False, huber_delta: float | None = None) -> torch.Tensor:
+        """[B, N] per-sample CFM losses (see :func:`cfm_losses`; ``huber_delta`` defaults to the
+        policy's); the observation is encoded once per row, not once per Monte Carlo sample."""
+        delta = self.cfm_huber_delta if huber_delta is None else huber_delta
+        return cfm_losses(self.velocity, self.encoder(obs, augment), actions, taus, eps, delta)
 
     def bc_loss(self, obs: Obs, actions: torch.Tensor, generator: torch.Generator | None = None,
                 augment: bool = False) -> torch.Tensor:
@@ -189,7 +201,7 @@ class FlowPolicy(nn.Module):
         b = actions.shape[0]
         taus = torch.rand(b, 1, generator=generator).to(actions.device)
         eps = torch.randn(b, 1, *actions.shape[1:], generator=generator).to(actions.device)
-        return self.cfm_losses(obs, actions, taus, eps, augment).mean() / (actions[0].numel())
+        return self.cfm_losses(obs, actions, taus, eps, augment, huber_delta=0.0).mean() / (actions[0].numel())
 
     @torch.no_grad()
     def act(self, obs: Obs, deterministic: bool = False,
