@@ -1,6 +1,7 @@
 """FPO++ on the real robot envs: flow-policy rollouts (state and image observations) through the
 EnvRunner, the learner's prepare/update on them, and success reporting."""
 
+import dataclasses
 import os
 
 os.environ.setdefault("MUJOCO_GL", "egl")
@@ -57,6 +58,18 @@ def test_state_rollout_batch_and_update():
     torch.testing.assert_close(new, prepared["cfm_old"], rtol=1e-5, atol=1e-5)
     metrics = algo.update(prepared)
     assert np.isfinite(metrics["pg_loss"]) and np.isfinite(metrics["v_loss"])
+
+
+def test_a_huber_config_reaches_the_losses_the_workers_record():
+    cfg = robot_cfg()
+    cfg.algo = dataclasses.replace(cfg.algo, cfm_huber_delta=0.5)
+    algo, batch, _ = _run(cfg)
+    prepared = algo.prepare([batch])
+    with torch.no_grad():
+        args = (prepared["obs"], prepared["actions"], prepared["taus"], prepared["mc_eps"])
+        huber, squared = algo.policy.cfm_losses(*args), algo.policy.cfm_losses(*args, huber_delta=0.0)
+    torch.testing.assert_close(huber, prepared["cfm_old"], rtol=1e-5, atol=1e-5)   # ratios 1
+    assert (squared > huber).all()                 # an untrained policy's errors exceed 0.5 somewhere
 
 
 def test_image_rollout_batch_and_update():
