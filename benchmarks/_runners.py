@@ -144,7 +144,7 @@ def run_rllib(ppo_config_path, steps: int, seed: int, eval_episodes: int = 10, r
     monitor = LoadMonitor()
     t0 = time.perf_counter()
     # driver/learner bundle + EnvRunners + the evaluation EnvRunner; the dashboard on, as for flowrl_ray
-    ray.init(num_cpus=ppo_cfg.runtime.num_workers + 2, log_to_driver=True)
+    ray.init(address="local", num_cpus=ppo_cfg.runtime.num_workers + 2, log_to_driver=True)
     algo = rllib_ppo_config(ppo_cfg, steps, seed, eval_episodes, return_window).build_algo()
     t1 = time.perf_counter()
     curve, sample_s, update_s, iter_s, keys_seen = [], [], [], [], {}

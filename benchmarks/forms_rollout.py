@@ -174,7 +174,7 @@ def main() -> None:
         startup["2 plain processes, 1 core each"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     # Idle actors keep their CPU reservation: room for the pinned pair as well.
-    ray.init(num_cpus=4 if args.pinned else 2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4 if args.pinned else 2, include_dashboard=False, log_to_driver=False)
     Actor = ray.remote(num_cpus=1)(_Scoring)
     actors = [Actor.remote(args.pages, i) for i in range(2)]
     ray.get([a.score.remote(make_samples(1, 0)) for a in actors])

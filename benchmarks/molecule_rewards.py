@@ -16,7 +16,7 @@ every configuration (the same ones); configurations are interleaved round by rou
   Nothing else: no checks, no child process, no chemistry.
 - ``scorer, 1 process``: ``MoleculeScorer`` (the ``molecules`` family's scorer: overlap/NaN
   checks, GFN2 in its child process, EDM stability, RDKit validity + SMILES, rewards) called here.
-- ``ray, 2 actors``: two Ray actors (``num_cpus=1``, local ``ray.init(num_cpus=2)``) that each
+- ``ray, 2 actors``: two Ray actors (``num_cpus=1``, local ``ray.init(address="local", num_cpus=2)``) that each
   hold a scorer from ``make_scorer`` — what a scoring RolloutWorker holds — and score half of the
   round's molecules; only the small reward arrays come back.
 - ``mmff scorer, 1 process`` (for the ms/molecule of the cheaper backend; not in the ratio).
@@ -157,7 +157,7 @@ def main() -> None:
     startup = {"scorer (GFN2 child start)": time.perf_counter() - t0}
     tblite_loop(pool[:2])                                  # import + first-call costs out of the rounds
     t0 = time.perf_counter()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     Actor = ray.remote(num_cpus=1)(_Scoring)
     actors = [Actor.remote("gfn2", i) for i in range(2)]
     pids = ray.get([a.pids.remote() for a in actors])

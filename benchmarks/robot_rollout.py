@@ -18,7 +18,7 @@ random initial weights, the same weights everywhere). No dataset normalisation u
 - ``single process``: the EnvRunner called directly in this process (no Ray, 1 torch thread):
   the baseline, 1 core.
 - ``ray, 1 worker`` / ``ray, 2 workers``: the real ``flowrl_ray.runtime.actors.RolloutWorker``
-  actors (1 torch thread each) on a local ``ray.init(num_cpus=2)``. A round calls
+  actors (1 torch thread each) on a local ``ray.init(address="local", num_cpus=2)``. A round calls
   ``sample.remote()`` on every worker and waits for all; the driver fetches only the small
   ``BatchMeta`` objects, as the Trainer does (the batches go to the learner).
 - ``2 processes, no Ray``: two plain ``multiprocessing`` processes, each with an EnvRunner built
@@ -287,7 +287,7 @@ def measure(args: argparse.Namespace) -> dict:
     startup = {"single-process EnvRunner": time.perf_counter() - t0}
 
     t0 = time.perf_counter()
-    ray.init(num_cpus=2)
+    ray.init(address="local", num_cpus=2)
     workers = [RolloutWorker.options(num_cpus=1).remote(cfg, spec, i) for i in range(NUM_WORKERS)]
     weights_ref = ray.put(state)
     ray.get([w.set_weights.remote(weights_ref, 1) for w in workers])
@@ -392,7 +392,7 @@ def report(r: dict, args: argparse.Namespace, elapsed: float, quiet: str, calibr
              f"- one round = one sample() call per worker: {args.envs_per_worker} envs x {args.rollout_length} chunk "
              f"steps = {args.envs_per_worker * args.rollout_length * r['act_steps']} low-level steps per worker; "
              f"{args.warmup} warm-up round(s) per configuration (excluded), then {args.repeats} interleaved timed rounds",
-             "- Ray: local `ray.init(num_cpus=2)`, RolloutWorker actors with num_cpus=1; the driver fetches only "
+             "- Ray: private local `ray.init(address='local', num_cpus=2)`, RolloutWorker actors with num_cpus=1; the driver fetches only "
              "the BatchMeta (as the Trainer does)",
              f"- per-core efficiency = (steps/s / workers) / (single-process steps/s); target for 2 Ray workers >= "
              f"{TARGET_EFFICIENCY}. 'paired': median over repetitions of the same ratio within each repetition.",

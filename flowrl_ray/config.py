@@ -102,6 +102,14 @@ class RuntimeConfig:
 
 
 @dataclass
+class MediaConfig:
+    """Pictures of behaviour written at evaluations: the first `episodes` evaluation episodes
+    (tasks, samples) at every `every`-th evaluation. 0 episodes: none."""
+    episodes: int = field(default=0, metadata=check(ge=0))
+    every: int = field(default=1, metadata=check(gt=0))
+
+
+@dataclass
 class EvalConfig:
     interval: int = field(default=10, metadata=check(ge=0))   # iterations; 0 disables periodic eval
     episodes: int = field(default=10, metadata=check(gt=0))
@@ -109,6 +117,11 @@ class EvalConfig:
     # random: sampled as in training
     sampling: Literal["zero", "random"] = "zero"
     at_start: bool = False      # also evaluate the initial policy (a pretrained one) as iteration 0
+    # robot tasks: videos of evaluation episodes, runs/<name>/videos/iter_<i>_<k>_<success|failure>.mp4
+    video: MediaConfig = field(default_factory=MediaConfig)
+    # forms and molecules: still pictures of evaluation outputs (page screenshots with the
+    # submitted values and reward; a grid of sampled molecules marked stable/valid) in media/
+    snapshots: MediaConfig = field(default_factory=MediaConfig)
 
 
 @dataclass

@@ -26,7 +26,7 @@ def tiny_config(*overrides: str):
 def local_ray():
     import ray
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
 

@@ -30,7 +30,7 @@ def plugin_ray():
     # Ray's local workers inherit the driver's environment: that is how they import the plugins.
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
     os.environ["FLOWRL_TEST_CRASH_FILE"] = str(TESTS / ".crash-scorer-once")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

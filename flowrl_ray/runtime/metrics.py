@@ -73,6 +73,18 @@ class MetricsLogger:
             from ray import tune
             tune.report({k: v for k, v in row.items() if v is not None})
 
+    def log_media(self, path: str | Path, step: int, caption: str = "") -> None:
+        """A picture of behaviour written under the run directory (a PNG, or an MP4 video) goes
+        to every sink that shows media. Tag: the file's folder and stem pattern, e.g. media/forms."""
+        path = Path(path)
+        tag = path.parent.name
+        if self._tb is not None and path.suffix.lower() == ".png":
+            import numpy as np
+            from PIL import Image
+            image = np.asarray(Image.open(path).convert("RGB"))          # [H, W, 3] uint8
+            self._tb.add_image(f"{tag}/{path.stem}", image, step, dataformats="HWC")
+            self._tb.flush()
+
     def _export_ray(self, row: dict) -> None:
         from ray.util.metrics import Gauge
         for k, v in row.items():
