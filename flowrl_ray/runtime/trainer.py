@@ -138,8 +138,10 @@ class Trainer:
         self._publish()
         self.logger = MetricsLogger(self.run_dir, self.cfg.name, tensorboard=self.tensorboard,
                                     tune=self.tune_trial, purge_step=self.counters.env_steps or None)
-        self.gauges = RunGauges(self.cfg.name, self.cfg.algorithm, self.cfg.env.id)
-        self._log(f"Ray dashboard metrics: ray_flowrl_* gauges (run={self.cfg.name}) at {metrics_endpoint()}")
+        # Tune trials share the config's name: their run tag adds the trial's directory (its id).
+        run_tag = f"{self.cfg.name}/{self.run_dir.name}" if self.tune_trial else self.cfg.name
+        self.gauges = RunGauges(run_tag, self.cfg.algorithm, self.cfg.env.id)
+        self._log(f"Ray dashboard metrics: ray_flowrl_* gauges tagged run={run_tag} at {metrics_endpoint()}")
 
     def _restore(self, ckpt: dict) -> None:
         c = ckpt["trainer"]
