@@ -81,7 +81,7 @@ def test_gauges_stay_without_new_values_and_leave_after_close(metrics_ray):
     gauges = RunGauges("idle-run", "ppo", "Pendulum-v1")
     assert gauges.period_s == pytest.approx(0.5)           # half the 1 s report interval
     gauges.update({"iteration": 3, "episode_return_mean": -512.5, "eval/return_mean": -400.25,
-                   "learner/update_time_s": 1.5, "episodes": 12, "loss": float("nan")})
+                   "learner/update_time_s": 1.5, "episodes": 12, "env_steps_per_s": float("nan")})
     expected = {"ray_flowrl_run_active": 1.0, "ray_flowrl_iteration": 3.0,
                 "ray_flowrl_episode_return_mean": -512.5, "ray_flowrl_eval_return_mean": -400.25,
                 "ray_flowrl_learner_update_time_s": 1.5}
@@ -95,7 +95,8 @@ def test_gauges_stay_without_new_values_and_leave_after_close(metrics_ray):
         for name in expected:
             labels = series[name][1]
             assert labels["algorithm"] == "ppo" and labels["env"] == "Pendulum-v1"
-        assert "ray_flowrl_episodes" not in series and "ray_flowrl_loss" not in series
+        assert "ray_flowrl_episodes" not in series            # not a dashboard key
+        assert "ray_flowrl_env_steps_per_s" not in series     # NaN is not published
         scrapes += 1
         time.sleep(SCRAPE_EVERY_S)
     assert scrapes >= 12

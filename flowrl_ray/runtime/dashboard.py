@@ -41,7 +41,11 @@ def gauge_name(key: str) -> str:
 def republish_period_s() -> float:
     """Half the core worker's export interval (seconds), so every export carries each series."""
     import ray
-    return max(0.5, ray._config.metrics_report_interval_ms() / 2000)
+    try:
+        interval_ms = ray._config.metrics_report_interval_ms()
+    except Exception:  # noqa: BLE001 - a private accessor; Ray's default then
+        interval_ms = 10_000
+    return max(0.5, interval_ms / 2000)
 
 
 def metrics_endpoint() -> str | None:
@@ -91,15 +95,16 @@ class RunGauges:
             self._publish()
 
     def _publish(self) -> None:
-        from ray.util.metrics import Gauge
         with self._lock:
             if self._failed:
                 return
             try:
+                from ray.util.metrics import Gauge
                 for name, value in self._values.items():
                     if name not in self._gauges:
-                        self._gauges[name] = Gauge(name, description=f"flowrl_ray {name[7:]}",
-                                                   tag_keys=TAG_KEYS)
+                        about = "1 while the run lives, 0 once it has ended" if name == ACTIVE \
+                            else f"flowrl_ray {name[len('flowrl_'):]}, last iteration's value"
+                        self._gauges[name] = Gauge(name, description=about, tag_keys=TAG_KEYS)
                     self._gauges[name].set(value, tags=self.tags)
             except Exception as e:  # noqa: BLE001 - dashboard metrics must not fail a run
                 self._failed = True
