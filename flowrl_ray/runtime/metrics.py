@@ -1,19 +1,14 @@
-"""Metrics sinks: metrics.jsonl, TensorBoard, Ray dashboard metrics, Tune; the progress line."""
+"""Metrics sinks: metrics.jsonl, TensorBoard, Tune; the progress line (Ray dashboard gauges: dashboard.py)."""
 
 from __future__ import annotations
 
 import json
 import math
-import re
 import sys
 import time
 from pathlib import Path
 
 from flowrl_ray.utils import atomic_write_text, format_duration
-
-#: keys exported to the Ray dashboard (plus every eval/* key); the rest stay in jsonl/TensorBoard
-DASHBOARD_KEYS = ("episode_return_mean", "env_steps", "env_steps_per_s", "policy_version",
-                  "worker_restarts", "dropped_batches", "learner/update_time_s")
 
 
 def _clean(value):
@@ -47,14 +42,13 @@ class MetricsLogger:
     """Writes each iteration's metrics to every sink that is switched on."""
 
     def __init__(self, run_dir: Path, run_name: str, tensorboard: bool = True,
-                 ray_metrics: bool = True, tune: bool = False, purge_step: int | None = None):
+                 tune: bool = False, purge_step: int | None = None):
         self.run_dir, self.run_name = Path(run_dir), run_name
         self._jsonl = open(self.run_dir / "metrics.jsonl", "a")
         self._tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             self._tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=purge_step)
-        self._gauges: dict | None = {} if ray_metrics else None
         self._tune = tune
 
     def log(self, row: dict) -> None:
@@ -67,8 +61,6 @@ class MetricsLogger:
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "env_steps":
                     self._tb.add_scalar(k, v, step)
             self._tb.flush()
-        if self._gauges is not None:
-            self._export_ray(row)
         if self._tune:
             from ray import tune
             tune.report({k: v for k, v in row.items() if v is not None})
@@ -84,16 +76,6 @@ class MetricsLogger:
             image = np.asarray(Image.open(path).convert("RGB"))          # [H, W, 3] uint8
             self._tb.add_image(f"{tag}/{path.stem}", image, step, dataformats="HWC")
             self._tb.flush()
-
-    def _export_ray(self, row: dict) -> None:
-        from ray.util.metrics import Gauge
-        for k, v in row.items():
-            if not (k in DASHBOARD_KEYS or k.startswith("eval/")) or not isinstance(v, (int, float)):
-                continue
-            name = "flowrl_" + re.sub(r"[^a-zA-Z0-9_]", "_", k)
-            if name not in self._gauges:
-                self._gauges[name] = Gauge(name, description=f"flowrl_ray {k}", tag_keys=("run",))
-            self._gauges[name].set(float(v), tags={"run": self.run_name})
 
     def close(self) -> None:
         self._jsonl.close()

@@ -32,6 +32,7 @@ from flowrl_ray.config import Config, save_config
 from flowrl_ray.envs import EnvSpec, env_family
 from flowrl_ray.errors import TrainingError
 from flowrl_ray.runtime.actors import Learner, RolloutWorker
+from flowrl_ray.runtime.dashboard import RunGauges, metrics_endpoint
 from flowrl_ray.runtime.metrics import MetricsLogger, Progress, read_metrics, truncate_metrics
 from flowrl_ray.utils import atomic_write_text
 
@@ -136,8 +137,11 @@ class Trainer:
         save_config(self.cfg, self.run_dir / "config.yaml")
         self._publish()
         self.logger = MetricsLogger(self.run_dir, self.cfg.name, tensorboard=self.tensorboard,
-                                    ray_metrics=True, tune=self.tune_trial,
-                                    purge_step=self.counters.env_steps or None)
+                                    tune=self.tune_trial, purge_step=self.counters.env_steps or None)
+        # Tune trials share the config's name: their run tag adds the trial's directory (its id).
+        run_tag = f"{self.cfg.name}/{self.run_dir.name}" if self.tune_trial else self.cfg.name
+        self.gauges = RunGauges(run_tag, self.cfg.algorithm, self.cfg.env.id)
+        self._log(f"Ray dashboard metrics: ray_flowrl_* gauges tagged run={run_tag} at {metrics_endpoint()}")
 
     def _restore(self, ckpt: dict) -> None:
         c = ckpt["trainer"]
@@ -325,6 +329,7 @@ class Trainer:
             # The starting point of fine-tuning: the loaded (pretrained) policy, before any update.
             row = {"iteration": 0, "env_steps": 0, "time_s": 0.0, **self._evaluate()}
             self.logger.log(row)
+            self.gauges.update(row)
             self._log("initial policy: " + ", ".join(f"{k} {v:.3g}" for k, v in row.items()
                                                      if k.startswith("eval/") and isinstance(v, float)))
         while c.iteration < total:
@@ -364,6 +369,7 @@ class Trainer:
                     c.best_eval_return = row["eval/return_mean"] if best is None else max(best, row["eval/return_mean"])
                 self._write_analysis()
             self.logger.log(row)
+            self.gauges.update(row)
             progress.update(row)
             interval = cfg.runtime.checkpoint_interval
             if interval and c.iteration % interval == 0 and c.iteration < total:
@@ -423,6 +429,8 @@ class Trainer:
     def close(self) -> None:
         if hasattr(self, "logger"):
             self.logger.close()
+        if hasattr(self, "gauges"):
+            self.gauges.close()          # flowrl_run_active 0; the series expire (dashboard.py)
         for w in self.workers:
             try:
                 ray.kill(w)
