@@ -154,7 +154,7 @@ def compose_snapshot(screenshot: bytes | None, task: FormTask | None, text: str,
         draw.text((shot.width + PAD, y + h - LINE_PX), ln, fill=colour, font=f)
         y += h
     buf = io.BytesIO()
-    canvas.save(buf, format="PNG", optimize=True)
+    canvas.save(buf, format="PNG")
     return buf.getvalue()
 
 
