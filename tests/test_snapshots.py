@@ -160,6 +160,33 @@ def test_snapshots_on_an_env_step_task_or_beyond_the_eval_set_is_a_config_error(
         load_config(REPO / "configs" / "fed_grpo" / "qm9_small.yaml", ["eval.snapshots.every=0"])
 
 
+def test_pictures_are_taken_at_every_kth_evaluation_and_the_last():
+    from flowrl_ray.runtime.trainer import snapshots_due
+    from test_fed_grpo import _config
+    data = _config()
+    data["train"]["iterations"] = 25
+    data["eval"] = {"interval": 5, "episodes": 4, "at_start": True, "snapshots": {"episodes": 2, "every": 2}}
+    cfg = config_from_dict(data)
+    evaluations = (0, 5, 10, 15, 20, 25)          # at start, then every 5 iterations: the 0th .. 5th
+    assert [i for i in evaluations if snapshots_due(cfg, i)] == [0, 10, 20, 25]    # even ones, the last
+    cfg.train.iterations = 17                      # the last evaluation, an odd one (17 // 5 = 3): pictured too
+    assert [i for i in (0, 5, 10, 15, 17) if snapshots_due(cfg, i)] == [0, 10, 17]
+    cfg.eval.snapshots.every = 1
+    assert [i for i in evaluations if snapshots_due(cfg, i)] == list(evaluations)
+    cfg.eval.snapshots.episodes = 0
+    assert not any(snapshots_due(cfg, i) for i in evaluations)
+
+
+def test_a_scoring_family_that_makes_no_pictures_is_a_config_error(tmp_path):
+    from flowrl_ray.runtime.trainer import Trainer
+    data = {"name": "token-grpo", "algorithm": "flowrl_test_plugins.token_bandit:TokenGRPO",
+            "env": {"family": "flowrl_test_plugins.token_bandit", "id": "tokens"},
+            "eval": {"episodes": 2, "snapshots": {"episodes": 1}}}
+    with pytest.raises(ConfigError, match=r"'eval\.snapshots\.episodes'.*no save_snapshots"):
+        Trainer(config_from_dict(data), tmp_path / "run")        # before any Ray starts
+    assert not (tmp_path / "run").exists()
+
+
 # ---------------------------------------------------------------------- end to end
 
 def _tb_text(run: Path) -> bytes:

@@ -69,6 +69,17 @@ def init_ray(cfg: Config, **kwargs) -> bool:
     return True
 
 
+def snapshots_due(cfg: Config, iteration: int) -> bool:
+    """Whether the evaluation at `iteration` takes eval.snapshots pictures: at every `every`-th
+    evaluation (the one at start, iteration 0, counts as the 0th; the one at iteration i as the
+    (i // eval.interval)-th) and at the last iteration's."""
+    media = cfg.eval.snapshots
+    if not media.episodes:
+        return False
+    number = iteration // cfg.eval.interval if cfg.eval.interval else 0
+    return number % media.every == 0 or iteration == cfg.train.iterations
+
+
 @dataclass
 class Counters:
     """The driver's part of a checkpoint."""
@@ -306,14 +317,7 @@ class Trainer:
         return out
 
     def _snapshots_due(self) -> bool:
-        """eval.snapshots: at every `every`-th evaluation (the one at start counts as the 0th, the
-        one at iteration i as the (i / eval.interval)-th) and at the last iteration's."""
-        media, c = self.cfg.eval.snapshots, self.counters
-        if not media.episodes:
-            return False
-        interval = self.cfg.eval.interval
-        number = c.iteration // interval if interval else 0
-        return number % media.every == 0 or c.iteration == self.cfg.train.iterations
+        return snapshots_due(self.cfg, self.counters.iteration)
 
     def _save_snapshots(self, items: list) -> None:
         """Pictures the scorers made at this evaluation: the env family writes them under

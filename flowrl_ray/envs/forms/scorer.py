@@ -178,10 +178,14 @@ class FormsScorer:
                                 "unparseable_lines": int(data["unparseable_lines"].sum())})
         if snapshots:                  # composed here, where the episode's details are; written by the driver
             from flowrl_ray.envs.forms.snapshots import snapshot_item
-            meta.extra["snapshots"] = [
-                snapshot_item(int(ids[j]), results[j].screenshot, self.task(str(task_ids[j])), texts[j], results[j],
-                              self.catalog.forms.get(results[j].form_id), self.settings.reward_weights)
-                for j in pictured]
+            meta.extra["snapshots"] = []
+            for j in pictured:
+                try:
+                    meta.extra["snapshots"].append(snapshot_item(
+                        int(ids[j]), results[j].screenshot, self.task(str(task_ids[j])), texts[j], results[j],
+                        self.catalog.forms.get(results[j].form_id), self.settings.reward_weights))
+                except Exception as e:  # noqa: BLE001 - a picture must never cost the episode's score
+                    meta.extra.setdefault("snapshot_errors", []).append(f"{task_ids[j]}: {type(e).__name__}: {e}")
         for r in results:
             r.screenshot = None
         return Batch(data, meta)

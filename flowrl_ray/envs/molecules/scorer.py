@@ -123,10 +123,14 @@ class MoleculeScorer:
             extra["shaping_reasons"] = dict(Counter(r["reason"] for r in shaped))
         if snapshots:                 # the molecules with ids < snapshots, drawn by the driver
             from flowrl_ray.envs.molecules.snapshots import snapshot_item
-            extra["snapshots"] = [snapshot_item(int(ids[j]), positions[j], atom_types[j], bool(stable_info[j][0]),
-                                                smiles[j] is not None,
-                                                float(data["formation_energy_per_atom_eV"][j]))
-                                  for j in range(k) if ids[j] < snapshots]
+            extra["snapshots"] = []
+            for j in (j for j in range(k) if ids[j] < snapshots):
+                try:
+                    extra["snapshots"].append(snapshot_item(
+                        int(ids[j]), positions[j], atom_types[j], bool(stable_info[j][0]), smiles[j] is not None,
+                        float(data["formation_energy_per_atom_eV"][j])))
+                except Exception as e:  # noqa: BLE001 - a picture must never cost the molecule's score
+                    extra.setdefault("snapshot_errors", []).append(f"{int(ids[j])}: {type(e).__name__}: {e}")
         meta = BatchMeta(policy_version=-1, worker_id=self.worker_id, env_steps=k,
                          episode_returns=data["reward"].tolist(),
                          episode_lengths=[len(t) for t in atom_types],
