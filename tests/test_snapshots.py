@@ -105,6 +105,39 @@ def test_forms_picture_puts_the_cropped_page_left_and_the_task_and_reward_right(
     assert task.task_id in item["caption"] and f"reward {result.reward:.3f}" in item["caption"]
 
 
+def _chromium_or_skip():
+    pytest.importorskip("playwright.async_api")
+    from flowrl_ray.envs.forms import BrowserUnavailable, find_chromium
+    try:
+        find_chromium()
+    except BrowserUnavailable as e:                                # pragma: no cover - depends on the machine
+        pytest.skip(str(e))
+
+
+def test_the_scorer_screenshots_the_filled_form_before_submitting_only_when_asked():
+    _chromium_or_skip()
+    from flowrl_ray.envs.forms import FormsScorer, FormsSettings, gold_actions
+    catalog = FormCatalog.load()
+    task = load_tasks("heldout", catalog=catalog)[0]
+    gold = gold_actions(task, catalog)
+    unsent = "\n".join(ln for ln in gold.splitlines() if not ln.startswith("click"))
+    texts = [gold, unsent, 'click "No such button"']
+    samples = {"ids": np.arange(3), "task_ids": [task.task_id] * 3, "texts": texts}
+    with FormsScorer(FormsSettings(pages=2), worker_id=0, catalog=catalog) as scorer:
+        plain = scorer.score(samples)
+        pictured = scorer.score(samples, snapshots=3)
+        two = scorer.score(samples, snapshots=2)
+    assert "snapshots" not in plain.meta.extra and [len(two.meta.extra["snapshots"])] == [2]
+    assert np.array_equal(plain["rewards"], pictured["rewards"]) and pictured["rewards"][0] == 1.0   # same scores
+    items = pictured.meta.extra["snapshots"]
+    assert [it["index"] for it in items] == [0, 1, 2] and {it["task_id"] for it in items} == {task.task_id}
+    pages = [np.asarray(_png(it["png"]))[:, :-PANEL_W] for it in items]       # the screenshot side
+    # the submitted script was pictured on the form page before its click (not on the result
+    # page): the same picture as the filled form that was never sent; the untouched form differs
+    assert pages[0].shape == pages[1].shape and np.abs(pages[0].astype(int) - pages[1]).mean() < 1.0
+    assert pages[0].shape[0] > 300 and (pages[0].shape != pages[2].shape or (pages[0] != pages[2]).any())
+
+
 # ---------------------------------------------------------------------- molecules: the grid
 
 def _item(index, molecule):
@@ -195,12 +228,7 @@ def _tb_text(run: Path) -> bytes:
 
 @pytest.mark.slow
 def test_flow_grpo_run_writes_a_picture_per_evaluation_task(tmp_path, local_ray):
-    pytest.importorskip("playwright.async_api")
-    from flowrl_ray.envs.forms import BrowserUnavailable, find_chromium
-    try:
-        find_chromium()
-    except BrowserUnavailable as e:                                # pragma: no cover - depends on the machine
-        pytest.skip(str(e))
+    _chromium_or_skip()
     from test_flow_grpo import TINY_MODEL, _config
     from flowrl_ray.models.masked_diffusion import build_masked_lm
     from flowrl_ray.models.text_tokenizer import train_tokenizer
