@@ -288,10 +288,10 @@ class Trainer:
 
     def _evaluate(self) -> dict:
         if self.group_rollouts:
-            snapshots = self.cfg.eval.snapshots.episodes if self._snapshots_due() else 0
+            snapshots = self.cfg.eval.snapshots.episodes if snapshots_due(self.cfg, self.counters.iteration) else 0
             metas, refs = self._score_group(mode="eval", snapshots=snapshots)
             if snapshots:
-                self._save_snapshots([item for m in metas for item in m.extra.get("snapshots", [])])
+                self._save_snapshots(metas)
             return self._learner_call("eval_metrics", refs) if refs else {}
         episodes = self.cfg.eval.episodes
         n = len(self.workers)
@@ -316,13 +316,13 @@ class Trainer:
             out["eval/success_rate"] = float(np.mean(successes))
         return out
 
-    def _snapshots_due(self) -> bool:
-        return snapshots_due(self.cfg, self.counters.iteration)
-
-    def _save_snapshots(self, items: list) -> None:
-        """Pictures the scorers made at this evaluation: the env family writes them under
-        media/, each goes to the metrics sinks. A picture never fails the run."""
+    def _save_snapshots(self, metas: list[BatchMeta]) -> None:
+        """Pictures the scorers made at this evaluation (in their metas): the env family writes
+        them under media/, each goes to the metrics sinks. A picture never fails the run."""
         c = self.counters
+        items = [item for m in metas for item in m.extra.get("snapshots", [])]
+        for error in (e for m in metas for e in m.extra.get("snapshot_errors", [])):
+            self._log(f"a scorer could not picture {error}")
         try:
             written = env_family(self.cfg.env.family).save_snapshots(items, self.run_dir / "media",
                                                                      f"iter_{c.iteration:04d}")

@@ -8,10 +8,10 @@ method, a CLI verb, a test) and the browser stays alive between calls.
 One episode: parse the script; load ``/forms/<id>?episode=<uuid>`` in a free page; read the page's
 element map (every label, legend and button, with the element it names: :mod:`.page`); execute the
 actions one by one (each bounded by ``action_timeout_s``; a failed action is counted, not fatal); for an
-episode asked to be pictured, a screenshot of the whole page just before the submit click (after the last
-action when the script never submits); collect what the server recorded under the episode's key; score (:mod:`flowrl_ray.envs.forms.reward`); reset
-the page to ``about:blank``. The whole episode is bounded by ``rollout_timeout_s`` (past it:
-reward 0, reason ``timeout``, and the page is replaced).
+episode asked to be pictured, take a screenshot of the whole page just before the submit click (after the
+last action when the script never submits); collect what the server recorded under the episode's key;
+score (:mod:`flowrl_ray.envs.forms.reward`); reset the page to ``about:blank``. The whole episode
+is bounded by ``rollout_timeout_s`` (past it: reward 0, reason ``timeout``, and the page is replaced).
 
 Failures: when the browser dies (killed, out of memory) the episodes in flight score 0 with reason
 ``browser_crash`` and the next episode relaunches it; a crashed page is replaced the same way. The
@@ -101,8 +101,9 @@ class BrowserPool:
 
     ``execute([(task, action_text), ...], screenshots=(i, ...))`` returns one
     :class:`EpisodeResult` per episode, in order; the episodes at the positions in
-    ``screenshots`` carry a PNG of the filled page in ``result.screenshot``. ``task`` is a :class:`FormTask` (scored against its gold fields) or a form id (a free
-    run: field accuracy None). Use as a context manager or call :meth:`close`.
+    ``screenshots`` carry a PNG of the filled page in ``result.screenshot``. ``task`` is a
+    :class:`FormTask` (scored against its gold fields) or a form id (a free run: field accuracy
+    None). Use as a context manager or call :meth:`close`.
     """
 
     def __init__(self, server: FormServer, pages: int = 4, action_timeout_s: float = 5.0,

@@ -107,7 +107,8 @@ def panel_text(task: FormTask | None, text: str, result: EpisodeResult, form: Fo
     elif not result.submitted:
         body("not submitted", WRONG)
     else:
-        body("accepted by the server" if result.accepted else "rejected by the server", RIGHT if result.accepted else WRONG)
+        body("accepted by the server" if result.accepted else "rejected by the server",
+             RIGHT if result.accepted else WRONG)
     for err in result.submission_errors[:5]:
         body(f"  {err}", WRONG)
     body(f"actions {result.actions}, executed {result.executed}, unparseable lines {result.unparseable_lines}")
@@ -122,8 +123,9 @@ def panel_text(task: FormTask | None, text: str, result: EpisodeResult, form: Fo
 
 def compose_snapshot(screenshot: bytes | None, task: FormTask | None, text: str, result: EpisodeResult,
                      form: FormSpec | None, weights: RewardWeights | None = None) -> bytes:
-    """One PNG: the screenshot (cropped to the page's content, scaled to fit SHOT_MAX_W x SHOT_MAX_H; a grey box saying why
-    when there is none) on the left, :func:`panel_text` on the right; as tall as the taller."""
+    """One PNG: the screenshot (cropped to the page's content, scaled to fit SHOT_MAX_W x
+    SHOT_MAX_H; a grey box saying why when there is none) on the left, :func:`panel_text` on the
+    right; as tall as the taller of the two."""
     from PIL import Image, ImageDraw, ImageOps
     font, bold = _font(), _font(FONT_PX + 2)
     if screenshot:
@@ -131,7 +133,8 @@ def compose_snapshot(screenshot: bytes | None, task: FormTask | None, text: str,
         content = ImageOps.invert(shot.convert("L")).getbbox()          # the page's non-white part
         if content is not None:
             x0, y0, x1, y1 = content
-            shot = shot.crop((max(0, x0 - PAD), max(0, y0 - PAD), min(shot.width, x1 + PAD), min(shot.height, y1 + PAD)))
+            shot = shot.crop((max(0, x0 - PAD), max(0, y0 - PAD),
+                              min(shot.width, x1 + PAD), min(shot.height, y1 + PAD)))
         scale = min(1.0, SHOT_MAX_W / shot.width, SHOT_MAX_H / shot.height)
         if scale < 1.0:
             shot = shot.resize((max(1, round(shot.width * scale)), max(1, round(shot.height * scale))))

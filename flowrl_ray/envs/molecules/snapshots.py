@@ -53,8 +53,8 @@ def table_molecule(positions: np.ndarray, atom_types: np.ndarray):
 
 def depiction(positions: np.ndarray, atom_types: np.ndarray):
     """The molecule to draw, with 2-D coordinates: RDKit's perceived molecule (sampled
-    hydrogens folded into their atoms' labels, none invented) when it is valid, else the table-bond graph (every atom); None if the input is
-    unusable."""
+    hydrogens folded into their atoms' labels, none invented) when it is valid, else the
+    table-bond graph (every atom); None if the input is unusable."""
     from rdkit import Chem, rdBase
     from rdkit.Chem import rdDepictor
     _blocker = rdBase.BlockLogs()  # noqa: F841 - RDKit's warnings about odd molecules
