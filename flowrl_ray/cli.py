@@ -74,6 +74,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     if _is_group_run(args.run_dir):
         return _eval_group(args)
+    if args.snapshots:
+        raise UserError("--snapshots pictures forms and molecules runs (Flow-GRPO, FED-GRPO); "
+                        f"{args.run_dir} is an env-step run")
     cfg, spec, policy = load_policy(args.run_dir)
     sampling = "random" if args.stochastic else args.sampling
     runner = EnvRunner(env_family(cfg.env.family), cfg.env, min(args.episodes, 8), cfg.seed, policy)
@@ -100,8 +103,9 @@ def _is_group_run(run_dir: str) -> bool:
 
 
 def _eval_group(args: argparse.Namespace) -> int:
-    """Group algorithms (Flow-GRPO): the learner's model generates greedily for held-out tasks
-    in this process, one local scorer (browser) scores them; prints the algorithm's eval metrics."""
+    """Group algorithms (Flow-GRPO, FED-GRPO): the learner's model generates for the evaluation
+    tasks in this process, one local scorer (browser, force field) scores them; prints the
+    algorithm's eval metrics. --snapshots N: pictures of the first N samples in RUN_DIR/media/."""
     import torch
 
     from flowrl_ray.algorithms import get_algorithm
@@ -112,17 +116,27 @@ def _eval_group(args: argparse.Namespace) -> int:
     path = latest_checkpoint(run_dir)
     if path is None:
         raise UserError(f"{run_dir} has no checkpoint yet")
-    cfg = load_config(run_dir / "config.yaml", [f"eval.episodes={args.episodes}"])
+    if not 0 <= args.snapshots <= args.episodes:
+        raise UserError(f"--snapshots {args.snapshots}: must be between 0 and --episodes ({args.episodes})")
+    cfg = load_config(run_dir / "config.yaml", [f"eval.episodes={args.episodes}",
+                                                 f"eval.snapshots.episodes={args.snapshots}"])
     family = env_family(cfg.env.family)
     spec = family.spec(cfg.env)
     algo = get_algorithm(cfg.algorithm)(cfg, spec, torch.device("cpu"))
     algo.load_state_dict(load_checkpoint(path)["learner"]["algorithm"])
     scorer = family.make_scorer(cfg.env, cfg.seed, 0)
+    n = args.snapshots
     try:
-        metrics = algo.eval_metrics([scorer.score(chunk) for chunk in algo.generate(1, "eval")])
+        batches = [scorer.score(chunk, snapshots=n) if n else scorer.score(chunk) for chunk in algo.generate(1, "eval")]
     finally:
         scorer.close()
-    print(json.dumps({"run_dir": str(run_dir), "checkpoint": path.name, **metrics}))
+    metrics = algo.eval_metrics(batches)
+    pictures = []
+    if n:
+        items = [item for b in batches for item in b.meta.extra.get("snapshots", [])]
+        pictures = [str(p) for p, _ in family.save_snapshots(items, run_dir / "media", f"eval_{path.stem}")]
+    print(json.dumps({"run_dir": str(run_dir), "checkpoint": path.name, **metrics,
+                      **({"snapshots": pictures} if n else {})}))
     return 0
 
 
@@ -392,6 +406,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="zero: deterministic (a Gaussian's mean; a flow integrated from eps = 0); "
                         "random: sample as in training")
     e.add_argument("--stochastic", action="store_true", help="same as --sampling random")
+    e.add_argument("--snapshots", type=int, default=0, metavar="N",
+                   help="forms and molecules runs: pictures of the first N evaluation samples in RUN_DIR/media/ "
+                        "(page screenshots with the reward; a grid of molecules)")
     e.set_defaults(func=cmd_eval)
 
     tu = sub.add_parser("tune", help="hyperparameter sweep with Ray Tune",

@@ -253,10 +253,25 @@ def config_from_dict(data: dict) -> Config:
     cfg = _build(Config, data, "")
     cfg.algo = _build(algorithm_cls.config_class, algo_data, "algo.")
     algorithm_cls.validate_config(cfg)
+    check_snapshots(cfg, algorithm_cls.rollout_kind)
     if algorithm_cls.rollout_kind == "group" and cfg.runtime.mode != "sync":
         raise ConfigError("config key 'runtime.mode': group rollouts (the learner generates, workers "
                           "score) run in 'sync' mode only")
     return cfg
+
+
+def check_snapshots(cfg: Config, rollout_kind: str) -> None:
+    """eval.snapshots pictures what a scoring family's evaluation produced (forms, molecules):
+    an env-step task (gym, robot: eval.video) or more pictures than evaluation samples is a
+    ConfigError naming the key."""
+    n = cfg.eval.snapshots.episodes
+    if n and rollout_kind != "group":
+        raise ConfigError(f"config key 'eval.snapshots.episodes': still pictures are made for the forms and "
+                          f"molecules families (group algorithms); env family {cfg.env.family!r} records "
+                          f"eval.video instead")
+    if n > cfg.eval.episodes:
+        raise ConfigError(f"config key 'eval.snapshots.episodes': {n} pictures of {cfg.eval.episodes} "
+                          f"evaluation samples (eval.episodes)")
 
 
 # --------------------------------------------------------------------------- overrides & files

@@ -6,7 +6,11 @@ whose actions are normalised to [-1, 1] and which autoresets in the same step (t
 observation is in ``infos["final_obs"]``), and ``snapshot(vec)/restore(blob)`` for exact resume.
 A scoring family (for ``rollout_kind = "group"``) provides ``spec(env_cfg)`` and
 ``make_scorer(env_cfg, seed, worker_id)``: an object whose ``score(payload) -> Batch`` turns the
-learner's samples into rewards (a browser, a force field). Adapters return numpy; policies run torch.
+learner's samples into rewards (a browser, a force field). A scoring family that can picture its
+samples (``eval.snapshots``) also takes ``score(payload, snapshots=N)``, returning pictures of the
+samples with ids below N in ``meta.extra["snapshots"]``, and provides
+``save_snapshots(items, media_dir, label) -> [(path, caption)]`` that the driver calls to write them.
+Adapters return numpy; policies run torch.
 """
 
 from __future__ import annotations

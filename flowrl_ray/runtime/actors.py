@@ -55,9 +55,11 @@ class RolloutWorker:
 
     @ray.method(num_returns=2)
     def score(self, chunk: dict) -> tuple[BatchMeta, Batch]:
-        """chunk: {"policy_version", "samples"} as made by Learner.generate."""
+        """chunk: {"policy_version", "samples"[, "snapshots"]} as made by Learner.generate;
+        with snapshots N > 0 the scorer also pictures the samples whose id is below N."""
         t0 = time.perf_counter()
-        batch = self.runner.score(chunk["samples"])
+        n = chunk.get("snapshots", 0)
+        batch = self.runner.score(chunk["samples"], snapshots=n) if n else self.runner.score(chunk["samples"])
         batch.meta.policy_version, batch.meta.worker_id = chunk["policy_version"], self.worker_id
         batch.meta.sample_time_s = time.perf_counter() - t0
         return batch.meta, batch
@@ -99,12 +101,14 @@ class Learner:
         receives the reference, not the weights."""
         return [ray.put(self.algo.policy_state_dict())], self.version
 
-    def generate(self, num_chunks: int, mode: str = "train") -> list:
+    def generate(self, num_chunks: int, mode: str = "train", snapshots: int = 0) -> list:
         """Group algorithms: sample on the learner's device; returns refs (one ray.put per
-        chunk) of {"policy_version", "samples"} for the scoring workers. What the update needs
-        (trajectories, behaviour log-probs) stays here, in the algorithm."""
+        chunk) of {"policy_version", "samples"} for the scoring workers (plus "snapshots": the
+        scorers picture the samples with ids below it). What the update needs (trajectories,
+        behaviour log-probs) stays here, in the algorithm."""
         chunks = self.algo.generate(num_chunks, mode)
-        return [ray.put({"policy_version": self.version, "samples": c}) for c in chunks]
+        extra = {"snapshots": snapshots} if snapshots else {}
+        return [ray.put({"policy_version": self.version, "samples": c, **extra}) for c in chunks]
 
     def eval_metrics(self, batch_refs: list) -> dict[str, float]:
         return self.algo.eval_metrics(ray.get(batch_refs))

@@ -28,7 +28,7 @@ from flowrl_ray.algorithms import get_algorithm
 from flowrl_ray.algorithms.base import Algorithm
 from flowrl_ray.batch import BatchMeta
 from flowrl_ray.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from flowrl_ray.config import Config, save_config
+from flowrl_ray.config import Config, ConfigError, save_config
 from flowrl_ray.envs import EnvSpec, env_family
 from flowrl_ray.errors import TrainingError
 from flowrl_ray.runtime.actors import Learner, RolloutWorker
@@ -70,6 +70,17 @@ def init_ray(cfg: Config, **kwargs) -> bool:
     return True
 
 
+def snapshots_due(cfg: Config, iteration: int) -> bool:
+    """Whether the evaluation at `iteration` takes eval.snapshots pictures: at every `every`-th
+    evaluation (the one at start, iteration 0, counts as the 0th; the one at iteration i as the
+    (i // eval.interval)-th) and at the last iteration's."""
+    media = cfg.eval.snapshots
+    if not media.episodes:
+        return False
+    number = iteration // cfg.eval.interval if cfg.eval.interval else 0
+    return number % media.every == 0 or iteration == cfg.train.iterations
+
+
 @dataclass
 class Counters:
     """The driver's part of a checkpoint."""
@@ -104,7 +115,11 @@ class Trainer:
         self.cfg, self.run_dir, self.resume = cfg, Path(run_dir), resume
         self.tune_trial, self.tensorboard, self.quiet = tune_trial, tensorboard, quiet
         # The spec is read before Ray starts: a bad env id stops here with a clear message.
-        self.spec: EnvSpec = env_family(cfg.env.family).spec(cfg.env)
+        family = env_family(cfg.env.family)
+        self.spec: EnvSpec = family.spec(cfg.env)
+        if cfg.eval.snapshots.episodes and not hasattr(family, "save_snapshots"):
+            raise ConfigError(f"config key 'eval.snapshots.episodes': env family {cfg.env.family!r} "
+                              f"makes no pictures (it has no save_snapshots)")
         algorithm = get_algorithm(cfg.algorithm)
         algorithm.preflight(cfg, self.spec)
         self.group_rollouts = algorithm.rollout_kind == "group"
@@ -213,9 +228,10 @@ class Trainer:
         meta_ref, batch_ref = self.workers[index].sample.remote()
         self._inflight[meta_ref] = (index, batch_ref, None)
 
-    def _score_group(self, mode: str = "train") -> tuple[list[BatchMeta], list]:
-        """Group rollouts: the learner samples, the workers score one chunk each."""
-        chunk_refs = self._learner_call("generate", len(self.workers), mode)
+    def _score_group(self, mode: str = "train", snapshots: int = 0) -> tuple[list[BatchMeta], list]:
+        """Group rollouts: the learner samples, the workers score one chunk each (and picture
+        the samples with ids below `snapshots`, returned in their metas)."""
+        chunk_refs = self._learner_call("generate", len(self.workers), mode, snapshots)
         pending = {}
         for i, chunk in enumerate(chunk_refs):
             index = i % len(self.workers)
@@ -276,7 +292,10 @@ class Trainer:
 
     def _evaluate(self) -> dict:
         if self.group_rollouts:
-            _, refs = self._score_group(mode="eval")
+            snapshots = self.cfg.eval.snapshots.episodes if snapshots_due(self.cfg, self.counters.iteration) else 0
+            metas, refs = self._score_group(mode="eval", snapshots=snapshots)
+            if snapshots:
+                self._save_snapshots(metas)
             return self._learner_call("eval_metrics", refs) if refs else {}
         episodes = self.cfg.eval.episodes
         n = len(self.workers)
@@ -300,6 +319,24 @@ class Trainer:
         if successes:
             out["eval/success_rate"] = float(np.mean(successes))
         return out
+
+    def _save_snapshots(self, metas: list[BatchMeta]) -> None:
+        """Pictures the scorers made at this evaluation (in their metas): the env family writes
+        them under media/, each goes to the metrics sinks. A picture never fails the run."""
+        c = self.counters
+        items = [item for m in metas for item in m.extra.get("snapshots", [])]
+        for error in (e for m in metas for e in m.extra.get("snapshot_errors", [])):
+            self._log(f"a scorer could not picture {error}")
+        try:
+            written = env_family(self.cfg.env.family).save_snapshots(items, self.run_dir / "media",
+                                                                     f"iter_{c.iteration:04d}")
+            for path, caption in written:
+                self.logger.log_media(path, c.env_steps, caption)
+            if written:
+                self._log(f"evaluation pictures: {len(written)} PNG(s) in "
+                          f"{written[0][0].parent.relative_to(self.run_dir)}/ ({len(items)} samples pictured)")
+        except Exception as e:  # noqa: BLE001 - a picture must not fail the run
+            self._log(f"could not write the evaluation pictures: {type(e).__name__}: {e}")
 
     def checkpoint(self) -> Path:
         if self._inflight:                       # async: let in-flight samples land first

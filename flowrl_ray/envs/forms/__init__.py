@@ -13,7 +13,9 @@ The family contract (``flowrl_ray.envs``):
 - :func:`spec` validates the config (before any actor starts) and returns ``EnvSpec((1,), 1)``;
 - :func:`make_scorer` gives a scoring actor its :class:`FormsScorer` (``score(samples) -> Batch``,
   ``close()``);
-- :func:`load_tasks` is what the algorithm draws prompts from.
+- :func:`load_tasks` is what the algorithm draws prompts from;
+- :func:`save_snapshots` writes the pictures a scorer made of the episodes it was asked for
+  (``score(samples, snapshots=N)``) to ``media/forms/``.
 
 Modules import Playwright only when a browser starts, so specs, tasks, the parser and the reward
 work without it.
@@ -29,6 +31,7 @@ from flowrl_ray.envs.forms.browser import BrowserPool, BrowserUnavailable, find_
 from flowrl_ray.envs.forms.reward import EpisodeResult, RewardWeights, normalize_value, score_episode
 from flowrl_ray.envs.forms.scorer import FormsScorer, FormsSettings
 from flowrl_ray.envs.forms.server import FormServer, render_form, validate_submission
+from flowrl_ray.envs.forms.snapshots import compose_snapshot, save_snapshots
 from flowrl_ray.envs.forms.spec import FormCatalog, FormSpec, FormSpecError, FieldSpec, load_form_spec
 from flowrl_ray.envs.forms.tasks import SPLITS, FormTask, gold_actions, make_task, task_from_id
 from flowrl_ray.envs.forms.tasks import load_tasks as _load_tasks
@@ -36,8 +39,8 @@ from flowrl_ray.envs.forms.tasks import load_tasks as _load_tasks
 __all__ = ["Action", "BrowserPool", "BrowserUnavailable", "EpisodeResult", "FieldSpec", "FormCatalog", "FormServer",
            "FormSpec", "FormSpecError", "FormTask", "FormsScorer", "FormsSettings", "ParsedScript", "RewardWeights",
            "SPLITS", "find_chromium", "format_action", "gold_actions", "load_form_spec", "load_tasks", "make_scorer",
-           "make_task", "normalize_value", "parse_actions", "render_form", "score_episode", "spec", "task_from_id",
-           "validate_submission"]
+           "make_task", "normalize_value", "parse_actions", "render_form", "save_snapshots", "score_episode", "spec",
+           "task_from_id", "validate_submission", "compose_snapshot"]
 
 
 def spec(env_cfg) -> EnvSpec:

@@ -7,10 +7,11 @@ method, a CLI verb, a test) and the browser stays alive between calls.
 
 One episode: parse the script; load ``/forms/<id>?episode=<uuid>`` in a free page; read the page's
 element map (every label, legend and button, with the element it names: :mod:`.page`); execute the
-actions one by one (each bounded by ``action_timeout_s``; a failed action is counted, not fatal); collect what
-the server recorded under the episode's key; score (:mod:`flowrl_ray.envs.forms.reward`); reset
-the page to ``about:blank``. The whole episode is bounded by ``rollout_timeout_s`` (past it:
-reward 0, reason ``timeout``, and the page is replaced).
+actions one by one (each bounded by ``action_timeout_s``; a failed action is counted, not fatal); for an
+episode asked to be pictured, take a screenshot of the whole page just before the submit click (after the
+last action when the script never submits); collect what the server recorded under the episode's key;
+score (:mod:`flowrl_ray.envs.forms.reward`); reset the page to ``about:blank``. The whole episode
+is bounded by ``rollout_timeout_s`` (past it: reward 0, reason ``timeout``, and the page is replaced).
 
 Failures: when the browser dies (killed, out of memory) the episodes in flight score 0 with reason
 ``browser_crash`` and the next episode relaunches it; a crashed page is replaced the same way. The
@@ -64,6 +65,14 @@ def find_chromium(explicit: str | None = None) -> str:
                              "or set FLOWRL_CHROMIUM to its path")
 
 
+def _submits(emap: ElementMap, action) -> bool:
+    """Whether ``action`` clicks the page's submit button."""
+    if action.verb != "click":
+        return False
+    el, _ = emap.find(action.label, ("button",))
+    return el is not None and el.type == "submit"
+
+
 class _Crash(Exception):
     """The browser or the page died under an episode."""
 
@@ -90,9 +99,11 @@ class PoolStats:
 class BrowserPool:
     """One Chromium, ``pages`` pages, episodes run concurrently; see the module docstring.
 
-    ``execute([(task, action_text), ...])`` returns one :class:`EpisodeResult` per episode, in
-    order. ``task`` is a :class:`FormTask` (scored against its gold fields) or a form id (a free
-    run: field accuracy None). Use as a context manager or call :meth:`close`.
+    ``execute([(task, action_text), ...], screenshots=(i, ...))`` returns one
+    :class:`EpisodeResult` per episode, in order; the episodes at the positions in
+    ``screenshots`` carry a PNG of the filled page in ``result.screenshot``. ``task`` is a
+    :class:`FormTask` (scored against its gold fields) or a form id (a free run: field accuracy
+    None). Use as a context manager or call :meth:`close`.
     """
 
     def __init__(self, server: FormServer, pages: int = 4, action_timeout_s: float = 5.0,
@@ -139,12 +150,13 @@ class BrowserPool:
             raise
         return self
 
-    def execute(self, episodes: Sequence[tuple[FormTask | str, str]]) -> list[EpisodeResult]:
+    def execute(self, episodes: Sequence[tuple[FormTask | str, str]],
+                screenshots: Sequence[int] = ()) -> list[EpisodeResult]:
         # One batch at a time: a periodic restart must never fall under another caller's episodes.
         with self._execute_lock:
             if self._loop is None:
                 self.start()
-            return self._call(self._run_batch(list(episodes)))
+            return self._call(self._run_batch(list(episodes), set(screenshots)))
 
     def close(self) -> None:
         if self._loop is None:
@@ -273,11 +285,11 @@ class BrowserPool:
 
     # -- episodes (loop thread)
 
-    async def _run_batch(self, items: list) -> list[EpisodeResult]:
+    async def _run_batch(self, items: list, screenshots: set[int]) -> list[EpisodeResult]:
         results: list[EpisodeResult | None] = [None] * len(items)
 
         async def one(i: int) -> None:
-            results[i] = await self._episode(*items[i])
+            results[i] = await self._episode(*items[i], screenshot=i in screenshots)
 
         pos = 0
         while pos < len(items):
@@ -290,7 +302,7 @@ class BrowserPool:
             pos += n
         return results
 
-    async def _episode(self, task: FormTask | str, text: str) -> EpisodeResult:
+    async def _episode(self, task: FormTask | str, text: str, screenshot: bool = False) -> EpisodeResult:
         gold_task = task if isinstance(task, FormTask) else None
         form_id = gold_task.form_id if gold_task else str(task)
         form = self.server.catalog.forms.get(form_id)
@@ -303,7 +315,7 @@ class BrowserPool:
         elif not parsed.actions:
             result.reason = "no_actions"
         else:
-            await self._play_guarded(form, parsed, result)
+            await self._play_guarded(form, parsed, result, screenshot)
         score_episode(result, form, gold_task.ground_truth_fields if gold_task else None, self.weights)
         self._since_launch += 1
         self.stats.episodes += 1
@@ -311,7 +323,7 @@ class BrowserPool:
             self.stats.reasons[result.reason] = self.stats.reasons.get(result.reason, 0) + 1
         return result
 
-    async def _play_guarded(self, form, parsed: ParsedScript, result: EpisodeResult) -> None:
+    async def _play_guarded(self, form, parsed: ParsedScript, result: EpisodeResult, screenshot: bool) -> None:
         await self._ensure_browser()
         slot: _Slot = await self._slots.get()
         while slot.generation != self._generation:          # left over from a dead browser
@@ -319,7 +331,7 @@ class BrowserPool:
         key = uuid.uuid4().hex
         t0 = time.perf_counter()                    # from here: waiting for a free page is not counted
         try:
-            await asyncio.wait_for(self._play(slot, form, parsed, key, result), self.rollout_timeout_s)
+            await asyncio.wait_for(self._play(slot, form, parsed, key, result, screenshot), self.rollout_timeout_s)
         except asyncio.TimeoutError:
             slot.broken = True
             result.reason = "timeout"
@@ -348,7 +360,8 @@ class BrowserPool:
         return (self._browser is None or not self._browser.is_connected() or slot.page.is_closed()
                 or type(err).__name__ == "TargetClosedError" or "has been closed" in msg or "crash" in msg)
 
-    async def _play(self, slot: _Slot, form, parsed: ParsedScript, key: str, result: EpisodeResult) -> None:
+    async def _play(self, slot: _Slot, form, parsed: ParsedScript, key: str, result: EpisodeResult,
+                    screenshot: bool = False) -> None:
         from playwright.async_api import Error as PlaywrightError
         page = slot.page
         try:
@@ -365,6 +378,8 @@ class BrowserPool:
             return
         emap = await self._element_map(slot)
         for action in parsed.actions:
+            if screenshot and _submits(emap, action):        # the filled form, as about to be sent
+                result.screenshot = await self._screenshot(page)
             try:
                 error, navigated = await run_action(page, emap, action, self.action_timeout_s)
             except PlaywrightError as e:
@@ -378,6 +393,15 @@ class BrowserPool:
                 result.executed += 1
             if navigated:
                 emap = await self._element_map(slot)
+        if screenshot and result.screenshot is None:          # never submitted: the page as left
+            result.screenshot = await self._screenshot(page)
+
+    async def _screenshot(self, page) -> bytes | None:
+        """A PNG of the whole page, or None if the browser cannot take one (never fails the episode)."""
+        try:
+            return await asyncio.wait_for(page.screenshot(full_page=True), self.action_timeout_s)
+        except Exception:  # noqa: BLE001 - a missing picture is not an episode error
+            return None
 
     async def _element_map(self, slot: _Slot) -> ElementMap:
         from playwright.async_api import Error as PlaywrightError

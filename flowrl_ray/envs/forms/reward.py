@@ -81,6 +81,8 @@ class EpisodeResult:
     submission_errors: list[str] = field(default_factory=list)   # the server's validation errors
     submitted_values: dict[str, Any] = field(default_factory=dict)
     duration_s: float = 0.0             # in the browser (waiting for a free page not counted)
+    # PNG of the filled page, only for episodes run with a screenshot asked for (not in to_dict)
+    screenshot: bytes | None = field(default=None, repr=False)
 
     @property
     def success(self) -> bool:
@@ -88,7 +90,9 @@ class EpisodeResult:
         return self.accepted and (self.field_accuracy is None or self.field_accuracy >= 1.0)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        del out["screenshot"]
+        return out
 
 
 # --------------------------------------------------------------------------- normalisation

@@ -113,6 +113,10 @@ class FormsScorer:
     ``meta.episode_returns`` are the rewards, ``meta.episode_lengths`` the parsed actions per episode,
     ``meta.extra`` holds ``reasons`` (reason -> count), ``successes`` (accepted with every field
     right, per episode: the trainer's success rate), ``accepted`` and ``unparseable_lines`` (totals).
+
+    ``snapshots`` > 0: the episodes whose id is below it are also pictured, ``meta.extra
+    ["snapshots"]``: one :func:`~flowrl_ray.envs.forms.snapshots.snapshot_item` each (a PNG of
+    the filled page beside the task, the script, the fields right/wrong and the reward).
     """
 
     def __init__(self, settings: FormsSettings, worker_id: int = 0, catalog: FormCatalog | None = None):
@@ -139,25 +143,27 @@ class FormsScorer:
                 self._tasks[tid] = None
         return self._tasks[tid]
 
-    def run(self, task_ids: list[str], texts: list[str]) -> list[EpisodeResult]:
-        """Episodes for (task id, action text) pairs; an unknown task id scores 0 (unknown_task)."""
+    def run(self, task_ids: list[str], texts: list[str], screenshots: list[int] = ()) -> list[EpisodeResult]:
+        """Episodes for (task id, action text) pairs; an unknown task id scores 0 (unknown_task).
+        The episodes at the positions in ``screenshots`` carry a PNG of the filled page."""
         episodes = []
         for tid, text in zip(task_ids, texts):
             task = self.task(str(tid))
             # An unknown id goes in as a form id the catalog lacks: the pool gates it (unknown_task).
             episodes.append((task if task is not None else f"<unknown task {tid}>", text))
-        results = self.pool.execute(episodes)
+        results = self.pool.execute(episodes, screenshots=screenshots)
         for tid, r in zip(task_ids, results):
             r.task_id = str(tid)
         return results
 
-    def score(self, samples: dict) -> Batch:
+    def score(self, samples: dict, snapshots: int = 0) -> Batch:
         ids = np.asarray(samples["ids"])
         task_ids, texts = list(samples["task_ids"]), list(samples["texts"])
         if not (len(ids) == len(task_ids) == len(texts)):
             raise ValueError(f"samples: ids, task_ids and texts differ in length "
                              f"({len(ids)}, {len(task_ids)}, {len(texts)})")
-        results = self.run(task_ids, texts)
+        pictured = [j for j in range(len(ids)) if ids[j] < snapshots]
+        results = self.run(task_ids, texts, screenshots=pictured)
         rewards = np.array([r.reward for r in results], dtype=np.float32)
         col = lambda name: np.array([getattr(r, name) or 0.0 for r in results], dtype=np.float32)  # noqa: E731
         data = {"ids": ids, "rewards": rewards, "task_completion": col("task_completion"),
@@ -170,6 +176,18 @@ class FormsScorer:
                          extra={"reasons": dict(reasons), "successes": [r.success for r in results],
                                 "accepted": sum(r.accepted for r in results),
                                 "unparseable_lines": int(data["unparseable_lines"].sum())})
+        if snapshots:                  # composed here, where the episode's details are; written by the driver
+            from flowrl_ray.envs.forms.snapshots import snapshot_item
+            meta.extra["snapshots"] = []
+            for j in pictured:
+                try:
+                    meta.extra["snapshots"].append(snapshot_item(
+                        int(ids[j]), results[j].screenshot, self.task(str(task_ids[j])), texts[j], results[j],
+                        self.catalog.forms.get(results[j].form_id), self.settings.reward_weights))
+                except Exception as e:  # noqa: BLE001 - a picture must never cost the episode's score
+                    meta.extra.setdefault("snapshot_errors", []).append(f"{task_ids[j]}: {type(e).__name__}: {e}")
+        for r in results:
+            r.screenshot = None
         return Batch(data, meta)
 
     def close(self) -> None:

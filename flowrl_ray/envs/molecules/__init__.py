@@ -9,7 +9,9 @@ and an energy reward (:mod:`~flowrl_ray.envs.molecules.rewards`) with GFN2-xTB o
 
 - :func:`spec` validates the config (before any actor starts) and returns ``EnvSpec((1,), 1)``;
 - :func:`make_scorer` gives a scoring actor its :class:`MoleculeScorer` (``score(samples) ->
-  Batch``, ``close()``).
+  Batch``, ``close()``);
+- :func:`save_snapshots` draws the molecules a scorer was asked to picture (``score(samples,
+  snapshots=N)``) into one grid, ``media/molecules/<label>.png``.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from flowrl_ray.envs import EnvSpec
 from flowrl_ray.envs.molecules.forcefield import FFResult, ForceField
 from flowrl_ray.envs.molecules.rewards import REASONS, RewardSettings, molecule_rewards
 from flowrl_ray.envs.molecules.scorer import MoleculeScorer
+from flowrl_ray.envs.molecules.snapshots import save_snapshots
 
 __all__ = ["FFResult", "ForceField", "MoleculeScorer", "REASONS", "RewardSettings", "make_scorer",
-           "molecule_rewards", "spec"]
+           "molecule_rewards", "save_snapshots", "spec"]
 
 
 def spec(env_cfg) -> EnvSpec:

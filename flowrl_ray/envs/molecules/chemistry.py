@@ -112,15 +112,25 @@ def check_stability(positions: np.ndarray, atom_types: np.ndarray) -> tuple[bool
     unknown type, shape mismatch, no atoms) gives (False, 0, n) with n = len(atom_types).
     """
     n = _num_atoms(atom_types)
+    orders = bond_orders(positions, atom_types)
+    if orders is None:
+        return False, 0, n
+    bonds = orders.sum(axis=1)                                           # [n]
+    stable = int(np.sum(bonds == _VALENCE_ARRAY[np.asarray(atom_types, dtype=np.int64)]))
+    return stable == n, stable, n
+
+
+def bond_orders(positions: np.ndarray, atom_types: np.ndarray) -> np.ndarray | None:
+    """[n, n] int matrix of EDM's table bond orders (0 none, 1, 2, 3; zero diagonal) between the
+    atoms of one molecule, the bonds :func:`check_stability` counts; None for unusable input.
+    positions [n, 3] in Å, atom_types [n] indices into ATOM_TYPES."""
     cleaned = _clean(positions, atom_types)
     if cleaned is None:
-        return False, 0, n
+        return None
     pos, types = cleaned
     dist = np.linalg.norm(pos[:, None, :] - pos[None, :, :], axis=-1)    # [n, n]
     np.fill_diagonal(dist, np.inf)                                       # no self-bonds
-    bonds = _orders(dist, types[:, None], types[None, :]).sum(axis=1)    # [n]
-    stable = int(np.sum(bonds == _VALENCE_ARRAY[types]))
-    return stable == n, stable, n
+    return _orders(dist, types[:, None], types[None, :])
 
 
 # Guards before RDKit's bond perception. xyz2mol's bond-order search can take minutes on

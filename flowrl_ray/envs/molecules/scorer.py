@@ -54,6 +54,10 @@ class MoleculeScorer:
     ``meta.episode_returns`` = ``reward``, ``meta.episode_lengths`` = atoms per molecule,
     ``meta.extra``: ``reasons`` (reason -> count), ``shaping_reasons`` (with shaping),
     ``successes`` (stable, per molecule) and ``ff_restarts`` (child restarts so far).
+
+    ``snapshots`` > 0: the molecules whose id is below it are also returned as pictures to draw,
+    ``meta.extra["snapshots"]`` (:func:`~flowrl_ray.envs.molecules.snapshots.snapshot_item`
+    dicts; the driver's :func:`~flowrl_ray.envs.molecules.snapshots.save_snapshots` makes the grid).
     """
 
     def __init__(self, settings: RewardSettings, worker_id: int = 0):
@@ -62,7 +66,7 @@ class MoleculeScorer:
         self.ff = ForceField(settings.backend, max_iter=settings.max_iter, timeout_s=settings.timeout_s,
                              min_distance=settings.min_distance)
 
-    def score(self, samples: dict) -> Batch:
+    def score(self, samples: dict, snapshots: int = 0) -> Batch:
         s = self.settings
         ids = np.asarray(samples["ids"])
         positions, atom_types = list(samples["positions"]), list(samples["atom_types"])
@@ -117,6 +121,16 @@ class MoleculeScorer:
             data["shaping_energy_reward"] = np.array([r["energy_reward"] for r in shaped],
                                                      dtype=np.float32).reshape(k, steps)
             extra["shaping_reasons"] = dict(Counter(r["reason"] for r in shaped))
+        if snapshots:                 # the molecules with ids < snapshots, drawn by the driver
+            from flowrl_ray.envs.molecules.snapshots import snapshot_item
+            extra["snapshots"] = []
+            for j in (j for j in range(k) if ids[j] < snapshots):
+                try:
+                    extra["snapshots"].append(snapshot_item(
+                        int(ids[j]), positions[j], atom_types[j], bool(stable_info[j][0]), smiles[j] is not None,
+                        float(data["formation_energy_per_atom_eV"][j])))
+                except Exception as e:  # noqa: BLE001 - a picture must never cost the molecule's score
+                    extra.setdefault("snapshot_errors", []).append(f"{int(ids[j])}: {type(e).__name__}: {e}")
         meta = BatchMeta(policy_version=-1, worker_id=self.worker_id, env_steps=k,
                          episode_returns=data["reward"].tolist(),
                          episode_lengths=[len(t) for t in atom_types],
