@@ -142,11 +142,15 @@ class Trainer:
     def _restore(self, ckpt: dict) -> None:
         c = ckpt["trainer"]
         self.counters = Counters(**c)
-        ray.get(self.learner.set_state.remote(ckpt["learner"]))
+        notes = ray.get(self.learner.set_state.remote(ckpt["learner"]))
         states = ckpt.get("workers") or []
         ray.get([w.set_state.remote(s) for w, s in zip(self.workers, states)])
         truncate_metrics(self.run_dir, self.counters.iteration)
         self._log(f"resumed from iteration {self.counters.iteration} ({self.counters.env_steps:,} env steps)")
+        # A longer (or shorter) run: the algorithm's schedules go on from where they stood.
+        before, after = ckpt["config"]["train"]["iterations"], self.cfg.train.iterations
+        for note in notes:
+            self._log(f"train.iterations {before} -> {after}: {note}")
 
     def _publish(self) -> None:
         """One ray.put of the new weights; every worker gets the same ref."""
