@@ -66,7 +66,8 @@ def check_resume(run_config: Config, cfg: Config, run_dir: str | os.PathLike) ->
     """The allowed changes from the run's config to ``cfg``; ConfigError naming the keys that a
     resumed run cannot change, or a train.iterations below what the run has done."""
     changes = config_changes(run_config, cfg)
-    frozen = {k: v for k, v in changes.items() if not resumable(k)}
+    # top-level keys first (algorithm, name, seed), then sections
+    frozen = {k: changes[k] for k in sorted(changes, key=lambda k: (k.count("."), k)) if not resumable(k)}
     if frozen:
         shown = ", ".join(f"{k} ({a!r} in the run, {b!r} now)" for k, (a, b) in list(frozen.items())[:6])
         more = f" and {len(frozen) - 6} more" if len(frozen) > 6 else ""
