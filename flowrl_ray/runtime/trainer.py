@@ -65,7 +65,8 @@ def init_ray(cfg: Config, **kwargs) -> bool:
         num_cpus = cfg.runtime.num_cpus or max(os.cpu_count() or 1, math.ceil(required_cpus(cfg)))
         if cfg.runtime.worker_niceness is not None:      # read by the raylet that ray.init starts
             os.environ["RAY_worker_niceness"] = str(cfg.runtime.worker_niceness)
-        ray.init(num_cpus=num_cpus, log_to_driver=True, **kwargs)
+        # address="local": a private Ray, even when another cluster runs on this machine
+        ray.init(address="local", num_cpus=num_cpus, log_to_driver=True, **kwargs)
     return True
 
 
