@@ -73,7 +73,8 @@ def check_resume(run_config: Config, cfg: Config, run_dir: str | os.PathLike) ->
         more = f" and {len(frozen) - 6} more" if len(frozen) > 6 else ""
         raise ConfigError(f"the config differs from the one {Path(run_dir)} was trained with in keys a resumed run "
                           f"cannot change: {shown}{more} (a resume may change train.iterations, eval.*, "
-                          f"logging.* and runtime resources)")
+                          f"logging.* and runtime resources; `--resume {Path(run_dir)}` without CONFIG keeps "
+                          f"the run's own config)")
     done = checkpoint_iteration(run_dir)
     if done is not None and cfg.train.iterations < done:
         raise ConfigError(f"config key 'train.iterations': {cfg.train.iterations} is below the {done} "

@@ -259,6 +259,15 @@ def _one_line_error(proc) -> str:
     return lines[0]
 
 
+@pytest.mark.parametrize("args, needle", [
+    (["train", str(PENDULUM), "--run-dir", "/tmp/x", "--resume-if-exists", "--resume", "/tmp/x"], "not both"),
+    (["train", str(PENDULUM), "--resume-if-exists"], "--resume-if-exists needs a CONFIG and --run-dir"),
+    (["train", "--run-dir", "/tmp/x", "--resume-if-exists"], "--resume-if-exists needs a CONFIG and --run-dir"),
+])
+def test_resume_flag_mistakes_are_one_line(args, needle):
+    assert needle in _one_line_error(_cli(*args, timeout=120))
+
+
 @pytest.mark.slow
 def test_extending_a_finished_ppo_run_goes_on_from_its_last_lr(tmp_path):
     run = tmp_path / "run"

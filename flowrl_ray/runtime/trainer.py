@@ -149,9 +149,9 @@ class Trainer:
         truncate_metrics(self.run_dir, self.counters.iteration)
         self._log(f"resumed from iteration {self.counters.iteration} ({self.counters.env_steps:,} env steps)")
         # A longer (or shorter) run: the algorithm's schedules go on from where they stood.
-        before, after = ckpt["config"]["train"]["iterations"], self.cfg.train.iterations
         for note in notes:
-            self._log(f"train.iterations {before} -> {after}: {note}")
+            self._log(f"train.iterations {ckpt['config']['train']['iterations']} -> "
+                      f"{self.cfg.train.iterations}: {note}")
 
     def _publish(self) -> None:
         """One ray.put of the new weights; every worker gets the same ref."""
