@@ -29,21 +29,48 @@ def _default_run_dir(name: str) -> Path:
 # --------------------------------------------------------------------------- verbs
 
 def cmd_train(args: argparse.Namespace) -> int:
+    """A new run, or a resumed one: ``--resume RUN`` (RUN's config, or CONFIG, plus overrides),
+    or ``--run-dir RUN --resume-if-exists`` (resume RUN when it exists, else start it). A resumed
+    run's config may differ from RUN's own only in the keys ``flowrl_ray.resume`` allows."""
+    from flowrl_ray.resume import check_resume, checkpoint_iteration
+    config_file, overrides = args.config, list(args.overrides)
+    if config_file and "=" in config_file:            # `train --resume RUN key=value`: no CONFIG
+        config_file, overrides = None, [config_file] + overrides
+    if args.resume and args.resume_if_exists:
+        raise UserError("give --resume RUN or --run-dir RUN --resume-if-exists, not both")
     if args.resume:
         run_dir = Path(args.resume)
+        if args.run_dir and Path(args.run_dir) != run_dir:
+            raise UserError(f"--resume {run_dir} continues that run; --run-dir {args.run_dir} names another")
         if not (run_dir / "config.yaml").is_file():
             raise UserError(f"--resume {run_dir}: not a run directory (no config.yaml)")
-        if args.config and Path(args.config).suffix in (".yaml", ".yml"):
-            raise UserError("--resume takes the run's own config; pass only key=value overrides")
-        overrides = ([args.config] if args.config else []) + args.overrides
-        cfg = load_config(run_dir / "config.yaml", overrides)
+        resume = True
+    elif args.resume_if_exists:
+        if not args.run_dir or not config_file:
+            raise UserError("--resume-if-exists needs a CONFIG and --run-dir RUN (the run a re-launch resumes)")
+        run_dir = Path(args.run_dir)
+        resume = (run_dir / "config.yaml").is_file()
+        if not resume:
+            print(f"[flowrl_ray] {run_dir} holds no run yet: starting it", flush=True)
     else:
-        if not args.config:
+        if not config_file:
             raise UserError("train needs a CONFIG file (or --resume RUN_DIR)")
-        cfg = load_config(args.config, args.overrides)
-        run_dir = Path(args.run_dir) if args.run_dir else _default_run_dir(cfg.name)
+        run_dir = Path(args.run_dir) if args.run_dir else None
+        resume = False
+    if resume:
+        cfg = load_config(config_file or run_dir / "config.yaml", overrides)
+        if checkpoint_iteration(run_dir) is None:
+            print(f"[flowrl_ray] {run_dir} has no checkpoint yet: starting the run afresh", flush=True)
+        else:
+            changes = check_resume(load_config(run_dir / "config.yaml"), cfg, run_dir)
+            if changes:
+                print(f"[flowrl_ray] resuming {run_dir} with " + ", ".join(
+                    f"{k} {a} -> {b}" for k, (a, b) in changes.items()), flush=True)
+    else:
+        cfg = load_config(config_file, overrides)
+        run_dir = run_dir or _default_run_dir(cfg.name)
     from flowrl_ray.runtime.trainer import Trainer
-    trainer = Trainer(cfg, run_dir, resume=bool(args.resume), tensorboard=not args.no_tensorboard)
+    trainer = Trainer(cfg, run_dir, resume=resume, tensorboard=not args.no_tensorboard)
     print(f"[flowrl_ray] run directory: {run_dir}", flush=True)
     try:
         trainer.setup()
@@ -392,7 +419,13 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("config", nargs="?", help="YAML config (configs/<algorithm>/<task>.yaml)")
     t.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. train.iterations=20")
     t.add_argument("--run-dir", help="run directory (default runs/<name>-<timestamp>)")
-    t.add_argument("--resume", metavar="RUN_DIR", help="continue RUN_DIR from its latest checkpoint")
+    t.add_argument("--resume", metavar="RUN_DIR",
+                   help="continue RUN_DIR from its latest checkpoint, with its own config (or CONFIG, which must "
+                        "resolve to it) and overrides; a resume may change train.iterations (schedules go on "
+                        "from where they stand), eval.*, logging.* and runtime resources, nothing else")
+    t.add_argument("--resume-if-exists", action="store_true",
+                   help="with --run-dir RUN: resume RUN when it exists (same config rule as --resume), else "
+                        "start it; the same command starts a run and re-launches it after a preemption")
     t.add_argument("--no-tensorboard", action="store_true", help="skip TensorBoard event files")
     t.set_defaults(func=cmd_train)
 

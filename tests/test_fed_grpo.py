@@ -252,7 +252,7 @@ def test_lr_multiplier_warms_up_then_follows_the_cosine_to_its_floor():
     assert f(12) == pytest.approx(0.3) and f(50) == pytest.approx(0.3)   # floor, held after
     assert lr_multiplier("constant", 10)(7) == 1.0
     with pytest.raises(ValueError):
-        lr_multiplier("linear", 10)
+        lr_multiplier("exponential", 10)
 
 
 def test_molecule_summary_by_hand():

@@ -75,6 +75,8 @@ def test_job_yaml(path):
 
     # The entrypoint is valid shell, and every flowrl-ray command in it parses with the real CLI
     subprocess.run(["sh", "-n", "-c", job.entrypoint], check=True)
+    # A re-launch runs the same command (`--resume-if-exists` decides): no shell `if` around it
+    assert not {"if", "then", "else", "fi"} & set(shlex.split(job.entrypoint.replace(";", " ; "))), job.entrypoint
     commands = _commands(job.entrypoint)
     assert commands, f"no flowrl-ray command in {job.entrypoint!r}"
     parser = build_parser()
@@ -94,13 +96,13 @@ def test_job_yaml(path):
             assert parsed.out.startswith("/mnt/user_storage/") and parsed.episodes > 0
         if args[0] != verb:
             continue
-        if verb == "train" and parsed.config:
-            # the config exists (relative to working_dir) and is valid
-            assert (REPO / parsed.config).is_file(), parsed.config
+        if verb == "train":
+            # the config exists (relative to working_dir) and is valid; the run is resumed when
+            # it exists (a retry after a preemption, a second submit) and started otherwise
+            assert parsed.config and (REPO / parsed.config).is_file(), parsed.config
             load_config(REPO / parsed.config, parsed.overrides)
             assert parsed.run_dir and parsed.run_dir.startswith("/mnt/user_storage/")
-        if verb == "train" and parsed.resume:
-            assert parsed.resume.startswith("/mnt/user_storage/")
+            assert parsed.resume_if_exists and not parsed.resume, args
         if verb == "eval":
             assert parsed.episodes > 0 and parsed.run_dir.startswith("/mnt/user_storage/")
 
@@ -113,24 +115,17 @@ def test_eval_job_reads_the_train_jobs_run(train):
     eval_path = train.with_name(train.name.replace("_train", "_eval"))
     train_cmds = [parser.parse_known_args(a)[0] for a in _commands(_load(train).entrypoint) if a[0] == "train"]
     (eval_cmd,) = [parser.parse_known_args(a)[0] for a in _commands(_load(eval_path).entrypoint)]
-    fresh = [c for c in train_cmds if c.config]
-    resumed = [c for c in train_cmds if c.resume]
-    assert len(fresh) == 1 and len(resumed) == 1, "train starts a run, or resumes it when it exists"
-    assert fresh[0].run_dir == resumed[0].resume == eval_cmd.run_dir
+    (train_cmd,) = train_cmds          # one command starts the run and resumes it when it exists
+    assert train_cmd.resume_if_exists and train_cmd.run_dir == eval_cmd.run_dir
 
 
-def test_train_entrypoint_resumes_an_existing_run(tmp_path):
-    """Run the shell logic of a train entrypoint with a stub flowrl_ray.cli that prints its args."""
-    job = _load(REPO / "jobs" / "ppo_pendulum_train.yaml")
-    run_dir = tmp_path / "run"
-    script = job.entrypoint.replace("/mnt/user_storage/runs/ppo-pendulum", str(run_dir))
-    script = script.replace("python -m flowrl_ray.cli", "echo")
-    first = subprocess.run(["sh", "-c", script], capture_output=True, text=True, check=True).stdout
-    assert first.split()[:2] == ["train", "configs/ppo/pendulum.yaml"]
-    run_dir.mkdir()
-    (run_dir / "config.yaml").write_text("name: x\n")
-    again = subprocess.run(["sh", "-c", script], capture_output=True, text=True, check=True).stdout
-    assert again.split() == ["train", "--resume", str(run_dir)]
+def test_every_train_job_relaunches_with_resume_if_exists():
+    """All of them (23 when this was written), each with exactly one train command."""
+    trains = [p for p in JOBS if p.stem.endswith("_train")]
+    assert len(trains) >= 23
+    for path in trains:
+        commands = [a for a in _commands(_load(path).entrypoint) if a[0] == "train"]
+        assert len(commands) == 1 and "--resume-if-exists" in commands[0] and "--resume" not in commands[0], path.name
 
 
 def test_containerfile_matches_pyproject():

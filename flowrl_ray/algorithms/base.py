@@ -28,6 +28,9 @@ class Algorithm(ABC):
     rollout_kind = "env_step"
     #: dataclass schema of the config's `algo` section
     config_class: type
+    #: what ``load_state_dict`` changed for a resumed run with another ``train.iterations``
+    #: (schedules extended to the new total, see ``load_scheduler``), one line each
+    resume_notes: tuple[str, ...] = ()
 
     @staticmethod
     def validate_config(cfg: Config) -> None:
@@ -113,21 +116,94 @@ def frozen_copy(module: nn.Module) -> nn.Module:
     return ref
 
 
-def lr_multiplier(kind: str, total_steps: int, warmup_steps: int = 0, min_ratio: float = 0.0):
-    """The multiplier function of a ``LambdaLR``: linear warm-up over ``warmup_steps``, then
-    ``constant`` (1) or ``cosine`` from 1 down to ``min_ratio`` at ``total_steps`` (held after)."""
-    if kind not in ("constant", "cosine"):
-        raise ValueError(f"lr schedule must be 'constant' or 'cosine', got {kind!r}")
+class LRSchedule:
+    """The learning-rate multiplier of a ``LambdaLR``, over steps (iterations or optimiser steps):
+    a linear warm-up over ``warmup`` steps, ``(step + 1) / warmup``, then ``kind`` over the
+    progress p in [0, 1] of the rest, down to ``end`` at ``total`` (held after):
+        constant  1          linear  end + (1 - end) (1 - p)
+        cosine    end + (1 - end) (1 + cos(pi p)) / 2
 
-    def multiplier(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        if kind == "constant":
+    p runs linearly from an anchor (step a, progress p_a) to 1 at ``total``:
+        p(step) = p_a + min(step - a, span) / span * (1 - p_a),   span = max(1, total - a)
+    A new schedule is anchored at (warmup, 0). ``extend`` re-anchors it to a new total (a
+    resumed run with another ``train.iterations``) from where it stands: see there.
+
+    A callable object, not a closure, so that ``LambdaLR.state_dict`` saves its attributes
+    (kind, total, anchor) and ``load_state_dict`` restores them: a checkpoint knows the total
+    its schedule ran to. Use :func:`load_scheduler` to load one.
+    """
+
+    def __init__(self, kind: str, total: int, warmup: int = 0, end: float = 0.0):
+        if kind not in ("constant", "linear", "cosine"):
+            raise ValueError(f"lr schedule must be 'constant', 'linear' or 'cosine', got {kind!r}")
+        self.kind, self.total, self.warmup, self.end = kind, total, warmup, end
+        self.anchor_step, self.anchor_progress = warmup, 0.0
+
+    def progress(self, step: int) -> float:
+        """p in [0, 1] of a step at or after the anchor."""
+        span = max(1, self.total - self.anchor_step)
+        return self.anchor_progress + min(step - self.anchor_step, span) / span * (1.0 - self.anchor_progress)
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        if self.kind == "constant":
             return 1.0
-        span = max(1, total_steps - warmup_steps)
-        progress = min(step - warmup_steps, span) / span
-        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
-    return multiplier
+        p = self.progress(step)
+        if self.kind == "linear":
+            return self.end + (1.0 - self.end) * (1.0 - p)
+        return self.end + (1.0 - self.end) * 0.5 * (1.0 + math.cos(math.pi * p))
+
+    def extend(self, total: int, next_step: int) -> None:
+        """Run the rest of the schedule to ``total`` instead, ``next_step`` steps having been taken.
+
+        The last step taken (``next_step - 1``) becomes the anchor with the progress it had:
+        its value is kept, and the remaining progress (and so the rest of the shape) is
+        stretched, or squeezed, over the steps up to the new total. The schedule goes on
+        continuously from where it stood and reaches ``end`` only at ``total``. A warm-up
+        counted in steps is kept as it is; a schedule still warming up only gets the new total.
+        With an unchanged total this changes nothing (the old and the new p agree)."""
+        last = next_step - 1
+        if last >= max(self.warmup, self.anchor_step):
+            self.anchor_progress = self.progress(last)
+            self.anchor_step = last
+        self.total = total
+
+
+def lr_multiplier(kind: str, total_steps: int, warmup_steps: int = 0, min_ratio: float = 0.0) -> LRSchedule:
+    """The :class:`LRSchedule` every algorithm's ``LambdaLR`` uses: warm-up over ``warmup_steps``,
+    then ``kind`` from 1 down to ``min_ratio`` at ``total_steps``."""
+    return LRSchedule(kind, total_steps, warmup_steps, min_ratio)
+
+
+def load_scheduler(scheduler: torch.optim.lr_scheduler.LambdaLR, state: dict, name: str,
+                   unit: str = "iteration") -> list[str]:
+    """Load a ``LambdaLR``'s state into a scheduler built from the current config.
+
+    Where the config's total (``train.iterations``) differs from the one the checkpoint's
+    schedule ran to, the schedule is extended (:meth:`LRSchedule.extend`) and the optimiser's
+    learning rate set to the extended schedule's value at the next step; with the same total
+    nothing changes (an exact resume stays bit-for-bit). ``name`` and ``unit`` (what a step
+    counts) word the returned lines, one per schedule whose values changed.
+    Checkpoints written before schedules were objects hold no total: they keep the config's.
+    """
+    totals = [getattr(f, "total", None) for f in scheduler.lr_lambdas]     # the config's
+    scheduler.load_state_dict(state)
+    step, notes = scheduler.last_epoch, []
+    for i, (f, total) in enumerate(zip(scheduler.lr_lambdas, totals)):
+        if not isinstance(f, LRSchedule) or f.total == total:
+            continue
+        old_total, before = f.total, f(step)
+        f.extend(total, step)
+        base = scheduler.base_lrs[i]
+        scheduler.optimizer.param_groups[i]["lr"] = base * f(step)
+        scheduler._last_lr[i] = base * f(step)
+        if f.kind != "constant" and step > 0 and step >= f.warmup:
+            notes.append(f"{name} schedule ({unit}s {old_total} -> {total}) re-anchored after {unit} {step} "
+                         f"(lr {base * f(step - 1):.3g}): lr {base * f(step):.3g} at {unit} {step + 1} "
+                         f"(was {base * before:.3g}), down to {base * f.end:.3g} over the remaining "
+                         f"{total - step} {unit}s")
+    return notes
 
 
 def weight_metrics(module: nn.Module, init: dict[str, torch.Tensor] | None = None,

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from flowrl_ray.algorithms.advantages import group_normalize
-from flowrl_ray.algorithms.base import Algorithm, frozen_copy, lr_multiplier
+from flowrl_ray.algorithms.base import Algorithm, frozen_copy, load_scheduler, lr_multiplier
 from flowrl_ray.algorithms.losses import ppo_clip_objective
 from flowrl_ray.batch import Batch
 from flowrl_ray.config import Config, ConfigError, check
@@ -372,7 +372,7 @@ class FEDGRPO(Algorithm):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
         self.opt.load_state_dict(state["opt"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        self.resume_notes = tuple(load_scheduler(self.scheduler, state["scheduler"], "fed_grpo lr", "optimiser step"))
         self.generator.set_state(state["generator"])
         self.iteration, self.skipped_updates = state["iteration"], state["skipped_updates"]
 

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from flowrl_ray.algorithms.advantages import explained_variance, normalize
-from flowrl_ray.algorithms.base import Algorithm, lr_multiplier, optimizer_step
+from flowrl_ray.algorithms.base import Algorithm, load_scheduler, lr_multiplier, optimizer_step
 from flowrl_ray.algorithms.losses import approx_kl, aspo_objective, ppo_clip_objective, value_loss
 from flowrl_ray.algorithms.onpolicy import advantages_from_rollouts
 from flowrl_ray.batch import Batch, map_obs
@@ -191,8 +191,10 @@ class FPOPP(Algorithm):
         self.critic = ValueMLP(spec.obs_dim, c.critic_hidden_sizes, image_shape(cfg), c.feature_dim).to(device)
         self.actor_opt = torch.optim.AdamW(self._policy.parameters(), lr=c.actor_lr, weight_decay=c.weight_decay)
         self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=c.critic_lr, weight_decay=c.weight_decay)
-        # The actor's schedule counts its own iterations (it starts after the critic warm-up).
-        actor_schedule = lr_multiplier(c.lr_schedule, cfg.train.iterations, c.actor_lr_warmup_iters)
+        # The actor's schedule counts its own iterations: it starts after the critic warm-up,
+        # so it has that many fewer to reach its end (its warm-up counts actor iterations too).
+        actor_iterations = max(1, cfg.train.iterations - c.critic_warmup_iters)
+        actor_schedule = lr_multiplier(c.lr_schedule, actor_iterations, c.actor_lr_warmup_iters)
         critic_schedule = lr_multiplier(c.lr_schedule, cfg.train.iterations)
         self.schedulers = [torch.optim.lr_scheduler.LambdaLR(self.actor_opt, actor_schedule),
                            torch.optim.lr_scheduler.LambdaLR(self.critic_opt, critic_schedule)]
@@ -310,8 +312,9 @@ class FPOPP(Algorithm):
         self.critic.load_state_dict(state["critic"])
         self.actor_opt.load_state_dict(state["actor_opt"])
         self.critic_opt.load_state_dict(state["critic_opt"])
-        for s, sd in zip(self.schedulers, state["schedulers"]):
-            s.load_state_dict(sd)
+        actor, critic = self.schedulers
+        self.resume_notes = tuple(load_scheduler(actor, state["schedulers"][0], "fpopp actor lr", "actor iteration")
+                                  + load_scheduler(critic, state["schedulers"][1], "fpopp critic lr"))
         self.generator.set_state(state["generator"])
         self.iteration, self.skipped_updates = state["iteration"], state["skipped_updates"]
 

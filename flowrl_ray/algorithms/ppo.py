@@ -2,7 +2,8 @@
 
 Clipped surrogate, optional clipped value loss, entropy bonus, GAE(lambda) with termination vs
 truncation, per-minibatch advantage normalisation, minibatch epochs, target-KL early stop,
-grad-norm clip, linear or constant learning-rate schedule. Reads top to bottom:
+grad-norm clip, linear or constant learning-rate schedule (``LRSchedule``; a resumed run with
+another ``train.iterations`` extends it from where it stands). Reads top to bottom:
 
     prepare:  V(s_t), V(s_{t+1}) (bootstrap on truncation) -> GAE -> flat [T*N] tensors
     update:   epochs x minibatches of   -L_clip + c_v * L_V - c_e * H
@@ -17,7 +18,7 @@ import numpy as np
 import torch
 
 from flowrl_ray.algorithms.advantages import explained_variance, normalize
-from flowrl_ray.algorithms.base import Algorithm, optimizer_step
+from flowrl_ray.algorithms.base import Algorithm, load_scheduler, lr_multiplier, optimizer_step
 from flowrl_ray.algorithms.losses import approx_kl, ppo_clip_objective, value_loss
 from flowrl_ray.algorithms.onpolicy import advantages_from_rollouts
 from flowrl_ray.batch import Batch
@@ -82,10 +83,9 @@ class PPO(Algorithm):
         self.value_net = ValueNet(spec.obs_dim, c.hidden_sizes, c.activation).to(device)
         self.params = list(self._policy.parameters()) + list(self.value_net.parameters())
         self.optimizer = torch.optim.Adam(self.params, lr=c.lr, eps=1e-5, fused=True)  # one kernel, not a loop per tensor
-        total = cfg.train.iterations
         # Linear anneal to 0 over the run, stepped once per update (CleanRL's schedule).
-        schedule = (lambda i: max(0.0, 1.0 - i / total)) if c.lr_schedule == "linear" else (lambda i: 1.0)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_multiplier(c.lr_schedule, cfg.train.iterations))
         self.generator = torch.Generator().manual_seed(cfg.seed)   # minibatch shuffling
         self.skipped_updates = 0
 
@@ -167,6 +167,6 @@ class PPO(Algorithm):
         self._policy.load_state_dict(state["policy"])
         self.value_net.load_state_dict(state["value_net"])
         self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        self.resume_notes = tuple(load_scheduler(self.scheduler, state["scheduler"], "ppo lr"))
         self.generator.set_state(state["generator"])
         self.skipped_updates = state["skipped_updates"]

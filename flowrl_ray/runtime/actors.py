@@ -135,7 +135,10 @@ class Learner:
     def pid(self) -> int:
         return os.getpid()
 
-    def set_state(self, state: dict[str, Any]) -> None:
+    def set_state(self, state: dict[str, Any]) -> list[str]:
+        """Load a checkpoint's learner state; returns what the algorithm changed to fit the
+        config (schedules extended to a new train.iterations), one line each."""
         self.algo.load_state_dict(state["algorithm"])
         self.version = state["version"]
         torch.set_rng_state(state["torch_rng"])
+        return list(self.algo.resume_notes)

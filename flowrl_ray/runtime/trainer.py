@@ -66,7 +66,8 @@ def init_ray(cfg: Config, **kwargs) -> bool:
         num_cpus = cfg.runtime.num_cpus or max(os.cpu_count() or 1, math.ceil(required_cpus(cfg)))
         if cfg.runtime.worker_niceness is not None:      # read by the raylet that ray.init starts
             os.environ["RAY_worker_niceness"] = str(cfg.runtime.worker_niceness)
-        ray.init(num_cpus=num_cpus, log_to_driver=True, **kwargs)
+        # address="local": a private Ray, even when another cluster runs on this machine
+        ray.init(address="local", num_cpus=num_cpus, log_to_driver=True, **kwargs)
     return True
 
 
@@ -161,11 +162,15 @@ class Trainer:
     def _restore(self, ckpt: dict) -> None:
         c = ckpt["trainer"]
         self.counters = Counters(**c)
-        ray.get(self.learner.set_state.remote(ckpt["learner"]))
+        notes = ray.get(self.learner.set_state.remote(ckpt["learner"]))
         states = ckpt.get("workers") or []
         ray.get([w.set_state.remote(s) for w, s in zip(self.workers, states)])
         truncate_metrics(self.run_dir, self.counters.iteration)
         self._log(f"resumed from iteration {self.counters.iteration} ({self.counters.env_steps:,} env steps)")
+        # A longer (or shorter) run: the algorithm's schedules go on from where they stood.
+        for note in notes:
+            self._log(f"train.iterations {ckpt['config']['train']['iterations']} -> "
+                      f"{self.cfg.train.iterations}: {note}")
 
     def _publish(self) -> None:
         """One ray.put of the new weights; every worker gets the same ref."""
