@@ -35,7 +35,8 @@ Videos: with ``video = (camera, size)`` set, the env renders one frame [size, si
 every reset (the first frame) and after every executed low-level step, so an episode of S
 low-level steps has S + 1 frames, shown at the control frequency (20 fps: real time). A reset
 moves the finished episode's frames to ``finished_frames`` (vector envs reset in the same step
-that ends an episode). Rendering is off by default: it costs about as much as the physics.
+that ends an episode). Rendering is off by default: on the CPU a frame costs several times a
+control step's physics, and a model rebuild (seeded reset) needs a new GL context (about 1.5 s).
 """
 
 from __future__ import annotations
@@ -210,22 +211,33 @@ class RobotEnv(gym.Env):
             out[f"{cam}_image"] = self.render_camera(cam)
         return out
 
-    def render_camera(self, camera: str, size: int | None = None) -> np.ndarray:
+    def render_camera(self, camera: str, size: int | None = None,
+                      reflections: bool = True) -> np.ndarray:
         """[H, W, 3] uint8 with H = W = ``size`` (default env.image_size), upright (OpenGL reads
-        rows bottom-up; robomimic stores them flipped)."""
+        rows bottom-up; robomimic stores them flipped). ``reflections=False`` skips the table's
+        mirror pass (half the CPU time of a frame, barely visible; videos only: observations keep
+        the look the demos were rendered with)."""
+        import mujoco
         sim = self.raw.sim
         if sim._render_context_offscreen is None:
             # State-observation envs are built without a renderer (a model rebuild drops it as
             # well): make robosuite's offscreen context on first use (EGL or OSMesa, as MUJOCO_GL).
             from robosuite.utils.binding_utils import MjRenderContextOffscreen
             MjRenderContextOffscreen(sim, device_id=-1)
-        size = size or self.image_size
-        img = sim.render(width=size, height=size, camera_name=camera)
+        flags, flag = sim._render_context_offscreen.scn.flags, mujoco.mjtRndFlag.mjRND_REFLECTION
+        previous = flags[flag]
+        flags[flag] = previous and reflections
+        try:
+            size = size or self.image_size
+            img = sim.render(width=size, height=size, camera_name=camera)
+        finally:
+            flags[flag] = previous
         return np.ascontiguousarray(img[::-1])
 
     def _record_frame(self) -> None:
         if self.video is not None:
-            self.frames.append(self.render_camera(*self.video))
+            camera, size = self.video
+            self.frames.append(self.render_camera(camera, size, reflections=False))
 
     def observation(self, raw: dict[str, np.ndarray]):
         state = np.concatenate([np.asarray(raw[k], np.float64).ravel() for k in self.keys])
