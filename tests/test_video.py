@@ -84,7 +84,14 @@ def test_only_the_wanted_episodes_are_rendered(monkeypatch):
     assert not np.array_equal(video["frames"][0], video["frames"][-1])                  # the arm moved
 
 
-def test_train_and_eval_write_videos_that_decode(tmp_path, capsys, local_ray):
+@pytest.mark.slow
+def test_train_and_eval_write_videos_that_decode(tmp_path, capsys, monkeypatch, local_ray):
+    from flowrl_ray.runtime.metrics import MetricsLogger
+    media = []           # (path, step, caption) of every video handed to the media sinks
+    log_media = MetricsLogger.log_media
+    monkeypatch.setattr(MetricsLogger, "log_media",
+                        lambda self, path, step, caption="": media.append((path, step, caption))
+                        or log_media(self, path, step, caption))
     run, config = tmp_path / "run", tmp_path / "video.yaml"
     # evaluations at iterations 1, 2, 3: films at every 2nd (number 2) and at the last one (3)
     config.write_text(yaml.safe_dump(robot_config(video={"episodes": 1, "every": 2, "size": 32})))
@@ -101,12 +108,17 @@ def test_train_and_eval_write_videos_that_decode(tmp_path, capsys, local_ray):
         frames = decode(run / "videos" / name)
         assert frames.shape == (FRAMES, 32, 32, 3)
 
+    # at the env steps of iterations 2 and 3 (4 chunks an iteration)
+    assert [(p.name, step) for p, step, _ in media] == [(names[0], 8), (names[1], 12)]
+    assert media[0][2] == f"iteration 2: failure, return 0.0, {FRAMES} frames at 20 fps"
+
     assert main(["eval", str(run), "--episodes", "2", "--video", "1"]) == 0
     captured = capsys.readouterr()
     result = json.loads(captured.out.strip().splitlines()[-1])        # stdout: the JSON only
     assert result["episodes"] == 2 and result["success_rate"] == 0.0
     assert result["videos"] == [str(run / "videos" / "eval" / "iter_0003_0_failure.mp4")]
     assert decode(result["videos"][0]).shape == (FRAMES, 32, 32, 3)        # the run's eval.video.size
+    assert [(str(p), step) for p, step, _ in media[2:]] == [(result["videos"][0], 12)]
     assert re.search(r"\[eval lift\] 2/2 episodes \| \d+\.\d s/episode \| elapsed \d+s \| ETA 0s", captured.err)
 
 
