@@ -125,7 +125,8 @@ class EvalConfig:
     # random: sampled as in training
     sampling: Literal["zero", "random"] = "zero"
     at_start: bool = False      # also evaluate the initial policy (a pretrained one) as iteration 0
-    # robot tasks: videos of evaluation episodes, runs/<name>/videos/iter_<i>_<k>_<success|failure>.mp4
+    # robot tasks: videos of evaluation episodes, runs/<name>/videos/iter_<i>_<k>_<success|failure>.mp4,
+    # at the evaluations numbered 0 (at_start), every, 2 * every, ... (iteration // interval) and the last
     video: VideoConfig = field(default_factory=VideoConfig)
     # forms and molecules: still pictures of evaluation outputs (page screenshots with the
     # submitted values and reward; a grid of sampled molecules marked stable/valid) in media/
