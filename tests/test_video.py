@@ -114,7 +114,8 @@ def test_train_and_eval_write_videos_that_decode(tmp_path, capsys, monkeypatch, 
 
     assert main(["eval", str(run), "--episodes", "2", "--video", "1"]) == 0
     captured = capsys.readouterr()
-    result = json.loads(captured.out.strip().splitlines()[-1])        # stdout: the JSON only
+    [line] = captured.out.strip().splitlines()          # stdout: the JSON only, progress on stderr
+    result = json.loads(line)
     assert result["episodes"] == 2 and result["success_rate"] == 0.0
     assert result["videos"] == [str(run / "videos" / "eval" / "iter_0003_0_failure.mp4")]
     assert decode(result["videos"][0]).shape == (FRAMES, 32, 32, 3)        # the run's eval.video.size
