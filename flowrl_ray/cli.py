@@ -95,20 +95,38 @@ def _learning_result(summary: dict) -> str:
 def cmd_eval(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from flowrl_ray.checkpoint import load_policy
+    from flowrl_ray.checkpoint import latest_checkpoint, load_policy
     from flowrl_ray.envs import env_family
     from flowrl_ray.envs.rollout import EnvRunner
+    from flowrl_ray.progress import CountProgress
 
+    if args.episodes <= 0:
+        raise UserError(f"--episodes: must be > 0, got {args.episodes}")
+    if not 0 <= args.video <= args.episodes:
+        raise UserError(f"--video: must be between 0 and --episodes ({args.episodes}), got {args.video}")
     if _is_group_run(args.run_dir):
+        if args.video:
+            raise UserError("--video: videos are rendered for robot tasks only")
         return _eval_group(args)
     if args.snapshots:
         raise UserError("--snapshots pictures forms and molecules runs (Flow-GRPO, FED-GRPO); "
                         f"{args.run_dir} is an env-step run")
     cfg, spec, policy = load_policy(args.run_dir)
+    family = env_family(cfg.env.family)
+    if args.video:
+        if not hasattr(family, "check_video"):
+            raise UserError(f"--video: videos are rendered for robot tasks only, not env.family "
+                            f"{cfg.env.family!r}")
+        family.check_video(cfg.eval.video)
     sampling = "random" if args.stochastic else args.sampling
-    runner = EnvRunner(env_family(cfg.env.family), cfg.env, min(args.episodes, 8), cfg.seed, policy)
+    # Progress on stderr: stdout carries only the JSON result.
+    progress = CountProgress(args.episodes, f"eval {cfg.env.id}", "episodes", stream=sys.stderr)
+    runner = EnvRunner(family, cfg.env, min(args.episodes, 8), cfg.seed, policy)
     try:
-        result = runner.evaluate(args.episodes, deterministic=sampling == "zero")
+        result = runner.evaluate(args.episodes, deterministic=sampling == "zero",
+                                 video_episodes=args.video,
+                                 video=(cfg.eval.video.camera, cfg.eval.video.size),
+                                 on_episodes=lambda done, total: progress.update(done))
     finally:
         runner.close()
     r = np.array(result["episode_returns"])
@@ -117,8 +135,32 @@ def cmd_eval(args: argparse.Namespace) -> int:
            "length_mean": float(np.mean(result["episode_lengths"]))}
     if "episode_successes" in result:
         out["success_rate"] = float(np.mean(result["episode_successes"]))
+    if args.video:
+        iteration = int(latest_checkpoint(args.run_dir).stem.split("_")[1])     # iter_000020.pt
+        out["videos"] = [str(p) for p in _write_eval_videos(cfg, args.run_dir, iteration,
+                                                            result["videos"])]
     print(json.dumps(out))
     return 0
+
+
+def _write_eval_videos(cfg, run_dir: str, iteration: int, videos: list[dict]) -> list[Path]:
+    """RUN/videos/eval/iter_<i>_<k>_<success|failure>.mp4 (beside the training's videos, not over
+    them), each also to the run's media sinks at the checkpoint's env step."""
+    from flowrl_ray.runtime.metrics import MetricsLogger, read_metrics
+    from flowrl_ray.video import save_videos, video_caption
+    paths = save_videos(videos, Path(run_dir) / "videos" / "eval", iteration)
+    step = next((r["env_steps"] for r in read_metrics(run_dir)
+                 if r.get("iteration") == iteration and "env_steps" in r), iteration)
+    try:
+        logger = MetricsLogger(Path(run_dir), cfg.name, tensorboard=True)
+        try:
+            for path, v in zip(paths, videos):
+                logger.log_media(path, step, video_caption(iteration, v))
+        finally:
+            logger.close()
+    except Exception as e:  # noqa: BLE001 - the files are written; a sink must not fail the eval
+        print(f"flowrl-ray eval: could not log the videos to TensorBoard: {e}", file=sys.stderr)
+    return paths
 
 
 def _is_group_run(run_dir: str) -> bool:
@@ -432,7 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="evaluate a run's latest checkpoint",
                        description="Run episodes with the latest checkpoint's policy (deterministic by "
                                    "default) and print return statistics (and success rate, for robot "
-                                   "tasks) as JSON.")
+                                   "tasks) as JSON on stdout; progress lines go to stderr.")
     e.add_argument("run_dir")
     e.add_argument("--episodes", type=int, default=10)
     e.add_argument("--sampling", choices=["zero", "random"], default="zero",
@@ -442,6 +484,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--snapshots", type=int, default=0, metavar="N",
                    help="forms and molecules runs: pictures of the first N evaluation samples in RUN_DIR/media/ "
                         "(page screenshots with the reward; a grid of molecules)")
+    e.add_argument("--video", type=int, default=0, metavar="N",
+                   help="robot tasks: render the first N episodes (camera and size from the run's "
+                        "eval.video) to RUN_DIR/videos/eval/iter_<checkpoint iteration>_<k>_"
+                        "<success|failure>.mp4")
     e.set_defaults(func=cmd_eval)
 
     tu = sub.add_parser("tune", help="hyperparameter sweep with Ray Tune",

@@ -110,6 +110,14 @@ class MediaConfig:
 
 
 @dataclass
+class VideoConfig(MediaConfig):
+    """Robot tasks: MP4s of evaluation episodes from one robosuite camera, size x size pixels
+    (a multiple of 16, as H.264 wants), one frame per low-level step at the control frequency."""
+    camera: str = "agentview"
+    size: int = field(default=256, metadata=check(gt=0))
+
+
+@dataclass
 class EvalConfig:
     interval: int = field(default=10, metadata=check(ge=0))   # iterations; 0 disables periodic eval
     episodes: int = field(default=10, metadata=check(gt=0))
@@ -117,8 +125,9 @@ class EvalConfig:
     # random: sampled as in training
     sampling: Literal["zero", "random"] = "zero"
     at_start: bool = False      # also evaluate the initial policy (a pretrained one) as iteration 0
-    # robot tasks: videos of evaluation episodes, runs/<name>/videos/iter_<i>_<k>_<success|failure>.mp4
-    video: MediaConfig = field(default_factory=MediaConfig)
+    # robot tasks: videos of evaluation episodes, runs/<name>/videos/iter_<i>_<k>_<success|failure>.mp4,
+    # at the evaluations numbered 0 (at_start), every, 2 * every, ... (iteration // interval) and the last
+    video: VideoConfig = field(default_factory=VideoConfig)
     # forms and molecules: still pictures of evaluation outputs (page screenshots with the
     # submitted values and reward; a grid of sampled molecules marked stable/valid) in media/
     snapshots: MediaConfig = field(default_factory=MediaConfig)

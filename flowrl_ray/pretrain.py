@@ -65,25 +65,32 @@ def chunk_dataset(path: str | Path, env_cfg: EnvConfig, norm: NormStats):
     return obs, np.concatenate(chunks).astype(np.float32)
 
 
-def _success(runner, episodes: int, deterministic: bool) -> dict:
-    r = runner.evaluate(episodes, deterministic=deterministic)
+def _success(runner, episodes: int, deterministic: bool, on_episodes=None) -> dict:
+    r = runner.evaluate(episodes, deterministic=deterministic, on_episodes=on_episodes)
     return {"success_rate": float(np.mean(r["episode_successes"])),
             "return_mean": float(np.mean(r["episode_returns"])),
             "length_mean": float(np.mean(r["episode_lengths"]))}
 
 
-def evaluate(cfg: Config, policy, episodes: int, seed: int = 0) -> dict:
-    """Success rates of ``policy`` in the real env: zero-sampling (eps = 0) and random sampling."""
+def evaluate(cfg: Config, policy, episodes: int, seed: int = 0, progress: bool = False) -> dict:
+    """Success rates of ``policy`` in the real env: zero-sampling (eps = 0) and random sampling.
+    ``progress``: a line whenever episodes finish (2 x ``episodes`` in all), with rate and ETA."""
     from flowrl_ray.envs import env_family
     from flowrl_ray.envs.rollout import EnvRunner
+    from flowrl_ray.progress import CountProgress
     start = time.perf_counter()
     policy.eval()
     runner = EnvRunner(env_family(cfg.env.family), cfg.env, min(episodes, 4), seed, policy)
+    line = CountProgress(2 * episodes, "pretrain eval", "episodes") if progress else None
+
+    def report(offset: int, sampling: str):
+        return None if line is None else (lambda done, total: line.update(offset + done, f"{sampling} sampling"))
+
     try:
         # A few observations per call: more threads would only add synchronisation.
         with _torch_threads(1):
-            out = {"episodes": episodes, "zero": _success(runner, episodes, True),
-                   "random": _success(runner, episodes, False)}
+            out = {"episodes": episodes, "zero": _success(runner, episodes, True, report(0, "zero")),
+                   "random": _success(runner, episodes, False, report(episodes, "random"))}
     finally:
         runner.close()
     out["seconds"] = round(time.perf_counter() - start, 1)
@@ -140,7 +147,7 @@ def pretrain(cfg: Config, dataset: str | Path | None = None, out: str | Path | N
         start = time.perf_counter()
         rows = fit(policy, obs, actions, epochs, batch_size, lr, seed, metrics_path, progress)
         train_s = time.perf_counter() - start
-        result = evaluate(cfg, policy, eval_episodes, seed) if eval_episodes > 0 else None
+        result = evaluate(cfg, policy, eval_episodes, seed, progress) if eval_episodes > 0 else None
 
     from flowrl_ray.plotting import plot_curves
     plot_curves({"bc loss": [(np.array([r["epoch"] for r in rows]), np.array([r["loss"] for r in rows]))]},

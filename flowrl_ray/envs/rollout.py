@@ -106,20 +106,38 @@ class EnvRunner:
             meta.extra["successes"] = successes
         return Batch(buf, meta)
 
-    def evaluate(self, episodes: int, deterministic: bool = True) -> dict:
+    def evaluate(self, episodes: int, deterministic: bool = True, video_episodes: int = 0,
+                 video: tuple[str, int] = ("agentview", 256), on_episodes=None) -> dict:
         """Run `episodes` full episodes on separate, freshly seeded eval envs (training envs
         keep their state). Returns returns and lengths of each episode (and, for families that
-        report success, ``episode_successes``)."""
+        report success, ``episode_successes``).
+
+        video_episodes: families that render (robot: ``video = (camera, size)``) record the
+        first ``video_episodes`` episodes that start, and only those, returned as ``videos``:
+        [{"frames": [S + 1, H, W, 3] uint8 (the reset frame and one per low-level step),
+        "fps" (the env's ``control_freq``: real time), "return", "length" (env steps),
+        "success" (None where the family reports none)}].
+        on_episodes(done, total): called after every env step in which episodes finished.
+        """
+        if video_episodes and not hasattr(self.family, "check_video"):
+            raise ValueError("this env family renders no videos")
         if self._eval_envs is None:
             self._eval_envs = self.family.make_vector_env(self.env_cfg, min(self.num_envs, episodes))
         envs = self._eval_envs
-        obs, _ = envs.reset(seed=self.seed + EVAL_SEED_OFFSET)
         n = envs.num_envs
         # Each env runs a fixed quota of episodes, so short episodes are not over-represented.
         quota = np.array([episodes // n + (i < episodes % n) for i in range(n)])
+        # Rendering is slow: envs record only while a wanted video is running on them. The first
+        # min(video_episodes, n) envs start recording; one that finishes a video goes on recording
+        # its next episode while more videos are wanted.
+        recording = [i < min(video_episodes, episodes) and quota[i] > 0 for i in range(n)]
+        started_videos = sum(recording)
+        if video_episodes:
+            envs.set_attr("video", [video if r else None for r in recording])
+        obs, _ = envs.reset(seed=self.seed + EVAL_SEED_OFFSET)
         done_count = np.zeros(n, dtype=np.int64)
         ret, length = np.zeros(n), np.zeros(n, dtype=np.int64)
-        returns, lengths, successes = [], [], []
+        returns, lengths, successes, videos = [], [], [], []
         eval_gen = torch.Generator().manual_seed(self.seed + EVAL_SEED_OFFSET)
         while (done_count < quota).any():
             action, _ = self._act(obs, deterministic, eval_gen)
@@ -128,17 +146,36 @@ class EnvRunner:
             length += 1
             done = terminated | truncated
             counted = done & (done_count < quota)
-            for i in np.flatnonzero(counted):
-                returns.append(float(ret[i]))
-                lengths.append(int(length[i]))
             success = self._successes(info, counted) if counted.any() else None
             if success is not None:
                 successes.extend(success)
+            for j, i in enumerate(np.flatnonzero(counted)):
+                returns.append(float(ret[i]))
+                lengths.append(int(length[i]))
+                if recording[i]:
+                    frames = envs.get_attr("finished_frames")[i]   # the episode's, moved at reset
+                    videos.append({"frames": np.stack(frames),
+                                   "fps": envs.get_attr("control_freq")[i], "return": float(ret[i]),
+                                   "length": int(length[i]),
+                                   "success": None if success is None else bool(success[j])})
+                    recording[i] = started_videos < video_episodes and done_count[i] + 1 < quota[i]
+                    started_videos += recording[i]
+                    if not recording[i]:
+                        envs.set_attr("video", [None if k == i else v
+                                                for k, v in enumerate(envs.get_attr("video"))])
             done_count += done
             ret[done], length[done] = 0.0, 0
+            if on_episodes is not None and counted.any():
+                on_episodes(min(int(np.minimum(done_count, quota).sum()), episodes), episodes)
+        if video_episodes:               # frames stay out of later evaluations' memory
+            envs.set_attr("video", [None] * n)
+            envs.set_attr("frames", [[] for _ in range(n)])
+            envs.set_attr("finished_frames", [[] for _ in range(n)])
         out = {"episode_returns": returns[:episodes], "episode_lengths": lengths[:episodes]}
         if hasattr(self.family, "episode_success"):
             out["episode_successes"] = successes[:episodes]
+        if video_episodes:
+            out["videos"] = videos[:video_episodes]
         return out
 
     # Exact resume: the envs (simulator state and RNGs, through the family's snapshot), the

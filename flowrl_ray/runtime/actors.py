@@ -42,6 +42,7 @@ class RolloutWorker:
         self.rollout_length = cfg.runtime.rollout_length
         self.worker_id = worker_id
         self.eval_sampling = cfg.eval.sampling
+        self.video = (cfg.eval.video.camera, cfg.eval.video.size)
 
     def set_weights(self, state_dict: dict, version: int) -> int:
         # `state_dict` arrives resolved from the one ray.put the learner made for this version.
@@ -64,8 +65,11 @@ class RolloutWorker:
         batch.meta.sample_time_s = time.perf_counter() - t0
         return batch.meta, batch
 
-    def evaluate(self, episodes: int) -> dict:
-        return self.runner.evaluate(episodes, deterministic=self.eval_sampling == "zero")
+    def evaluate(self, episodes: int, video_episodes: int = 0) -> dict:
+        """EnvRunner.evaluate's result; the first `video_episodes` episodes are rendered and come
+        back as ``videos`` (frames [S + 1, H, W, 3] uint8 each) for the driver to encode."""
+        return self.runner.evaluate(episodes, deterministic=self.eval_sampling == "zero",
+                                    video_episodes=video_episodes, video=self.video)
 
     def policy_version(self) -> int:
         return self.runner.policy_version

@@ -71,15 +71,29 @@ def init_ray(cfg: Config, **kwargs) -> bool:
     return True
 
 
-def snapshots_due(cfg: Config, iteration: int) -> bool:
-    """Whether the evaluation at `iteration` takes eval.snapshots pictures: at every `every`-th
-    evaluation (the one at start, iteration 0, counts as the 0th; the one at iteration i as the
-    (i // eval.interval)-th) and at the last iteration's."""
-    media = cfg.eval.snapshots
+def media_due(cfg: Config, media, iteration: int) -> bool:
+    """Whether the evaluation at `iteration` takes the pictures `media` (eval.video or
+    eval.snapshots) asks for: at every `every`-th evaluation (the one at start, iteration 0, counts
+    as the 0th; the one at iteration i as the (i // eval.interval)-th) and at the last iteration's."""
     if not media.episodes:
         return False
     number = iteration // cfg.eval.interval if cfg.eval.interval else 0
     return number % media.every == 0 or iteration == cfg.train.iterations
+
+
+def snapshots_due(cfg: Config, iteration: int) -> bool:
+    """eval.snapshots at the evaluation of `iteration` (see media_due)."""
+    return media_due(cfg, cfg.eval.snapshots, iteration)
+
+
+def progress_units(cfg: Config) -> dict:
+    """What the progress line's step count means: env steps, or action chunks where the env
+    executes a chunk of env.act_steps low-level steps per step (env.horizon_steps > 1)."""
+    env = cfg.env
+    if env.horizon_steps <= 1:
+        return {"unit": "steps"}
+    low = "robosuite steps" if env.family == "robot" else "env steps"
+    return {"unit": "chunks", "unit_note": f"up to {env.act_steps} {low} each"}
 
 
 @dataclass
@@ -124,6 +138,12 @@ class Trainer:
         algorithm = get_algorithm(cfg.algorithm)
         algorithm.preflight(cfg, self.spec)
         self.group_rollouts = algorithm.rollout_kind == "group"
+        if cfg.eval.video.episodes:
+            check_video = getattr(env_family(cfg.env.family), "check_video", None)
+            if check_video is None or self.group_rollouts:
+                raise ConfigError(f"config key 'eval.video': videos are rendered for robot tasks "
+                                  f"(env.family robot) only, not env.family {cfg.env.family!r}")
+            check_video(cfg.eval.video)
         self.counters = Counters()
         self.workers: list = []
         self._started_ray = False
@@ -305,8 +325,11 @@ class Trainer:
         episodes = self.cfg.eval.episodes
         n = len(self.workers)
         shares = [episodes // n + (i < episodes % n) for i in range(n)]
-        refs = {self.workers[i].evaluate.remote(s): i for i, s in enumerate(shares) if s > 0}
-        returns, lengths, successes = [], [], []
+        # Videos of the first eval.video.episodes episodes, taken from the first workers' shares.
+        wanted = self._video_episodes()
+        videos = [min(s, max(0, wanted - sum(shares[:i]))) for i, s in enumerate(shares)]
+        refs = {self.workers[i].evaluate.remote(s, videos[i]): i for i, s in enumerate(shares) if s > 0}
+        returns, lengths, successes, recorded = [], [], [], []
         for ref, i in refs.items():
             try:
                 result = ray.get(ref, timeout=self.cfg.runtime.sample_timeout_s)
@@ -316,6 +339,9 @@ class Trainer:
             returns += result["episode_returns"]
             lengths += result["episode_lengths"]
             successes += result.get("episode_successes", [])
+            recorded += result.get("videos", [])
+        if recorded:
+            self._write_videos(recorded)
         if not returns:
             return {}
         out = {"eval/return_mean": float(np.mean(returns)), "episode_reward": float(np.mean(returns)),
@@ -343,6 +369,26 @@ class Trainer:
         except Exception as e:  # noqa: BLE001 - a picture must not fail the run
             self._log(f"could not write the evaluation pictures: {type(e).__name__}: {e}")
 
+    def _video_episodes(self) -> int:
+        """Episodes to film at this evaluation: eval.video.episodes at the evaluations numbered
+        0 (eval.at_start), every, 2 * every, ... (number = iteration // eval.interval) and at
+        the last iteration; 0 otherwise."""
+        video = self.cfg.eval.video
+        return video.episodes if media_due(self.cfg, video, self.counters.iteration) else 0
+
+    def _write_videos(self, videos: list[dict]) -> None:
+        """runs/<name>/videos/iter_<i>_<k>_<success|failure>.mp4, each also to the media sinks."""
+        from flowrl_ray.video import save_videos, video_caption
+        c = self.counters
+        try:
+            paths = save_videos(videos, self.run_dir / "videos", c.iteration)
+            for path, v in zip(paths, videos):
+                self.logger.log_media(path, c.env_steps, video_caption(c.iteration, v))
+        except Exception as e:  # noqa: BLE001 - a video must not fail the run
+            self._log(f"could not write the evaluation videos: {e}")
+            return
+        self._log(f"videos: {', '.join(str(p.relative_to(self.run_dir)) for p in paths)}")
+
     def checkpoint(self) -> Path:
         if self._inflight:                       # async: let in-flight samples land first
             ray.wait(list(self._inflight), num_returns=len(self._inflight),
@@ -363,7 +409,8 @@ class Trainer:
         cfg, c = self.cfg, self.counters
         total = cfg.train.iterations
         progress = Progress(total, f"{cfg.algorithm} {cfg.env.id}", c.iteration,
-                            stream=open(os.devnull, "w") if self.quiet else None)
+                            stream=open(os.devnull, "w") if self.quiet else None,
+                            **progress_units(cfg))
         recent = collections.deque(c.recent_returns, maxlen=RETURN_WINDOW)
         recent_success = collections.deque(c.recent_successes, maxlen=RETURN_WINDOW)
         last_saved = c.iteration

@@ -36,7 +36,7 @@ from flowrl_ray.envs.robot.env import (ACTION_DIM, CAMERAS, LOW_DIM_KEYS, PROPRI
                                        RobotEnv, Task, get_task, max_steps, obs_keys)
 
 __all__ = ["ACTION_DIM", "LOW_DIM_KEYS", "PROPRIO_KEYS", "TASKS", "RobotEnv", "Task", "get_task",
-           "check_config", "load_norm", "spec", "observation_shapes", "make_env",
+           "check_config", "check_video", "load_norm", "spec", "observation_shapes", "make_env",
            "make_vector_env", "episode_success", "snapshot", "restore"]
 
 
@@ -66,6 +66,16 @@ def check_config(env_cfg: EnvConfig) -> Task:
             raise ConfigError(f"config key 'env.dataset': {str(path)!r} holds {name} demos, "
                               f"but env.id is {task.name} ({task.env_name})")
     return task
+
+
+def check_video(video) -> None:
+    """Validate ``eval.video`` (a VideoConfig): a known camera, a size H.264 encodes as is."""
+    if video.camera not in CAMERAS:
+        raise ConfigError(f"config key 'eval.video.camera': unknown camera {video.camera!r}; "
+                          f"choose from {', '.join(CAMERAS)}")
+    if video.size % 16:
+        raise ConfigError(f"config key 'eval.video.size': must be a multiple of 16 (H.264 "
+                          f"macroblocks), got {video.size}")
 
 
 def load_norm(env_cfg: EnvConfig) -> NormStats | None:

@@ -30,6 +30,13 @@ episode terminates at the first successful step (``terminate_on_success``) or is
 ``max_episode_steps`` low-level steps have run, possibly in the middle of a chunk.
 ``info["success"]`` says whether the episode has been solved at any step so far and
 ``info["substeps"]`` how many low-level steps the chunk ran.
+
+Videos: with ``video = (camera, size)`` set, the env renders one frame [size, size, 3] uint8 at
+every reset (the first frame) and after every executed low-level step, so an episode of S
+low-level steps has S + 1 frames, shown at the control frequency (20 fps: real time). A reset
+moves the finished episode's frames to ``finished_frames`` (vector envs reset in the same step
+that ends an episode). Rendering is off by default: on the CPU a frame costs several times a
+control step's physics, and a model rebuild (seeded reset) needs a new GL context (about 1.5 s).
 """
 
 from __future__ import annotations
@@ -165,6 +172,10 @@ class RobotEnv(gym.Env):
         self.model_seed: int | None = None   # seed of the last model build (see rebuild)
         self.steps = 0                 # low-level steps in this episode
         self.solved = False            # success reached at some step of this episode
+        self.control_freq = CONTROL_FREQ  # low-level steps per second: a video's fps
+        self.video: tuple[str, int] | None = None   # (camera, size): record frames (see module doc)
+        self.frames: list[np.ndarray] = []           # this episode's frames, [H, W, 3] uint8 each
+        self.finished_frames: list[np.ndarray] = []  # the previous episode's, moved at reset
 
     # ------------------------------------------------------------------ observations
 
@@ -200,10 +211,33 @@ class RobotEnv(gym.Env):
             out[f"{cam}_image"] = self.render_camera(cam)
         return out
 
-    def render_camera(self, camera: str) -> np.ndarray:
-        """[H, W, 3] uint8, upright (OpenGL reads rows bottom-up; robomimic stores them flipped)."""
-        img = self.raw.sim.render(width=self.image_size, height=self.image_size, camera_name=camera)
+    def render_camera(self, camera: str, size: int | None = None,
+                      reflections: bool = True) -> np.ndarray:
+        """[H, W, 3] uint8 with H = W = ``size`` (default env.image_size), upright (OpenGL reads
+        rows bottom-up; robomimic stores them flipped). ``reflections=False`` skips the table's
+        mirror pass (half the CPU time of a frame, barely visible; videos only: observations keep
+        the look the demos were rendered with)."""
+        import mujoco
+        sim = self.raw.sim
+        if sim._render_context_offscreen is None:
+            # State-observation envs are built without a renderer (a model rebuild drops it as
+            # well): make robosuite's offscreen context on first use (EGL or OSMesa, as MUJOCO_GL).
+            from robosuite.utils.binding_utils import MjRenderContextOffscreen
+            MjRenderContextOffscreen(sim, device_id=-1)
+        flags, flag = sim._render_context_offscreen.scn.flags, mujoco.mjtRndFlag.mjRND_REFLECTION
+        previous = flags[flag]
+        flags[flag] = previous and reflections
+        try:
+            size = size or self.image_size
+            img = sim.render(width=size, height=size, camera_name=camera)
+        finally:
+            flags[flag] = previous
         return np.ascontiguousarray(img[::-1])
+
+    def _record_frame(self) -> None:
+        if self.video is not None:
+            camera, size = self.video
+            self.frames.append(self.render_camera(camera, size, reflections=False))
 
     def observation(self, raw: dict[str, np.ndarray]):
         state = np.concatenate([np.asarray(raw[k], np.float64).ravel() for k in self.keys])
@@ -221,6 +255,8 @@ class RobotEnv(gym.Env):
             self.rebuild(seed)
         self.raw.reset()
         self.steps, self.solved = 0, False
+        self.finished_frames, self.frames = self.frames, []
+        self._record_frame()
         return self.observation(self.raw_obs()), {"success": False}
 
     def rebuild(self, seed: int) -> None:
@@ -250,6 +286,7 @@ class RobotEnv(gym.Env):
         reward, terminated, truncated, substeps = 0.0, False, False, 0
         for row in chunk[:self.act_steps]:
             success = self.step_raw(rescale_action(row, self.action_low, self.action_high))
+            self._record_frame()
             substeps += 1
             reward += float(success)
             terminated = success and self.env_cfg.terminate_on_success

@@ -24,6 +24,7 @@ from flowrl_ray.config import EnvConfig
 from flowrl_ray.envs.robomimic_data import (ROBOSUITE_ENV_TYPE, DemoWriter, compute_stats,
                                              write_stats)
 from flowrl_ray.envs.robot.env import LOW_DIM_KEYS, RobotEnv, get_task
+from flowrl_ray.progress import CountProgress
 
 POS_SCALE = 0.05      # OSC_POSE output_max: metres per unit of action
 ROT_SCALE = 0.5       # radians per unit of action
@@ -354,6 +355,8 @@ def collect_demos(task: str, episodes: int, out_path: str | Path, seed: int = 0,
     max_attempts = max_attempts or 4 * episodes
     attempts = successes = steps = 0
     start = time.perf_counter()
+    # One line per attempt: demos so far, seconds per kept demo (failed attempts included), ETA.
+    line = CountProgress(episodes, f"demos {t.name}", "demos") if progress else None
     args = {"env_name": t.env_name, "env_version": env.robosuite_version, "type": ROBOSUITE_ENV_TYPE,
             "env_kwargs": {**env.robosuite_kwargs, "camera_names": list(cameras),
                            "camera_heights": image_size, "camera_widths": image_size}}
@@ -372,9 +375,9 @@ def collect_demos(task: str, episodes: int, out_path: str | Path, seed: int = 0,
                            np.stack(record["states"]),
                            # each seeded reset rebuilds the scene (Lift's cube size): its own MJCF
                            model_file=env.raw.sim.model.get_xml())
-            if progress:
-                print(f"[demos {t.name}] attempt {attempts}: {'ok' if ok else 'failed'} "
-                      f"({successes}/{episodes} demos, {time.perf_counter() - start:.0f}s)", flush=True)
+            if line is not None:
+                line.update(successes, f"attempt {attempts}: {'ok' if ok else 'failed'}, "
+                                       f"{len(record['actions'])} robosuite steps")
     env.close()
     if successes:
         write_stats(out_path, compute_stats(out_path, LOW_DIM_KEYS))
