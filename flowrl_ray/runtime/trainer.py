@@ -33,6 +33,7 @@ from flowrl_ray.envs import EnvSpec, env_family
 from flowrl_ray.errors import TrainingError
 from flowrl_ray.runtime.actors import Learner, RolloutWorker
 from flowrl_ray.runtime.metrics import MetricsLogger, Progress, read_metrics, truncate_metrics
+from flowrl_ray.runtime.tracking import open_trackers, preflight
 from flowrl_ray.utils import atomic_write_text
 
 RETURN_WINDOW = 100   # episode_return_mean averages the last 100 finished training episodes
@@ -106,6 +107,8 @@ class Trainer:
         self.spec: EnvSpec = env_family(cfg.env.family).spec(cfg.env)
         algorithm = get_algorithm(cfg.algorithm)
         algorithm.preflight(cfg, self.spec)
+        if not tune_trial:          # a trial's W&B / MLflow run belongs to Tune's callbacks
+            preflight(cfg.logging)
         self.group_rollouts = algorithm.rollout_kind == "group"
         self.counters = Counters()
         self.workers: list = []
@@ -135,9 +138,10 @@ class Trainer:
         # On resume this records the overrides given then (e.g. a longer train.iterations).
         save_config(self.cfg, self.run_dir / "config.yaml")
         self._publish()
+        trackers = [] if self.tune_trial else open_trackers(self.cfg, self.run_dir, self.resume)
         self.logger = MetricsLogger(self.run_dir, self.cfg.name, tensorboard=self.tensorboard,
                                     ray_metrics=True, tune=self.tune_trial,
-                                    purge_step=self.counters.env_steps or None)
+                                    purge_step=self.counters.env_steps or None, trackers=trackers)
 
     def _restore(self, ckpt: dict) -> None:
         c = ckpt["trainer"]
@@ -416,8 +420,10 @@ class Trainer:
         for y, name in plots:
             try:
                 plot_runs([self.run_dir], self.run_dir / "plots" / name, y=y)
+                self.logger.log_media(self.run_dir / "plots" / name, self.counters.env_steps, y)
             except Exception as e:  # noqa: BLE001 - a plot must not fail a finished run
                 self._log(f"could not draw {name}: {e}")
+        self.logger.log_final(summary, latest_checkpoint(self.run_dir))
         return summary
 
     def close(self) -> None:
