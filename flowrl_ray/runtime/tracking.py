@@ -122,7 +122,7 @@ class WandbTracker:
         self.run = wandb.init(
             project=w.project, entity=w.entity, mode=wandb_mode(cfg.logging),
             tags=list(w.tags) or None, name=w.name or cfg.name, group=w.group,
-            id=run_id or wandb.util.generate_id(), resume="allow", allow_val_change=True,
+            id=run_id, resume="allow", allow_val_change=True,
             config=cfg.to_dict(), dir=os.environ.get("WANDB_DIR") or str(run_dir))
         self.run_id = self.run.id
         self.run.define_metric("env_steps")
