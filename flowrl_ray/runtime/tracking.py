@@ -125,6 +125,11 @@ class WandbTracker:
             id=run_id, resume="allow", allow_val_change=True,
             config=cfg.to_dict(), dir=os.environ.get("WANDB_DIR") or str(run_dir))
         self.run_id = self.run.id
+        if self.run.settings.mode == "offline":
+            offline_dir = Path(self.run.dir).parent        # <dir>/wandb/offline-run-<time>-<id>
+            self.where = f"W&B run {self.run_id}, offline in {offline_dir} (upload: wandb sync {offline_dir})"
+        else:
+            self.where = f"W&B run {self.run_id}: {self.run.url}"
         self.run.define_metric("env_steps")
         self.run.define_metric("iteration")          # an x-axis to choose in the W&B UI
 
@@ -168,6 +173,7 @@ class MlflowTracker:
                 "algorithm": cfg.algorithm, "env": cfg.env.id, "run_dir": str(run_dir.resolve())}).info.run_id
             existing = {}
         self.run_id = run_id
+        self.where = f"MLflow run {run_id} at {m.tracking_uri} (experiment '{m.experiment or cfg.name}')"
         self._log_params(flatten(cfg.to_dict()), existing)
 
     def _log_params(self, params: dict, existing: dict) -> None:

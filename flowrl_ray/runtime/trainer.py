@@ -139,6 +139,8 @@ class Trainer:
         save_config(self.cfg, self.run_dir / "config.yaml")
         self._publish()
         trackers = [] if self.tune_trial else open_trackers(self.cfg, self.run_dir, self.resume)
+        for tracker in trackers:
+            self._log(("continuing " if self.resume else "logging to ") + tracker.where)
         self.logger = MetricsLogger(self.run_dir, self.cfg.name, tensorboard=self.tensorboard,
                                     ray_metrics=True, tune=self.tune_trial,
                                     purge_step=self.counters.env_steps or None, trackers=trackers)
