@@ -166,7 +166,7 @@ def _open_logger(cfg, run_dir: Path, stream=None):
     from flowrl_ray.runtime.tracking import open_trackers
     run_dir.mkdir(parents=True, exist_ok=True)
     trackers = open_trackers(cfg, run_dir, resume=False)
-    return MetricsLogger(run_dir, cfg.name, tensorboard=True, ray_metrics=False, trackers=trackers,
+    return MetricsLogger(run_dir, cfg.name, tensorboard=True, trackers=trackers,
                          stream=stream)
 
 
