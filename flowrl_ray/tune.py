@@ -317,7 +317,7 @@ def run_sweep(config_path: str | os.PathLike, overrides: list[str], space: dict,
         trainable = tune.with_parameters(_run_trial, config_path=str(config_path), overrides=overrides,
                                          trials_dir=str(trials_dir), cluster_gpus=cluster_gpus)
         trainable = tune.with_resources(trainable, resources)
-        callbacks, tracking_env = tune_callbacks(base)
+        callbacks, tracking_env = tune_callbacks(base, out_dir)
         tuner = tune.Tuner(
             trainable, param_space=param_space,
             tune_config=tune.TuneConfig(metric=metric, mode=mode, num_samples=num_samples,

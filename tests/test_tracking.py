@@ -378,10 +378,9 @@ def test_tune_sweep_one_tracked_run_per_trial(tmp_path, offline_wandb, local_ray
         history = client.get_metric_history(run.info.run_id, "episode_return_mean")
         assert [(m.step, m.value) for m in history] == [(r["iteration"], r["episode_return_mean"]) for r in rows]
 
-    # W&B: one offline run per trial (Tune's callback names it by the trial id), under Tune's dir
-    wb_runs = [read_wandb_run(d) for d in offline_runs(out / "tune")]
+    # W&B: one offline run per trial (Tune's callback names it by the trial id), in $WANDB_DIR
+    wb_runs = [read_wandb_run(d) for d in offline_runs(offline_wandb)]
     assert sorted(r["id"] for r in wb_runs) == trial_ids
-    assert not offline_runs(offline_wandb)
     for run in wb_runs:
         rows = read_metrics(out / "trials" / run["id"])
         assert sorted(run["history"]) == [1, 2]

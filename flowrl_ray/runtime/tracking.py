@@ -246,18 +246,23 @@ def open_trackers(cfg: Config, run_dir: Path, resume: bool) -> list:
 
 # --------------------------------------------------------------------------- Tune
 
-def tune_callbacks(cfg: Config) -> tuple[list, dict]:
+def tune_callbacks(cfg: Config, out_dir: Path) -> tuple[list, dict]:
     """Ray Tune's own W&B and MLflow callbacks for a sweep: each trial one tracked run (steps are
     Tune's training iterations). Returns (callbacks, environment variables the sweep's driver
-    needs while it runs: Ray's W&B callback reads the mode from WANDB_MODE)."""
+    needs while it runs: Ray's W&B callback reads the mode from WANDB_MODE).
+
+    W&B files go to $WANDB_DIR or `out_dir` (out_dir/wandb/offline-run-*): by default Ray's
+    logging actor writes them into the trial's staging directory, which Tune copies to its
+    storage when the trial ends, sometimes before the actor has written the last records."""
     callbacks, env = [], {}
     w, m = cfg.logging.wandb, cfg.logging.mlflow
     if w is not None and wandb_mode(cfg.logging) != "disabled":
         from ray.air.integrations.wandb import WandbLoggerCallback
         env["WANDB_MODE"] = wandb_mode(cfg.logging)
         callbacks.append(WandbLoggerCallback(project=w.project or os.environ.get("WANDB_PROJECT"),
-                                             group=w.group, entity=w.entity,
-                                             mode=env["WANDB_MODE"], tags=list(w.tags) or None))
+                                             group=w.group, entity=w.entity, mode=env["WANDB_MODE"],
+                                             tags=list(w.tags) or None,
+                                             dir=os.environ.get("WANDB_DIR") or str(out_dir)))
     if m is not None:
         from ray.air.integrations.mlflow import MLflowLoggerCallback
         callbacks.append(MLflowLoggerCallback(tracking_uri=mlflow_store_uri(m.tracking_uri),
