@@ -49,7 +49,7 @@ def flatten(data: dict, prefix: str = "") -> dict:
 
 def numeric_metrics(row: dict) -> dict:
     """The finite numbers of a metrics row (bools, None, NaN and text left out)."""
-    return {k: float(v) for k, v in row.items()
+    return {k: v for k, v in row.items()
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
 
 
@@ -195,7 +195,7 @@ class MlflowTracker:
     def log(self, row: dict, step: int) -> None:
         from mlflow.entities import Metric
         now_ms = int(time.time() * 1000)
-        metrics = [Metric(k, v, now_ms, step) for k, v in numeric_metrics(row).items()]
+        metrics = [Metric(k, float(v), now_ms, step) for k, v in numeric_metrics(row).items()]
         self.client.log_batch(self.run_id, metrics=metrics)
 
     def log_media(self, path: Path, key: str, step: int, caption: str) -> None:
