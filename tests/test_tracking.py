@@ -131,7 +131,7 @@ def test_online_without_api_key_stops_before_ray(tmp_path, monkeypatch):
         Trainer(cfg, tmp_path / "run")
 
 
-def test_without_logging_section_nothing_is_imported_or_written(tmp_path):
+def test_without_logging_section_neither_library_is_imported():
     import subprocess
     import sys
     # A fresh interpreter: configs without `logging` import neither library.
