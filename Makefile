@@ -5,8 +5,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
-# What `make test` needs: dev (pytest), robot (robosuite, h5py), forms (playwright), text, mol (tblite, rdkit, qm9pack)
-EXTRAS ?= dev,robot,text,forms,mol
+# What `make test` needs: dev (pytest), robot (robosuite, h5py), forms (playwright), text, mol (tblite, rdkit, qm9pack),
+# tracking (wandb, mlflow-skinny)
+EXTRAS ?= dev,robot,text,forms,mol,tracking
 RUN_DIR ?= runs/fpopp-lift
 
 .PHONY: run run-ppo test install system-deps lint bench clean

@@ -11,6 +11,7 @@ impossible value) raises :class:`ConfigError` whose message names the key, befor
     runtime: {num_workers: 2, envs_per_worker: 4, rollout_length: 256, ...}
     eval: {interval: 10, episodes: 10}
     algo: {...}               # the algorithm's own hyperparameters
+    logging: {wandb: {project: my-project, mode: offline}, mlflow: {tracking_uri: mlruns}}
 
 Constraints live next to the fields as metadata: ``field(default=..., metadata=check(gt=0))``.
 """
@@ -134,6 +135,48 @@ class EvalConfig:
 
 
 @dataclass
+class WandbConfig:
+    """Weights & Biases run of a training (flowrl_ray.runtime.tracking). Offline runs are written
+    under the run directory's wandb/ (or $WANDB_DIR) and uploaded later with `wandb sync`."""
+    project: Optional[str] = None       # required unless mode is 'disabled'
+    entity: Optional[str] = None        # user or team; None: the API key's default entity
+    mode: Optional[Literal["online", "offline", "disabled"]] = None   # None: $WANDB_MODE, else online
+    tags: list = field(default_factory=list)
+    name: Optional[str] = None          # display name; None: the config's `name`
+    group: Optional[str] = None         # e.g. the seeds of one experiment
+
+
+@dataclass
+class MlflowConfig:
+    """MLflow run of a training (flowrl_ray.runtime.tracking)."""
+    # http(s)://server:port, or a local store: a directory path or a file: URI (no server needed)
+    tracking_uri: str = "mlruns"
+    experiment: Optional[str] = None    # None: the config's `name`
+    run_name: Optional[str] = None      # None: the config's `name`
+
+
+@dataclass
+class LoggingConfig:
+    """Optional experiment trackers, next to metrics.jsonl and TensorBoard (always written).
+    A section that is absent (null) is off; its library is imported only when it is on."""
+    wandb: Optional[WandbConfig] = None
+    mlflow: Optional[MlflowConfig] = None
+
+
+def check_logging(cfg: "LoggingConfig") -> None:
+    """Constraints of the `logging` section that need no network (the reachability of a tracking
+    server is checked by flowrl_ray.runtime.tracking.preflight, before Ray starts)."""
+    w = cfg.wandb
+    if w is not None and w.mode != "disabled" and not w.project and not os.environ.get("WANDB_PROJECT"):
+        raise ConfigError("config key 'logging.wandb.project': required (the W&B project to log to), "
+                          "or set logging.wandb.mode: disabled")
+    if w is not None and not all(isinstance(t, str) and t for t in w.tags):
+        raise ConfigError(f"config key 'logging.wandb.tags': must be a list of non-empty strings, got {w.tags}")
+    if cfg.mlflow is not None and not cfg.mlflow.tracking_uri.strip():
+        raise ConfigError("config key 'logging.mlflow.tracking_uri': must not be empty")
+
+
+@dataclass
 class Config:
     algorithm: str = "ppo"
     name: str = "run"
@@ -142,6 +185,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
     algo: Any = None                  # instance of the algorithm's `config_class`
 
     def to_dict(self) -> dict:
@@ -224,7 +268,11 @@ def _build(cls: type, data: dict, prefix: str) -> Any:
         if name not in data:
             continue
         key, value, tp = prefix + name, data[name], hints[name]
-        if dataclasses.is_dataclass(tp):
+        optional = [a for a in typing.get_args(tp) if a is not type(None)]
+        if typing.get_origin(tp) is typing.Union and len(optional) == 1 and dataclasses.is_dataclass(optional[0]):
+            # an optional section (e.g. logging.wandb): null is off, a mapping (even {}) is on
+            kwargs[name] = None if value is None else _build(optional[0], value, key + ".")
+        elif dataclasses.is_dataclass(tp):
             kwargs[name] = _build(tp, value, key + ".")
         else:
             kwargs[name] = _coerce(value, tp, key)
@@ -261,6 +309,7 @@ def config_from_dict(data: dict) -> Config:
     algo_data = data.pop("algo", None) or {}
     cfg = _build(Config, data, "")
     cfg.algo = _build(algorithm_cls.config_class, algo_data, "algo.")
+    check_logging(cfg.logging)
     algorithm_cls.validate_config(cfg)
     check_snapshots(cfg, algorithm_cls.rollout_kind)
     if algorithm_cls.rollout_kind == "group" and cfg.runtime.mode != "sync":

@@ -10,7 +10,9 @@ trainable. The trial reserves one placement group::
 and the Trainer's learner and rollout actors land inside it, because Tune starts trials with
 ``placement_group_capture_child_tasks=True`` (each trial records where its actors went in
 ``placement.json``). Per-iteration metrics reach Tune through the Trainer's MetricsLogger
-(``tune_trial=True``).
+(``tune_trial=True``). With a `logging.wandb` / `logging.mlflow` section, Tune's own W&B and
+MLflow callbacks make each trial one tracked run (steps: training iterations); the trials'
+Trainers open no run of their own.
 
 Layout of the output directory::
 
@@ -289,6 +291,8 @@ def run_sweep(config_path: str | os.PathLike, overrides: list[str], space: dict,
     overrides = list(overrides or [])
     out_dir = Path(out_dir).resolve()
     base = load_config(config_path, overrides)
+    from flowrl_ray.runtime.tracking import preflight, tune_callbacks
+    preflight(base.logging)               # an unreachable tracking server stops here, before Ray
     out_dir.mkdir(parents=True, exist_ok=True)
     trials_dir = out_dir / "trials"
 
@@ -313,24 +317,27 @@ def run_sweep(config_path: str | os.PathLike, overrides: list[str], space: dict,
         trainable = tune.with_parameters(_run_trial, config_path=str(config_path), overrides=overrides,
                                          trials_dir=str(trials_dir), cluster_gpus=cluster_gpus)
         trainable = tune.with_resources(trainable, resources)
+        callbacks, tracking_env = tune_callbacks(base, out_dir)
         tuner = tune.Tuner(
             trainable, param_space=param_space,
             tune_config=tune.TuneConfig(metric=metric, mode=mode, num_samples=num_samples,
                                         max_concurrent_trials=max_concurrent or None,
                                         # out_dir/tune/<id> next to out_dir/trials/<id>
                                         trial_dirname_creator=_trial_dirname),
-            run_config=tune.RunConfig(storage_path=str(out_dir), name="tune"))
+            run_config=tune.RunConfig(storage_path=str(out_dir), name="tune", callbacks=callbacks))
         # The first iterations of a run may end no episode, so `episode_return_mean` is absent
         # from them; Tune's strict check would fail such a trial. The metric is checked below.
-        previous = os.environ.get("TUNE_DISABLE_STRICT_METRIC_CHECKING")
-        os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = "1"
+        env = {"TUNE_DISABLE_STRICT_METRIC_CHECKING": "1", **tracking_env}
+        previous = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
         try:
             grid = tuner.fit()
         finally:
-            if previous is None:
-                os.environ.pop("TUNE_DISABLE_STRICT_METRIC_CHECKING", None)
-            else:
-                os.environ["TUNE_DISABLE_STRICT_METRIC_CHECKING"] = previous
+            for k, v in previous.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
     finally:
         if started:
             ray.shutdown()

@@ -34,6 +34,7 @@ from flowrl_ray.errors import TrainingError
 from flowrl_ray.runtime.actors import Learner, RolloutWorker
 from flowrl_ray.runtime.dashboard import RunGauges, metrics_endpoint
 from flowrl_ray.runtime.metrics import MetricsLogger, Progress, read_metrics, truncate_metrics
+from flowrl_ray.runtime.tracking import open_trackers, preflight
 from flowrl_ray.utils import atomic_write_text
 
 RETURN_WINDOW = 100   # episode_return_mean averages the last 100 finished training episodes
@@ -137,6 +138,8 @@ class Trainer:
                               f"makes no pictures (it has no save_snapshots)")
         algorithm = get_algorithm(cfg.algorithm)
         algorithm.preflight(cfg, self.spec)
+        if not tune_trial:          # a trial's W&B / MLflow run belongs to Tune's callbacks
+            preflight(cfg.logging)
         self.group_rollouts = algorithm.rollout_kind == "group"
         if cfg.eval.video.episodes:
             check_video = getattr(env_family(cfg.env.family), "check_video", None)
@@ -172,8 +175,12 @@ class Trainer:
         # On resume this records the overrides given then (e.g. a longer train.iterations).
         save_config(self.cfg, self.run_dir / "config.yaml")
         self._publish()
+        trackers = [] if self.tune_trial else open_trackers(self.cfg, self.run_dir, self.resume)
+        for tracker in trackers:
+            self._log(("continuing " if self.resume else "logging to ") + tracker.where)
         self.logger = MetricsLogger(self.run_dir, self.cfg.name, tensorboard=self.tensorboard,
-                                    tune=self.tune_trial, purge_step=self.counters.env_steps or None)
+                                    tune=self.tune_trial, purge_step=self.counters.env_steps or None,
+                                    trackers=trackers)
         # Tune trials share the config's name: their run tag adds the trial's directory (its id).
         run_tag = f"{self.cfg.name}/{self.run_dir.name}" if self.tune_trial else self.cfg.name
         self.gauges = RunGauges(run_tag, self.cfg.algorithm, self.cfg.env.id)
@@ -511,8 +518,10 @@ class Trainer:
         for y, name in plots:
             try:
                 plot_runs([self.run_dir], self.run_dir / "plots" / name, y=y)
+                self.logger.log_media(self.run_dir / "plots" / name, self.counters.env_steps, y)
             except Exception as e:  # noqa: BLE001 - a plot must not fail a finished run
                 self._log(f"could not draw {name}: {e}")
+        self.logger.log_final(summary, latest_checkpoint(self.run_dir))
         return summary
 
     def close(self) -> None:
