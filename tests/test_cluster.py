@@ -103,6 +103,12 @@ def test_unknown_autoscaler_warns_instead_of_refusing():
     assert verdict == "wait" and "learner" in why
 
 
+def test_an_anyscale_cluster_is_never_taken_for_a_fixed_one(monkeypatch):
+    from flowrl_ray.runtime import cluster
+    monkeypatch.setenv("ANYSCALE_ARTIFACT_STORAGE", "s3://bucket/artifacts")
+    assert cluster._no_autoscaler() is False            # decided before asking Ray anything
+
+
 # --------------------------------------------------------------------------- a real cluster
 
 def _env(tmp: str) -> dict:

@@ -13,8 +13,9 @@ The first line printed says which one was used. On a cluster, the run's demand (
 workers, in CPUs and GPUs) is compared with what the cluster has and what an autoscaler could add:
   - the autoscaler publishes its node types (KubeRay, Anyscale, `ray up`): their max counts bound
     the cluster, and a run beyond that bound stops with one line;
-  - no autoscaler manages the cluster (a `ray start` cluster: every node is its own read-only
-    node type): the nodes there now are all there is, and a run beyond them stops with one line;
+  - no autoscaler manages the cluster (a `ray start` cluster: no autoscaler has reported to Ray,
+    and every node is its own read-only node type): the nodes there now are all there is, and a
+    run beyond them stops with one line;
   - otherwise the bound cannot be known: a run beyond the current nodes starts with a warning
     (an autoscaler may add the nodes it waits for).
 """
@@ -149,15 +150,23 @@ def _cluster_capacity() -> Capacity:
         types = [{"CPU": float(g.resources.get("CPU", 0)), "GPU": float(g.resources.get("GPU", 0)),
                   "max_count": int(g.max_count)} for g in config.node_group_configs]
         return Capacity(nodes, types)
+    return Capacity(nodes, None if _no_autoscaler() else [])
+
+
+def _no_autoscaler() -> bool:
+    """True only when nothing can add nodes: no autoscaler ever reported its state to Ray, and Ray
+    names every node's type after the node itself (its read-only view of a `ray start` cluster).
+    Anyscale (ANYSCALE_* in the environment) scales by itself: never "no autoscaler"."""
+    if any(k.startswith("ANYSCALE_") for k in os.environ):
+        return False
     try:
         from ray.autoscaler.v2.sdk import get_cluster_status
         status = get_cluster_status(ray.get_runtime_context().gcs_address)
-        infos = status.active_nodes + status.idle_nodes
-        # Without an autoscaler, Ray names every node's type after the node itself (read-only).
-        fixed = bool(infos) and all(i.ray_node_type_name == f"node_{i.node_id}" for i in infos)
-    except Exception:  # noqa: BLE001 - unknown: assume an autoscaler may exist
-        fixed = False
-    return Capacity(nodes, None if fixed else [])
+    except Exception:  # noqa: BLE001 - unknown: an autoscaler may exist
+        return False
+    infos = status.active_nodes + status.idle_nodes + status.pending_nodes
+    reported = str(getattr(status.stats, "autoscaler_version", "0") or "0") != "0"
+    return bool(infos) and not reported and all(i.ray_node_type_name == f"node_{i.node_id}" for i in infos)
 
 
 def cluster_gpus(cap: Capacity | None = None) -> float:
