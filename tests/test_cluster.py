@@ -200,6 +200,7 @@ def test_train_against_a_ray_start_cluster(tmp_path):
         err = _our_lines(r.stderr)
         assert r.returncode == 2 and len(err) == 1 and "Traceback" not in r.stderr, r.stdout + r.stderr
         assert f"auto -> " in err[0] and f":{gcs_port}" in err[0] and "no Ray cluster answers there" in err[0]
+        assert "points at a stopped cluster" in err[0]
     finally:
         _stop_cluster(proc)
         log.close()

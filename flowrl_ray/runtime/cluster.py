@@ -185,15 +185,16 @@ def _log(msg: str) -> None:
 
 
 def _resolve(address: str, source: str) -> str:
-    """`address`, with `auto` resolved as Ray does ($RAY_ADDRESS, else the record of the last
-    `ray start` under the Ray temp dir, else the one cluster running here), once something
+    """`address`, with `auto` resolved ($RAY_ADDRESS, else the record of the last `ray start`
+    under the Ray temp dir, else, as Ray does, a cluster found running here), once something
     answers there: a missing or uncleanly stopped cluster is one clear line, not a long wait
-    and a traceback."""
-    from ray._private import services
-    where = address
+    and a traceback. (Ray itself prefers a lone running cluster to the record.)"""
+    from ray._private import services, utils
+    where, record = address, None
     if address == "auto":
+        record = None if os.environ.get("RAY_ADDRESS") else utils.read_ray_address()
         try:
-            address = services.canonicalize_bootstrap_address("auto")
+            address = os.environ.get("RAY_ADDRESS") or record or services.canonicalize_bootstrap_address("auto")
         except ConnectionError:
             raise ConfigError(f"{source}=auto: no running Ray cluster found on this machine "
                               f"(start one with `ray start --head`, or give no address for a private "
@@ -206,8 +207,7 @@ def _resolve(address: str, source: str) -> str:
     try:
         socket.create_connection((host or "127.0.0.1", int(port)), timeout=CONNECT_PROBE_S).close()
     except OSError as e:
-        hint = (" (the record Ray keeps of the last `ray start` points at a stopped cluster)"
-                if where.startswith("auto") else "")
+        hint = " (the record Ray keeps of the last `ray start` points at a stopped cluster)" if record else ""
         raise ConfigError(f"{source}={where}: no Ray cluster answers there ({e.strerror or e}){hint}; "
                           f"start one with `ray start --head`, or give no address for a private local Ray") from None
     return address
