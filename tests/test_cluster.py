@@ -56,6 +56,19 @@ def test_address_flag_wins_over_the_config_key(capsys):
     assert rc == 2 and len(err) == 1 and "runtime.ray_address" in err[0] and "'nowhere'" in err[0], err
 
 
+def test_every_verb_that_starts_ray_takes_address():
+    from flowrl_ray.cli import build_parser
+    from flowrl_ray.runtime.cluster import with_address
+    parser = build_parser()
+    for argv in (["train", "c.yaml"], ["tune", "c.yaml"], ["compare", "c.yaml"], ["serve", "runs/x"]):
+        assert parser.parse_args(argv + ["--address", "auto"]).address == "auto", argv
+    cfg = tiny_config()
+    assert with_address(cfg, None) is cfg                                   # serve: the run's own setting
+    assert with_address(cfg, "ray://head:10001").runtime.ray_address == "ray://head:10001"
+    with pytest.raises(ConfigError, match="runtime.ray_address"):
+        with_address(cfg, "head")
+
+
 # --------------------------------------------------------------------------- the fit check
 
 def _ppo(workers: int, learner_gpus: float | None):
@@ -85,13 +98,14 @@ def test_published_autoscaler_limits_decide():
     head_only = [{"CPU": 16.0, "GPU": 0.0}]
     types = [{"CPU": 16.0, "GPU": 0.0, "max_count": 1}, {"CPU": 4.0, "GPU": 1.0, "max_count": 1}]
     cap = Capacity(head_only, types)
-    assert cap.at_most("GPU") == 1.0 and cap.at_most("CPU") == 20.0
+    # counted generously: the head now (16) + both types at their max (16 + 4)
+    assert cap.at_most("GPU") == 1.0 and cap.at_most("CPU") == 36.0
     verdict, why = fit(run_demand(_ppo(10, None), cap.at_most("GPU")), cap)   # learner counts on the GPU
     assert verdict == "ok" and "grow it to 1 GPUs" in why
     verdict, why = fit(run_demand(_ppo(2, 2.0), 1.0), cap)                  # 2 GPUs > 1 node x 1
     assert verdict == "never" and "no node type has room for one learner (1 CPU + 2 GPU)" in why
-    verdict, why = fit(run_demand(_ppo(24, 0.0), 0.0), cap)                 # 25 CPUs > 16 + 4
-    assert verdict == "never" and "25 CPUs" in why and "at most 20" in why
+    verdict, why = fit(run_demand(_ppo(40, 0.0), 0.0), cap)                 # 41 CPUs > 36
+    assert verdict == "never" and "41 CPUs" in why and "at most 36" in why
     unbounded = Capacity(head_only, [{"CPU": 4.0, "GPU": 1.0, "max_count": -1}])
     assert fit(run_demand(_ppo(2, 4.0), 0.0), unbounded)[0] == "never"      # no node type has 4 GPUs
     assert fit([Demand("learner", 1.0, 1.0)] * 3, unbounded)[0] == "ok"

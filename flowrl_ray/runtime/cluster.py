@@ -96,13 +96,14 @@ class Capacity:
             return self.now(key)
         if not self.node_types:
             return math.inf
+        # Counted generously (the nodes now, plus every node type at its max count, though the
+        # types may include the nodes running now): never refuse what an autoscaler could hold.
         added = 0.0
         for t in self.node_types:
             if t.get(key, 0.0) > 0 and t["max_count"] < 0:
                 return math.inf
             added += t.get(key, 0.0) * max(t["max_count"], 0)
-        # published node types include the nodes running now (the head's type among them)
-        return max(self.now(key), added)
+        return self.now(key) + added
 
 
 def fit(demand: list[Demand], cap: Capacity) -> tuple[str, str]:

@@ -31,7 +31,7 @@ from flowrl_ray.config import Config, save_config
 from flowrl_ray.envs import EnvSpec, env_family
 from flowrl_ray.errors import TrainingError
 from flowrl_ray.runtime.actors import Learner, RolloutWorker
-from flowrl_ray.runtime.cluster import cluster_gpus, init_ray, learner_gpus, required_cpus  # noqa: F401 - used by tune, compare, serve
+from flowrl_ray.runtime.cluster import cluster_gpus, init_ray, learner_gpus
 from flowrl_ray.runtime.metrics import MetricsLogger, Progress, read_metrics, truncate_metrics
 from flowrl_ray.utils import atomic_write_text
 
