@@ -23,8 +23,8 @@ class UserError(Exception):
 
 
 ADDRESS_HELP = ("Ray cluster to use: host:port, ray://host:port, 'auto' (the cluster `ray start` last started "
-                "on this machine) or 'local' (a private local Ray); same as runtime.ray_address=ADDR, and "
-                "before it and $RAY_ADDRESS. Default: $RAY_ADDRESS, else a private local Ray")
+                "on this machine) or 'local' (a private local Ray). Sets runtime.ray_address, which comes "
+                "before $RAY_ADDRESS. Default: runtime.ray_address, else $RAY_ADDRESS, else a private local Ray")
 
 
 def _default_run_dir(name: str) -> Path:
