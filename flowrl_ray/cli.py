@@ -22,6 +22,11 @@ class UserError(Exception):
     """Anything the user can fix; printed as one line."""
 
 
+ADDRESS_HELP = ("Ray cluster to use: host:port, ray://host:port, 'auto' (the cluster `ray start` last started "
+                "on this machine) or 'local' (a private local Ray). Sets runtime.ray_address, which comes "
+                "before $RAY_ADDRESS. Default: runtime.ray_address, else $RAY_ADDRESS, else a private local Ray")
+
+
 def _default_run_dir(name: str) -> Path:
     return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
@@ -71,9 +76,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         run_dir = run_dir or _default_run_dir(cfg.name)
     from flowrl_ray.runtime.trainer import Trainer
     trainer = Trainer(cfg, run_dir, resume=resume, tensorboard=not args.no_tensorboard)
-    print(f"[flowrl_ray] run directory: {run_dir}", flush=True)
     try:
-        trainer.setup()
+        trainer.setup()                  # its first line says which Ray the run uses
+        print(f"[flowrl_ray] run directory: {run_dir}", flush=True)
         summary = trainer.train()
     finally:
         trainer.close()
@@ -236,7 +241,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from flowrl_ray.serve import serve_policy
-    serve_policy(args.run_dir, host=args.host, port=args.port, block=True)
+    serve_policy(args.run_dir, host=args.host, port=args.port, block=True, address=args.address)
     return 0
 
 
@@ -455,8 +460,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
 
     t = sub.add_parser("train", help="train a policy on a local or existing Ray cluster",
-                       description="Train with the algorithm and env a config names. Starts a local Ray "
-                                   "unless RAY_ADDRESS points at a cluster. Writes runs/<name>-<time>/: "
+                       description="Train with the algorithm and env a config names. Starts a private local "
+                                   "Ray unless --address, runtime.ray_address or RAY_ADDRESS names a "
+                                   "cluster. Writes runs/<name>-<time>/: "
                                    "config.yaml, metrics.jsonl, tensorboard/, checkpoints/, plots/, summary.json.")
     t.add_argument("config", nargs="?", help="YAML config (configs/<algorithm>/<task>.yaml)")
     t.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. train.iterations=20")
@@ -469,6 +475,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --run-dir RUN: resume RUN when it exists (same config rule as --resume), else "
                         "start it; the same command starts a run and re-launches it after a preemption")
     t.add_argument("--no-tensorboard", action="store_true", help="skip TensorBoard event files")
+    t.add_argument("--address", help=ADDRESS_HELP)
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("eval", help="evaluate a run's latest checkpoint",
@@ -507,6 +514,7 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--mode", choices=["max", "min"], default="max")
     tu.add_argument("--max-concurrent", type=int, default=0, help="0: as many as resources allow")
     tu.add_argument("--out-dir", help="where results go (default runs/tune-<name>-<timestamp>)")
+    tu.add_argument("--address", help=ADDRESS_HELP)
     tu.set_defaults(func=cmd_tune)
 
     c = sub.add_parser("compare", help="run several configs with the same seeds; table + plot",
@@ -517,6 +525,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("items", nargs="+", metavar="CONFIG_OR_OVERRIDE", help="CONFIG files and key=value overrides")
     c.add_argument("--seeds", type=int, default=3)
     c.add_argument("--out-dir", help="default runs/compare-<timestamp>")
+    c.add_argument("--address", help=ADDRESS_HELP)
     c.set_defaults(func=cmd_compare)
 
     s = sub.add_parser("serve", help="serve a trained policy over HTTP with Ray Serve",
@@ -525,6 +534,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("run_dir")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--address", help=ADDRESS_HELP)
     s.set_defaults(func=cmd_serve)
 
     pl = sub.add_parser("plot", help="draw learning curves (PNG) of one or more runs",
@@ -627,6 +637,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
     if extra:
         args.overrides = list(args.overrides) + extra
+    if getattr(args, "address", None) and args.verb != "serve":   # the last override wins
+        args.overrides = list(getattr(args, "overrides", [])) + [f"runtime.ray_address={args.address}"]
     try:
         return args.func(args)
     except (ConfigError, UserError, FileNotFoundError) as e:

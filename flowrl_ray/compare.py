@@ -40,7 +40,8 @@ def _labels(cfgs: list[Config]) -> list[str]:
 def run_comparison(config_paths: list[str], overrides: list[str], seeds: int,
                    out_dir: str | os.PathLike) -> list[dict]:
     from flowrl_ray.plotting import plot_runs
-    from flowrl_ray.runtime.trainer import Trainer, init_ray, required_cpus
+    from flowrl_ray.runtime.cluster import init_ray, required_cpus
+    from flowrl_ray.runtime.trainer import Trainer
 
     cfgs = [load_config(p, overrides) for p in config_paths]      # every config valid before Ray starts
     labels = _labels(cfgs)

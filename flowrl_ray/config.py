@@ -79,6 +79,9 @@ class TrainConfig:
     iterations: int = field(default=100, metadata=check(gt=0))
 
 
+RAY_ADDRESS_RE = re.compile(r"(ray://)?[\w.\-]+:\d+")   # runtime.ray_address: [ray://]host:port
+
+
 @dataclass
 class RuntimeConfig:
     num_workers: int = field(default=2, metadata=check(gt=0))
@@ -95,11 +98,21 @@ class RuntimeConfig:
     sample_timeout_s: float = field(default=600.0, metadata=check(gt=0))
     checkpoint_interval: int = field(default=10, metadata=check(ge=0))  # 0: only at the end
     keep_checkpoints: int = field(default=3, metadata=check(gt=0))
-    num_cpus: Optional[int] = field(default=None, metadata=check(gt=0))  # local Ray only
+    num_cpus: Optional[int] = field(default=None, metadata=check(gt=0))  # private local Ray only
+    # The Ray cluster to use (the --address flag sets it; else $RAY_ADDRESS): host:port, ray://host:port,
+    # "auto" (the cluster `ray start` last started on this machine) or "local" (a private local Ray,
+    # even when RAY_ADDRESS is set). None and no RAY_ADDRESS: a private local Ray.
+    ray_address: Optional[str] = None
     # local Ray only: nice value of its worker processes (Ray's default 15; the actors' children,
     # e.g. browsers, inherit it). 0 runs rollouts at the priority of any other program.
     worker_niceness: Optional[int] = field(default=None, metadata=check(ge=0, le=19))
     torch_threads: int = field(default=1, metadata=check(gt=0))          # per actor
+
+    def __post_init__(self):
+        a = self.ray_address
+        if a is not None and a not in ("auto", "local") and not RAY_ADDRESS_RE.fullmatch(a):
+            raise ConfigError(f"config key 'runtime.ray_address': expected host:port, ray://host:port, "
+                              f"'auto' or 'local', got {a!r}")
 
 
 @dataclass

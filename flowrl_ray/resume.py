@@ -11,7 +11,7 @@ trained:
     logging.*                        where metrics go
     runtime.<where it runs>          checkpoint_interval, keep_checkpoints, sample_timeout_s,
                                      restart budgets, CPUs / GPUs per actor, num_cpus,
-                                     worker_niceness, torch_threads
+                                     worker_niceness, torch_threads, ray_address
 
 Everything else (the algorithm and its hyperparameters, the env, network sizes, the seed, the
 batch shape: runtime.num_workers, envs_per_worker, rollout_length, mode, max_staleness) belongs
@@ -34,7 +34,8 @@ RESUMABLE = ("train.iterations", "eval.", "logging.",
              "runtime.max_worker_restarts", "runtime.max_learner_restarts",
              "runtime.num_cpus_per_worker", "runtime.num_gpus_per_worker",
              "runtime.learner_num_cpus", "runtime.learner_num_gpus",
-             "runtime.num_cpus", "runtime.worker_niceness", "runtime.torch_threads")
+             "runtime.num_cpus", "runtime.worker_niceness", "runtime.torch_threads",
+             "runtime.ray_address")
 
 
 def resumable(key: str) -> bool:

@@ -210,14 +210,15 @@ def _wait_healthy(url: str, timeout_s: float = 60.0) -> None:
                        f"on this cluster with other HTTP options, stop it first (serve.shutdown())")
 
 
-def _deploy(run_dir: str | Path, host: str, port: int, name: str) -> tuple[str, dict]:
+def _deploy(run_dir: str | Path, host: str, port: int, name: str,
+            address: str | None = None) -> tuple[str, dict]:
     global _started_ray
     from ray import serve
 
-    from flowrl_ray.runtime.trainer import init_ray
+    from flowrl_ray.runtime.cluster import init_ray, with_address
 
     cfg, policy, info = policy_info(run_dir)        # errors about the run dir come first
-    _started_ray = init_ray(cfg) or _started_ray
+    _started_ray = init_ray(with_address(cfg, address)) or _started_ray
     serve.start(http_options={"host": host, "port": port})
     serve.run(_make_deployment().bind(policy, info), name=name, route_prefix="/", blocking=False)
     url = f"http://{host}:{port}"
@@ -225,10 +226,12 @@ def _deploy(run_dir: str | Path, host: str, port: int, name: str) -> tuple[str, 
     return url, info
 
 
-def deploy(run_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, name: str = APP_NAME) -> str:
+def deploy(run_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, name: str = APP_NAME,
+           address: str | None = None) -> str:
     """Deploy the run's latest checkpoint and return the base URL once /healthz answers.
-    Starts a local Ray unless one is running or RAY_ADDRESS is set. Non-blocking."""
-    return _deploy(run_dir, host, port, name)[0]
+    Uses the Ray already running in this process, else the cluster `address` (or the run's
+    runtime.ray_address, or $RAY_ADDRESS) names, else a private local Ray. Non-blocking."""
+    return _deploy(run_dir, host, port, name, address)[0]
 
 
 def shutdown() -> None:
@@ -243,9 +246,10 @@ def shutdown() -> None:
         _started_ray = False
 
 
-def serve_policy(run_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, block: bool = True) -> str:
+def serve_policy(run_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, block: bool = True,
+                 address: str | None = None) -> str:
     """Deploy; with block=True print how to call it and wait until Ctrl-C, then shut down."""
-    url, info = _deploy(run_dir, host, port, APP_NAME)
+    url, info = _deploy(run_dir, host, port, APP_NAME, address)
     if not block:
         return url
     example = json.dumps({"observation": np.zeros(info["obs_shape"]).tolist()})

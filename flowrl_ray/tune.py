@@ -178,7 +178,7 @@ def _format_override(key: str, value: Any) -> str:
 
 def trial_bundles(cfg: Config, cluster_gpus: float = 0.0) -> list[dict]:
     """Placement group bundles for one trial: its driver, the learner, one per rollout worker."""
-    from flowrl_ray.runtime.trainer import learner_gpus
+    from flowrl_ray.runtime.cluster import learner_gpus
     rt = cfg.runtime
 
     def bundle(cpu: float, gpu: float) -> dict:
@@ -253,7 +253,8 @@ def _run_trial(config: dict, config_path: str, overrides: list[str], trials_dir:
     """Tune function trainable: one full training run; metrics go to Tune every iteration."""
     from ray import tune
 
-    from flowrl_ray.runtime.trainer import Trainer, learner_gpus
+    from flowrl_ray.runtime.cluster import learner_gpus
+    from flowrl_ray.runtime.trainer import Trainer
 
     cfg = trial_config(config_path, overrides, config)
     if cfg.runtime.learner_num_gpus is None:
@@ -278,7 +279,8 @@ def run_sweep(config_path: str | os.PathLike, overrides: list[str], space: dict,
     import ray
     from ray import tune
 
-    from flowrl_ray.runtime.trainer import init_ray
+    from flowrl_ray.runtime.cluster import cluster_gpus as reachable_gpus
+    from flowrl_ray.runtime.cluster import init_ray
 
     if seeds < 1:
         raise ConfigError(f"--seeds must be >= 1, got {seeds}")
@@ -308,7 +310,7 @@ def run_sweep(config_path: str | os.PathLike, overrides: list[str], space: dict,
         base.runtime, num_cpus=max(base.runtime.num_cpus or os.cpu_count() or 1, need)))
     started = init_ray(sizing)
     try:
-        cluster_gpus = float(ray.cluster_resources().get("GPU", 0.0))
+        cluster_gpus = reachable_gpus()
 
         def resources(trial_params: dict):
             cfg = trial_config(config_path, overrides, trial_params)

@@ -133,7 +133,8 @@ def test_containerfile_matches_pyproject():
     assert re.search(r"^FROM rayproject/ray:2\.60\.0-py311-gpu\s*$", text, re.M)
     assert re.search(r"apt-get install .*\bswig\b", text)
     assert "libosmesa6" in text and "libegl1" in text        # robosuite cameras rendered on the CPU
-    assert re.search(r"apt-get install .*\bchromium\b", text, re.S)   # the forms family's browser
+    # the forms family's browser: Playwright's own Chromium (tests/test_container.py: not apt's)
+    assert re.search(r"^RUN python -m playwright install --with-deps chromium\b", text, re.M)
     pins = set(re.findall(r'"([A-Za-z0-9_.\-\[\],]+(?:[<>=!]=?[^"]*)?)"', text))
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]

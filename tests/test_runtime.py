@@ -182,5 +182,6 @@ def test_worker_niceness_reaches_the_local_ray_that_init_ray_starts(monkeypatch)
     monkeypatch.delenv("RAY_worker_niceness")
     monkeypatch.setattr(trainer.ray, "is_initialized", lambda: False)
     monkeypatch.setattr(trainer.ray, "init", lambda **kw: seen.append(os.environ.get("RAY_worker_niceness")))
+    monkeypatch.setattr(trainer.ray, "cluster_resources", lambda: {"CPU": 4.0})   # what the started Ray reports
     assert trainer.init_ray(tiny_config()) and seen == [None]          # Ray's own default
     assert trainer.init_ray(tiny_config("runtime.worker_niceness=0")) and seen == [None, "0"]

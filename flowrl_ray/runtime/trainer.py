@@ -14,7 +14,6 @@ weights, and the iteration goes on with the batches that arrived.
 from __future__ import annotations
 
 import collections
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -32,44 +31,13 @@ from flowrl_ray.config import Config, ConfigError, save_config
 from flowrl_ray.envs import EnvSpec, env_family
 from flowrl_ray.errors import TrainingError
 from flowrl_ray.runtime.actors import Learner, RolloutWorker
+from flowrl_ray.runtime.cluster import cluster_gpus, init_ray, learner_gpus
 from flowrl_ray.runtime.dashboard import RunGauges, metrics_endpoint
 from flowrl_ray.runtime.metrics import MetricsLogger, Progress, read_metrics, truncate_metrics
 from flowrl_ray.runtime.tracking import open_trackers, preflight
 from flowrl_ray.utils import atomic_write_text
 
 RETURN_WINDOW = 100   # episode_return_mean averages the last 100 finished training episodes
-
-
-def required_cpus(cfg: Config) -> float:
-    rt = cfg.runtime
-    return rt.learner_num_cpus + rt.num_workers * rt.num_cpus_per_worker
-
-
-def learner_gpus(cfg: Config, cluster_gpus: float) -> float:
-    """GPUs the learner asks for: runtime.learner_num_gpus, or (None) 1 if the cluster has one."""
-    gpus = cfg.runtime.learner_num_gpus
-    if gpus is None:
-        gpus = 1.0 if cluster_gpus >= 1 else 0.0
-    return gpus
-
-
-def init_ray(cfg: Config, **kwargs) -> bool:
-    """Connect to RAY_ADDRESS when set, else start a local Ray. Returns True if we started it.
-
-    A local Ray gets at least as many logical CPUs as the run's actors ask for (learner + workers),
-    so a 2-core laptop runs 2 workers + a learner, oversubscribed, instead of waiting forever.
-    """
-    if ray.is_initialized():
-        return False
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True, **kwargs)
-    else:
-        num_cpus = cfg.runtime.num_cpus or max(os.cpu_count() or 1, math.ceil(required_cpus(cfg)))
-        if cfg.runtime.worker_niceness is not None:      # read by the raylet that ray.init starts
-            os.environ["RAY_worker_niceness"] = str(cfg.runtime.worker_niceness)
-        # address="local": a private Ray, even when another cluster runs on this machine
-        ray.init(address="local", num_cpus=num_cpus, log_to_driver=True, **kwargs)
-    return True
 
 
 def media_due(cfg: Config, media, iteration: int) -> bool:
@@ -159,7 +127,7 @@ class Trainer:
                                      name=None).remote(self.cfg, self.spec, index, restarts)
 
     def _new_learner(self):
-        gpus = learner_gpus(self.cfg, ray.cluster_resources().get("GPU", 0))
+        gpus = learner_gpus(self.cfg, cluster_gpus())
         return Learner.options(num_cpus=self.cfg.runtime.learner_num_cpus, num_gpus=gpus).remote(self.cfg, self.spec)
 
     def setup(self) -> None:

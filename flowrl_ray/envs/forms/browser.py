@@ -22,6 +22,7 @@ that a leak in a long run cannot grow without bound.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import threading
@@ -48,21 +49,82 @@ class BrowserUnavailable(RuntimeError):
     """Playwright or a Chromium executable is missing, or the browser cannot start."""
 
 
+def playwright_browsers_dir() -> Path:
+    """Where Playwright keeps the browsers that `playwright install` downloads (Linux):
+    $PLAYWRIGHT_BROWSERS_PATH, else $XDG_CACHE_HOME/ms-playwright, else ~/.cache/ms-playwright."""
+    env = os.environ.get("PLAYWRIGHT_BROWSERS_PATH")
+    if env and env != "0":
+        return Path(env).expanduser()
+    if env == "0":                                   # installed inside the package
+        try:
+            import playwright
+            return Path(playwright.__file__).parent / "driver" / "package" / ".local-browsers"
+        except ImportError:
+            pass
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ms-playwright"
+
+
+def _playwright_revisions() -> dict[str, str]:
+    """{"chromium": rev, "chromium-headless-shell": rev} that the installed playwright package
+    drives (its browsers.json); {} when playwright is not installed."""
+    try:
+        import playwright
+    except ImportError:
+        return {}
+    spec = Path(playwright.__file__).parent / "driver" / "package" / "browsers.json"
+    try:
+        browsers = json.loads(spec.read_text())["browsers"]
+    except (OSError, ValueError, KeyError):
+        return {}
+    return {b["name"]: b["revision"] for b in browsers if b.get("name") in ("chromium", "chromium-headless-shell")}
+
+
+# Executables inside a Playwright browser directory, newest layout first (1.49+ Chrome for
+# Testing builds; older releases unpacked to chrome-linux/).
+PLAYWRIGHT_EXECUTABLES = {
+    "chromium": ("chrome-linux64/chrome", "chrome-linux-arm64/chrome", "chrome-linux/chrome"),
+    "chromium-headless-shell": ("chrome-headless-shell-linux64/chrome-headless-shell",
+                                "chrome-headless-shell-linux-arm64/chrome-headless-shell",
+                                "chrome-linux/headless_shell"),
+}
+
+
+def playwright_chromium() -> tuple[str | None, list[str]]:
+    """(Playwright's own Chromium for the installed playwright package, or None; the paths
+    looked at)."""
+    root, looked = playwright_browsers_dir(), []
+    for name, revision in _playwright_revisions().items():
+        directory = root / f"{name.replace('-', '_')}-{revision}"
+        for rel in PLAYWRIGHT_EXECUTABLES[name]:
+            path = directory / rel
+            looked.append(str(path))
+            if path.is_file() and os.access(path, os.X_OK):
+                return str(path), looked
+    return None, looked
+
+
 def find_chromium(explicit: str | None = None) -> str:
-    """The Chromium executable: ``explicit``, else $FLOWRL_CHROMIUM, else the first of
-    chromium / chromium-browser / google-chrome on PATH."""
-    for cand in (explicit, os.environ.get("FLOWRL_CHROMIUM")):
+    """The Chromium executable, the first of: ``explicit`` (env.kwargs.chromium), $FLOWRL_CHROMIUM,
+    Playwright's own Chromium (``python -m playwright install chromium``; the build the installed
+    playwright package expects), chromium / chromium-browser / google-chrome on PATH."""
+    for cand, key in ((explicit, "env.kwargs.chromium"), (os.environ.get("FLOWRL_CHROMIUM"), "FLOWRL_CHROMIUM")):
         if cand:
             path = shutil.which(cand) or (cand if Path(cand).is_file() else None)
             if path is None:
-                raise BrowserUnavailable(f"Chromium executable {cand!r} not found")
+                raise BrowserUnavailable(f"{key}: Chromium executable {cand!r} not found")
             return path
+    path, looked = playwright_chromium()
+    if path:
+        return path
     for name in CHROMIUM_CANDIDATES:
         path = shutil.which(name)
         if path:
             return path
-    raise BrowserUnavailable("no Chromium found on PATH; install it (Debian/Ubuntu: apt-get install chromium) "
-                             "or set FLOWRL_CHROMIUM to its path")
+    own = (f"Playwright's Chromium at {' or '.join(looked)}" if looked else
+           "Playwright's Chromium (the playwright package is not installed)")
+    raise BrowserUnavailable(f"no Chromium found: looked for {own}, then for {', '.join(CHROMIUM_CANDIDATES)} "
+                             f"on PATH; install one with `python -m playwright install --with-deps chromium`, "
+                             f"or point FLOWRL_CHROMIUM (or env.kwargs.chromium) at a Chromium executable")
 
 
 def _submits(emap: ElementMap, action) -> bool:

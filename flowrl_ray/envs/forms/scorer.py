@@ -14,7 +14,7 @@ Settings live in the config's ``env.kwargs`` (all optional)::
         restart_every: 200       # episodes between browser restarts (0: never)
         reward_weights: {task_completion: 0.4, field_accuracy: 0.4, execution_completeness: 0.2}
         task_seed: 0             # the seed of load_tasks (the algorithm's prompts)
-        chromium: null           # Chromium executable (default: found on PATH)
+        chromium: null           # Chromium executable (default: $FLOWRL_CHROMIUM, Playwright's own, PATH)
 """
 
 from __future__ import annotations

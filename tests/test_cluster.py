@@ -1,0 +1,221 @@
+"""Which Ray a run uses (flowrl_ray.runtime.cluster): the address rule, the fit check, and
+`flowrl-ray train` against a real `ray start --head` cluster that the test starts and stops by pid.
+
+The cluster test gives `ray start` and the runs their own Ray temp dir (RAY_TMPDIR), so "auto"
+finds this test's cluster through the record Ray keeps there, whatever else runs on the machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from flowrl_ray.cli import main
+from flowrl_ray.config import ConfigError
+from flowrl_ray.runtime.cluster import Capacity, Demand, fit, ray_address, run_demand
+from tests.conftest import PENDULUM, tiny_config
+from tests.test_job_submit import _descendants, _free_ports, _stop_cluster
+
+REPO = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+TINY = ["train.iterations=2", "runtime.num_workers=1", "runtime.envs_per_worker=2",
+        "runtime.rollout_length=64", "algo.minibatch_size=64", "algo.epochs=2", "eval.interval=0"]
+
+
+# --------------------------------------------------------------------------- the address rule
+
+def test_address_precedence_config_over_env(monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert ray_address(tiny_config()) == (None, "")                           # a private local Ray
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6379")
+    assert ray_address(tiny_config()) == ("10.0.0.5:6379", "RAY_ADDRESS")
+    assert ray_address(tiny_config("runtime.ray_address=auto")) == ("auto", "runtime.ray_address")
+    # "local" beats RAY_ADDRESS: a private Ray even inside a shell that points at a cluster
+    assert ray_address(tiny_config("runtime.ray_address=local")) == ("local", "runtime.ray_address")
+
+
+def test_bad_address_is_one_line_naming_the_key():
+    with pytest.raises(ConfigError, match="runtime.ray_address.*'10.0.0.5'"):
+        tiny_config("runtime.ray_address=10.0.0.5")                           # no port
+
+
+def test_address_flag_wins_over_the_config_key(capsys):
+    # The flag is applied after the config's keys: its (bad) value is the one reported, and
+    # the run stops before Ray starts.
+    rc = main(["train", str(PENDULUM), "runtime.ray_address=10.0.0.5:6379", "--address", "nowhere"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "runtime.ray_address" in err[0] and "'nowhere'" in err[0], err
+
+
+def test_every_verb_that_starts_ray_takes_address():
+    from flowrl_ray.cli import build_parser
+    from flowrl_ray.runtime.cluster import with_address
+    parser = build_parser()
+    for argv in (["train", "c.yaml"], ["tune", "c.yaml"], ["compare", "c.yaml"], ["serve", "runs/x"]):
+        assert parser.parse_args(argv + ["--address", "auto"]).address == "auto", argv
+    cfg = tiny_config()
+    assert with_address(cfg, None) is cfg                                   # serve: the run's own setting
+    assert with_address(cfg, "ray://head:10001").runtime.ray_address == "ray://head:10001"
+    with pytest.raises(ConfigError, match="runtime.ray_address"):
+        with_address(cfg, "head")
+
+
+# --------------------------------------------------------------------------- the fit check
+
+def _ppo(workers: int, learner_gpus: float | None):
+    cfg = tiny_config(f"runtime.num_workers={workers}")
+    cfg.runtime.learner_num_gpus = learner_gpus
+    return cfg
+
+
+def test_fixed_cluster_refuses_what_it_can_never_hold():
+    fixed = Capacity([{"CPU": 3.0, "GPU": 0.0}], node_types=None)            # `ray start --num-cpus 3`
+    # learner 1 + 2 workers x 1 = 3 CPUs: fits exactly
+    assert fit(run_demand(_ppo(2, None), 0.0), fixed) == ("ok", "")
+    # learner 1 + 4 workers x 1 = 5 CPUs > 3
+    verdict, why = fit(run_demand(_ppo(4, None), 0.0), fixed)
+    assert verdict == "never" and "5 CPUs" in why and "at most 3" in why
+    # a GPU learner on a cluster without GPUs: no node can ever hold it
+    verdict, why = fit(run_demand(_ppo(1, 1.0), 0.0), fixed)
+    assert verdict == "never" and "learner" in why
+    # two nodes of 2 CPUs: 4 CPUs in all, but no single node holds a 3-CPU worker
+    two = Capacity([{"CPU": 2.0}, {"CPU": 2.0}], node_types=None)
+    verdict, why = fit([Demand("rollout worker", 3.0, 0.0, 1)], two)
+    assert verdict == "never" and "rollout worker (3 CPU)" in why
+
+
+def test_published_autoscaler_limits_decide():
+    # An Anyscale job's shape: a 16-CPU head running now, a GPU group with min_nodes 0, max_nodes 1.
+    head_only = [{"CPU": 16.0, "GPU": 0.0}]
+    types = [{"CPU": 16.0, "GPU": 0.0, "max_count": 1}, {"CPU": 4.0, "GPU": 1.0, "max_count": 1}]
+    cap = Capacity(head_only, types)
+    # counted generously: the head now (16) + both types at their max (16 + 4)
+    assert cap.at_most("GPU") == 1.0 and cap.at_most("CPU") == 36.0
+    verdict, why = fit(run_demand(_ppo(10, None), cap.at_most("GPU")), cap)   # learner counts on the GPU
+    assert verdict == "ok" and "grow it to 1 GPUs" in why
+    verdict, why = fit(run_demand(_ppo(2, 2.0), 1.0), cap)                  # 2 GPUs > 1 node x 1
+    assert verdict == "never" and "no node type has room for one learner (1 CPU + 2 GPU)" in why
+    verdict, why = fit(run_demand(_ppo(40, 0.0), 0.0), cap)                 # 41 CPUs > 36
+    assert verdict == "never" and "41 CPUs" in why and "at most 36" in why
+    unbounded = Capacity(head_only, [{"CPU": 4.0, "GPU": 1.0, "max_count": -1}])
+    assert fit(run_demand(_ppo(2, 4.0), 0.0), unbounded)[0] == "never"      # no node type has 4 GPUs
+    assert fit([Demand("learner", 1.0, 1.0)] * 3, unbounded)[0] == "ok"
+
+
+def test_unknown_autoscaler_warns_instead_of_refusing():
+    cap = Capacity([{"CPU": 16.0, "GPU": 0.0}], node_types=[])   # an autoscaler that does not say
+    verdict, why = fit(run_demand(_ppo(2, 1.0), 0.0), cap)
+    assert verdict == "wait" and "learner" in why
+
+
+def test_an_anyscale_cluster_is_never_taken_for_a_fixed_one(monkeypatch):
+    from flowrl_ray.runtime import cluster
+    monkeypatch.setenv("ANYSCALE_ARTIFACT_STORAGE", "s3://bucket/artifacts")
+    assert cluster._no_autoscaler() is False            # decided before asking Ray anything
+
+
+# --------------------------------------------------------------------------- a real cluster
+
+def _env(tmp: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
+    env["RAY_TMPDIR"] = tmp              # Ray's temp dir and its ray_current_cluster record: ours
+    # Without token authentication: ~/.ray/auth_token is shared with whatever else runs here
+    # (test_job_submit.py covers a cluster with a token).
+    env["RAY_AUTH_MODE"] = "disabled"
+    env["PYTHONPATH"] = str(REPO)
+    return env
+
+
+def _train(tmp: str, run_dir: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flowrl_ray.cli", "train", str(PENDULUM), *TINY,
+                           "--run-dir", str(run_dir), "--no-tensorboard", *args],
+                          env=_env(tmp), capture_output=True, text=True, timeout=timeout, cwd=REPO)
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
+def _our_lines(stderr: str) -> list[str]:
+    return [x for x in stderr.splitlines() if x.startswith("flowrl-ray")]
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL `ray start --block` and everything below it: an unclean stop, record left behind."""
+    for pid in [proc.pid, *_descendants(proc.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(timeout=30)
+
+
+@pytest.mark.slow
+def test_train_against_a_ray_start_cluster(tmp_path):
+    tmp = tempfile.mkdtemp(prefix="rc", dir="/tmp")          # short: Ray's socket paths live under it
+    gcs_port, client_port, agent_port, metrics_port = _free_ports(4)
+    log = open(tmp_path / "ray_start.log", "w")
+    proc = subprocess.Popen(
+        [str(VENV_BIN / "ray"), "start", "--head", "--port", str(gcs_port), "--num-cpus", "2",
+         "--include-dashboard", "false", "--ray-client-server-port", str(client_port),
+         "--dashboard-agent-listen-port", str(agent_port), "--metrics-export-port", str(metrics_port),
+         "--disable-usage-stats", "--block"],
+        env=_env(tmp), stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+    record = Path(tmp) / "ray" / "ray_current_cluster"
+    try:
+        deadline = time.monotonic() + 120
+        while not (record.is_file() and record.read_text().strip().endswith(f":{gcs_port}")):
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "ray_start.log").read_text()[-3000:]
+            time.sleep(1)
+
+        # --address auto: this cluster (2 CPUs: the learner and one worker)
+        r = _train(tmp, tmp_path / "auto", "--address", "auto")
+        out = r.stdout + r.stderr
+        assert r.returncode == 0, out[-4000:]
+        line = next(x for x in r.stdout.splitlines() if "Ray:" in x)
+        assert line.startswith(f"[flowrl_ray] Ray: connected to ") and f":{gcs_port} (runtime.ray_address; 2 CPUs, 0 GPUs" in line, line
+        assert [row["iteration"] for row in _rows(tmp_path / "auto")] == [1, 2]
+
+        # no address while the cluster runs: a private Ray of its own (3 CPUs on this 2-core machine)
+        r = _train(tmp, tmp_path / "private")
+        assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+        assert "[flowrl_ray] Ray: started a private local Ray (" in r.stdout
+        assert "Connecting to existing Ray cluster" not in r.stdout + r.stderr
+        assert [row["iteration"] for row in _rows(tmp_path / "private")] == [1, 2]
+
+        # never fits: 4 workers x 1 CPU + the learner on a 2-CPU cluster without autoscaler
+        t0 = time.monotonic()
+        r = _train(tmp, tmp_path / "too_big", "--address", "auto", "runtime.num_workers=4")
+        err = _our_lines(r.stderr)        # Ray's own log lines (connecting, ...) come before it
+        assert r.returncode == 2 and len(err) == 1 and "Traceback" not in r.stderr, r.stdout + r.stderr
+        assert "flowrl-ray train: error: runtime: the run cannot fit" in err[0] and "5 CPUs" in err[0]
+        assert "at most 2" in err[0] and time.monotonic() - t0 < 120
+        assert not (tmp_path / "too_big" / "config.yaml").exists()        # no actor ever started
+        # ... and a GPU learner on a cluster with no GPU
+        r = _train(tmp, tmp_path / "gpu", "--address", "auto", "runtime.learner_num_gpus=1")
+        assert r.returncode == 2 and "no node has room for one learner (1 CPU + 1 GPU)" in r.stderr, r.stderr
+
+        # an unclean stop leaves the record pointing at a dead cluster
+        _kill_tree(proc)
+        assert record.read_text().strip().endswith(f":{gcs_port}")
+        r = _train(tmp, tmp_path / "after_kill")
+        assert r.returncode == 0 and "Ray: started a private local Ray" in r.stdout, (r.stdout + r.stderr)[-4000:]
+        r = _train(tmp, tmp_path / "auto_dead", "--address", "auto", timeout=120)
+        err = _our_lines(r.stderr)
+        assert r.returncode == 2 and len(err) == 1 and "Traceback" not in r.stderr, r.stdout + r.stderr
+        assert f"auto -> " in err[0] and f":{gcs_port}" in err[0] and "no Ray cluster answers there" in err[0]
+        assert "points at a stopped cluster" in err[0]
+    finally:
+        _stop_cluster(proc)
+        log.close()
+        shutil.rmtree(tmp, ignore_errors=True)
