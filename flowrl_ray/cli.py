@@ -150,21 +150,24 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def _write_eval_videos(cfg, run_dir: str, iteration: int, videos: list[dict]) -> list[Path]:
     """RUN/videos/eval/iter_<i>_<k>_<success|failure>.mp4 (beside the training's videos, not over
-    them), each also to the run's media sinks at the checkpoint's env step."""
+    them), each also to the run's media sinks at the checkpoint's env step: TensorBoard, and the
+    run's own W&B / MLflow runs (tracking.json) when its config has a `logging` section."""
     from flowrl_ray.runtime.metrics import MetricsLogger, read_metrics
+    from flowrl_ray.runtime.tracking import open_trackers
     from flowrl_ray.video import save_videos, video_caption
     paths = save_videos(videos, Path(run_dir) / "videos" / "eval", iteration)
     step = next((r["env_steps"] for r in read_metrics(run_dir)
                  if r.get("iteration") == iteration and "env_steps" in r), iteration)
     try:
-        logger = MetricsLogger(Path(run_dir), cfg.name, tensorboard=True)
+        logger = MetricsLogger(Path(run_dir), cfg.name, tensorboard=True,
+                               trackers=open_trackers(cfg, Path(run_dir), resume=True))
         try:
             for path, v in zip(paths, videos):
                 logger.log_media(path, step, video_caption(iteration, v))
         finally:
             logger.close()
     except Exception as e:  # noqa: BLE001 - the files are written; a sink must not fail the eval
-        print(f"flowrl-ray eval: could not log the videos to TensorBoard: {e}", file=sys.stderr)
+        print(f"flowrl-ray eval: could not log the videos to the run's media sinks: {e}", file=sys.stderr)
     return paths
 
 

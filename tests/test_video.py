@@ -87,14 +87,16 @@ def test_only_the_wanted_episodes_are_rendered(monkeypatch):
 @pytest.mark.slow
 def test_train_and_eval_write_videos_that_decode(tmp_path, capsys, monkeypatch, local_ray):
     from flowrl_ray.runtime.metrics import MetricsLogger
-    media = []           # (path, step, caption) of every video handed to the media sinks
+    media = []           # (path, step, caption) of every video handed to the media sinks (not the plots)
     log_media = MetricsLogger.log_media
     monkeypatch.setattr(MetricsLogger, "log_media",
-                        lambda self, path, step, caption="": media.append((path, step, caption))
+                        lambda self, path, step, caption="": (path.suffix == ".mp4" and media.append((path, step, caption)))
                         or log_media(self, path, step, caption))
     run, config = tmp_path / "run", tmp_path / "video.yaml"
     # evaluations at iterations 1, 2, 3: films at every 2nd (number 2) and at the last one (3)
-    config.write_text(yaml.safe_dump(robot_config(video={"episodes": 1, "every": 2, "size": 32})))
+    data = robot_config(video={"episodes": 1, "every": 2, "size": 32})
+    data["logging"] = {"mlflow": {"tracking_uri": str(tmp_path / "mlruns")}}    # a local file store
+    config.write_text(yaml.safe_dump(data))
     assert main(["train", str(config), "--run-dir", str(run), "--no-tensorboard"]) == 0
     out = capsys.readouterr().out
     # FPO++ steps are action chunks: the progress line counts them as such
@@ -121,6 +123,20 @@ def test_train_and_eval_write_videos_that_decode(tmp_path, capsys, monkeypatch, 
     assert decode(result["videos"][0]).shape == (FRAMES, 32, 32, 3)        # the run's eval.video.size
     assert [(str(p), step) for p, step, _ in media[2:]] == [(result["videos"][0], 12)]
     assert re.search(r"\[eval lift\] 2/2 episodes \| \d+\.\d s/episode \| elapsed \d+s \| ETA 0s", captured.err)
+
+    # the training's videos and the eval's went to the run's one MLflow run too
+    from mlflow.tracking import MlflowClient
+
+    from flowrl_ray.runtime.tracking import mlflow_store_uri
+    client = MlflowClient(tracking_uri=mlflow_store_uri(str(tmp_path / "mlruns")))
+    [experiment] = [e for e in client.search_experiments() if e.name == "video"]
+    [mlflow_run] = client.search_runs([experiment.experiment_id])
+
+    def artifacts(path=""):
+        for f in client.list_artifacts(mlflow_run.info.run_id, path):
+            yield from artifacts(f.path) if f.is_dir else [f.path]
+    logged = sorted(a for a in artifacts() if a.endswith(".mp4"))
+    assert logged == sorted([f"videos/{n}" for n in names] + ["videos/eval/iter_0003_0_failure.mp4"])
 
 
 def test_pretraining_evaluation_and_demo_collection_show_progress(tmp_path, capsys):
