@@ -138,7 +138,7 @@ def test_containerfile_matches_pyproject():
     pins = set(re.findall(r'"([A-Za-z0-9_.\-\[\],]+(?:[<>=!]=?[^"]*)?)"', text))
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
-    deps = project["dependencies"] + extras["robot"] + extras["forms"] + extras["text"] + extras["mol"]
+    deps = project["dependencies"] + extras["robot"] + extras["forms"] + extras["text"] + extras["mol"] + extras["tracking"]
     missing = [d for d in deps if d not in pins]
     assert not missing, f"Containerfile lacks pyproject pins: {missing}"
     assert re.search(r"^WORKDIR ", text, re.M)
