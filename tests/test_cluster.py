@@ -129,9 +129,11 @@ def _env(tmp: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["PATH"] = f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}"
     env["RAY_TMPDIR"] = tmp              # Ray's temp dir and its ray_current_cluster record: ours
-    # Without token authentication: ~/.ray/auth_token is shared with whatever else runs here
-    # (test_job_submit.py covers a cluster with a token).
-    env["RAY_AUTH_MODE"] = "disabled"
+    # Token authentication, as `ray start --head` runs by default in Ray 2.60, with a token of our
+    # own: HOME is the temp dir, so ~/.ray/auth_token is <tmp>/.ray/auth_token.
+    env["HOME"] = tmp
+    env.pop("RAY_AUTH_MODE", None)
+    env.pop("RAY_AUTH_TOKEN", None)
     env["PYTHONPATH"] = str(REPO)
     return env
 
@@ -165,6 +167,9 @@ def test_train_against_a_ray_start_cluster(tmp_path):
     tmp = tempfile.mkdtemp(prefix="rc", dir="/tmp")          # short: Ray's socket paths live under it
     gcs_port, client_port, agent_port, metrics_port = _free_ports(4)
     log = open(tmp_path / "ray_start.log", "w")
+    subprocess.run([str(VENV_BIN / "ray"), "get-auth-token", "--generate"], env=_env(tmp), check=True,
+                   capture_output=True, timeout=120)
+    assert (Path(tmp) / ".ray" / "auth_token").is_file()
     proc = subprocess.Popen(
         [str(VENV_BIN / "ray"), "start", "--head", "--port", str(gcs_port), "--num-cpus", "2",
          "--include-dashboard", "false", "--ray-client-server-port", str(client_port),
@@ -185,6 +190,11 @@ def test_train_against_a_ray_start_cluster(tmp_path):
         line = next(x for x in r.stdout.splitlines() if "Ray:" in x)
         assert line.startswith(f"[flowrl_ray] Ray: connected to ") and f":{gcs_port} (runtime.ray_address; 2 CPUs, 0 GPUs" in line, line
         assert [row["iteration"] for row in _rows(tmp_path / "auto")] == [1, 2]
+        # an explicit address: as in ray.init, the token is sent only with RAY_AUTH_MODE=token
+        r = _train(tmp, tmp_path / "no_token", "--address", f"127.0.0.1:{gcs_port}")
+        err = _our_lines(r.stderr)
+        assert r.returncode == 2 and len(err) == 1 and "Traceback" not in r.stderr, r.stdout + r.stderr
+        assert "it uses token authentication: run with RAY_AUTH_MODE=token" in err[0]
 
         # no address while the cluster runs: a private Ray of its own (3 CPUs on this 2-core machine)
         r = _train(tmp, tmp_path / "private")

@@ -227,12 +227,19 @@ def init_ray(cfg: Config, **kwargs) -> bool:
     address, source = ray_address(cfg)
     if address and address != "local":
         shown = _resolve(address, source)
+        if address == "auto":
+            # As ray.init(address="auto") does for the cluster it finds on this machine (and only
+            # then): a token in ~/.ray/auth_token switches token authentication on, as `ray start`
+            # did for the cluster. _resolve passed an explicit address on, which would not.
+            from ray._private.authentication.authentication_token_setup import \
+                maybe_enable_token_auth_if_token_available
+            maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
         try:
             ray.init(address=shown, log_to_driver=True, **kwargs)
         except ConnectionError as e:
             text = f"{e}\n{e.__cause__ or ''}"
-            why = ("it asks for an authentication token this process does not have (put the cluster's "
-                   "token in ~/.ray/auth_token or $RAY_AUTH_TOKEN)" if "AuthToken" in text
+            why = ("it uses token authentication: run with RAY_AUTH_MODE=token and the cluster's token in "
+                   "~/.ray/auth_token or $RAY_AUTH_TOKEN" if "AuthToken" in text
                    else str(e).strip().splitlines()[0])
             raise ConfigError(f"{source}={address}: cannot connect to the Ray cluster at {shown}: {why}") from None
         now = ray.cluster_resources()
