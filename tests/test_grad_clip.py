@@ -2,7 +2,8 @@
 
 Hand numbers first (two linear "networks" with known gradients), then what it means for the
 algorithms: FPO++'s actor step no longer depends on the critic's gradient, and single-optimiser
-algorithms (PPO) and CMA-PPO (one optimiser per loss) update bit-for-bit as before.
+algorithms (PPO) and CMA-PPO (one optimiser per loss) update bit-for-bit as before, and FlowSAR,
+which keeps one norm over its policy and side critic, too.
 """
 
 import copy
@@ -13,15 +14,18 @@ import torch
 from torch import nn
 
 import flowrl_ray.algorithms.cma_ppo as cma_ppo_module
+import flowrl_ray.algorithms.flowsar as flowsar_module
 import flowrl_ray.algorithms.ppo as ppo_module
 from flowrl_ray.algorithms.base import optimizer_step
 from flowrl_ray.algorithms.cma_ppo import CMAPPO
+from flowrl_ray.algorithms.flowsar import FlowSAR
 from flowrl_ray.algorithms.fpopp import FPOPP
 from flowrl_ray.algorithms.ppo import PPO
 from flowrl_ray.envs import EnvSpec
 
 from conftest import tiny_config
 from test_cma_ppo import _batch as cma_rollout_batch, _cfg as cma_cfg
+from test_flowsar import SPEC as FLOWSAR_SPEC, make_batch as flowsar_batch, tiny_cfg as flowsar_cfg
 from test_fpopp import _rollout_batch as fpopp_rollout_batch, tiny_cfg as fpopp_cfg
 from test_ppo_math import _synthetic_batch as ppo_rollout_batch
 
@@ -180,3 +184,30 @@ def test_cma_ppo_update_is_bit_for_bit_what_it_was():
         states.append(copy.deepcopy(algo.policy.state_dict()))
     assert all(torch.equal(v, states[1][k]) for k, v in states[0].items())
     assert any(not torch.equal(v, init[k]) for k, v in states[0].items())   # and the update moved them
+
+
+def test_flowsar_with_its_critic_keeps_one_norm_over_policy_and_critic():
+    """FlowSAR passes joint=True: with the critic_oracle side critic on, the policy and the
+    critic are still clipped together, bit-for-bit as the old step did."""
+    cfg = flowsar_cfg(weight_mode="critic_oracle")
+    cfg.algo.max_grad_norm = 0.01                                     # small enough to bite
+    batch = flowsar_batch(0, ends={(5, 0): "term", (5, 1): "term"}, rewards={(5, 0): 1.0})
+    results = []
+    for use_old in (False, True):
+        torch.manual_seed(0)
+        algo = FlowSAR(cfg, FLOWSAR_SPEC, torch.device("cpu"))
+        init = copy.deepcopy(algo.policy.state_dict())
+
+        def old_step(loss, optimizers, max_grad_norm, joint):
+            params = [p for o in optimizers for g in o.param_groups for p in g["params"]]
+            norm, stepped = _old_optimizer_step(loss, optimizers, params, max_grad_norm)
+            return [norm], stepped
+
+        metrics = _update_with(flowsar_module, algo, algo.prepare([batch]), old_step if use_old else None)
+        results.append((copy.deepcopy(algo.policy.state_dict()), copy.deepcopy(algo.critic.state_dict()), metrics))
+    (pol_new, critic_new, m_new), (pol_old, critic_old, m_old) = results
+    assert m_new["flowsar/grad_norm"] > 0.01 and "flowsar/v_loss" in m_new       # the clip bit, critic on
+    assert any(not torch.equal(v, init[k]) for k, v in pol_new.items())
+    assert all(torch.equal(v, pol_old[k]) for k, v in pol_new.items())
+    assert all(torch.equal(v, critic_old[k]) for k, v in critic_new.items())
+    assert m_new["flowsar/grad_norm"] == m_old["flowsar/grad_norm"]
