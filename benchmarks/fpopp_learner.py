@@ -22,7 +22,7 @@ permutations), each timed on the same prepared batch:
   instance), with the update written inline: randperm -> per minibatch: critic value loss, CFM
   losses of the new policy (one velocity-MLP pass over B x N_mc rows), per-sample ratios
   ``exp(clamp(l_old - l_new, +-5))``, normalised advantages, PPO clip objective, backward, grad
-  clip (norm 1.0), actor + critic step. No statistics, no ``float()`` reads, no finiteness checks.
+  clip (norm 1.0, actor and critic each by its own norm), actor + critic step. No statistics, no ``float()`` reads, no finiteness checks.
 
 Before timing, one update of each from identical states is compared parameter by parameter (the
 bare loop must compute the same math: the maximum absolute difference is reported). Then
@@ -133,7 +133,7 @@ class BareLearner:
         self.actor, self.critic = algo.policy, algo.critic
         self.velocity = algo.policy.velocity              # the velocity MLP (time embedding inside)
         self.opts = [algo.actor_opt, algo.critic_opt]
-        self.params = [p for o in self.opts for g in o.param_groups for p in g["params"]]
+        self.params = [[p for g in o.param_groups for p in g["params"]] for o in self.opts]   # actor, critic
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.mb, self.clip, self.diff_clamp = c.minibatch_size, c.clip, c.cfm_diff_clamp
         self.vf_coef, self.max_grad_norm = c.vf_coef, c.max_grad_norm
@@ -160,7 +160,8 @@ class BareLearner:
         for o in self.opts:
             o.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
+        for params in self.params:                      # each network by its own norm
+            torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
         for o in self.opts:
             o.step()
 
@@ -187,7 +188,8 @@ class BareLearner:
                 o.zero_grad(set_to_none=True)
             loss.backward()
             t2 = time.perf_counter()
-            torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
+            for params in self.params:
+                torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
             t3 = time.perf_counter()
             for o in self.opts:
                 o.step()

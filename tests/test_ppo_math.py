@@ -85,9 +85,9 @@ def test_running_norm_matches_numpy_over_several_updates():
 def test_optimizer_step_skips_non_finite_loss():
     p = torch.nn.Parameter(torch.ones(2))
     opt = torch.optim.SGD([p], lr=0.1)
-    norm, stepped = optimizer_step((p * float("nan")).sum(), opt, [p], 1.0)
+    (norm,), stepped = optimizer_step((p * float("nan")).sum(), opt, 1.0)
     assert not stepped and torch.equal(p.data, torch.ones(2))
-    norm, stepped = optimizer_step((p ** 2).sum(), opt, [p], None)
+    (norm,), stepped = optimizer_step((p ** 2).sum(), opt, None)
     assert stepped and norm == pytest.approx(math.sqrt(8)) and torch.allclose(p.data, torch.full((2,), 0.8))
 
 

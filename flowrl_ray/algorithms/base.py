@@ -84,26 +84,48 @@ class Algorithm(ABC):
 
 
 def optimizer_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer],
-                   params: list[torch.nn.Parameter], max_grad_norm: float | None) -> tuple[float, bool]:
+                   max_grad_norm: float | None, joint: bool = False) -> tuple[list[float], bool]:
     """Backward, clip, step (one optimiser or several, e.g. actor and critic with their own
     learning rates). A non-finite loss or gradient skips the step (the caller counts it).
 
-    Returns (grad norm of ``params`` before clipping, whether the step was taken).
+    Each optimiser's parameters are clipped to ``max_grad_norm`` by their own norm (``joint``:
+    all of them by one norm), see :func:`clip_and_step`.
+    Returns (grad norms before clipping, one per optimiser or one if ``joint``; whether the
+    step was taken).
     """
-    optimizers = optimizer if isinstance(optimizer, (list, tuple)) else [optimizer]
+    optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
     for o in optimizers:
         o.zero_grad(set_to_none=True)
     if not torch.isfinite(loss):
-        return float("nan"), False
+        return [float("nan")] * (1 if joint else len(optimizers)), False
     loss.backward()
-    norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm if max_grad_norm else float("inf"))
-    if not torch.isfinite(norm):
+    return clip_and_step(optimizers, max_grad_norm, joint)
+
+
+def clip_and_step(optimizers: list[torch.optim.Optimizer], max_grad_norm: float | None,
+                  joint: bool = False) -> tuple[list[float], bool]:
+    """Clip the gradients already in the optimisers' parameters, then step them all.
+
+    Each optimiser's parameters (its param groups) are clipped by their own L2 norm to
+    ``max_grad_norm`` (None: no clipping), so that a large critic gradient does not shrink the
+    actor's step; ``joint=True`` clips all of them together by one norm (the old behaviour).
+    A non-finite norm in any of them skips the whole step: no optimiser steps, the gradients
+    are cleared and the caller counts the skip.
+
+    Returns (norms before clipping: one per optimiser, or one if ``joint``; whether stepped).
+    """
+    limit = max_grad_norm if max_grad_norm else float("inf")   # an inf limit scales by exactly 1
+    groups = [[p for g in o.param_groups for p in g["params"]] for o in optimizers]
+    if joint:
+        groups = [[p for params in groups for p in params]]
+    norms = [float(torch.nn.utils.clip_grad_norm_(params, limit)) for params in groups]
+    if not all(math.isfinite(n) for n in norms):
         for o in optimizers:
             o.zero_grad(set_to_none=True)
-        return float(norm), False
+        return norms, False
     for o in optimizers:
         o.step()
-    return float(norm), True
+    return norms, True
 
 
 def frozen_copy(module: nn.Module) -> nn.Module:

@@ -130,15 +130,20 @@ class CMAPPO(Algorithm):
             batch = resample_mirrored(batch, int((entry["advantages"] >= 0).sum()), self.generator)
         return batch
 
-    def _epochs(self, batch: dict, loss_fn, optimizer, params) -> float:
-        """n_updates epochs of shuffled minibatches; returns the mean loss."""
+    def _epochs(self, batch: dict, loss_fn, optimizer) -> float:
+        """n_updates epochs of shuffled minibatches; returns the mean loss.
+
+        Mean, variance and value networks each have their own loss and optimiser, stepped in
+        turn, so each gradient is clipped by its own norm: per-network clipping is what this
+        always did.
+        """
         losses, m = [], next(iter(batch.values())).shape[0]
         for _ in range(self.c.n_updates):
             perm = torch.randperm(m, generator=self.generator).to(self.device)
             for start in range(0, m, self.c.batch_size):
                 idx = perm[start:start + self.c.batch_size]
                 loss = loss_fn({k: v[idx] for k, v in batch.items()})
-                _, stepped = optimizer_step(loss, optimizer, params, self.c.max_grad_norm)
+                _, stepped = optimizer_step(loss, optimizer, self.c.max_grad_norm)
                 self.skipped_updates += int(not stepped)
                 losses.append(float(loss.detach()))
         return sum(losses) / max(len(losses), 1)
@@ -160,13 +165,13 @@ class CMAPPO(Algorithm):
         # (1) variance on the whole history, each entry mirrored around the current mean
         history_batches = [self._cma_batch(e) for e in self.history]
         var_batch = {k: torch.cat([b[k] for b in history_batches]) for k in ("obs", "actions", "weights")}
-        var_loss = self._epochs(var_batch, self._var_loss, self.opt_var, list(p.var_net.parameters()))
+        var_loss = self._epochs(var_batch, self._var_loss, self.opt_var)
         # (2) mean on the current iteration's CMA batch (built after the variance step)
         mean_batch = self._cma_batch(self.history[-1])
-        mean_loss = self._epochs(mean_batch, self._mean_loss, self.opt_mean, list(p.mean_net.parameters()))
+        mean_loss = self._epochs(mean_batch, self._mean_loss, self.opt_mean)
         # (3) value on the current data
         value_batch = {"obs": data["obs"], "returns": data["returns"]}
-        value_loss = self._epochs(value_batch, self._value_loss, self.opt_value, list(p.vf.parameters()))
+        value_loss = self._epochs(value_batch, self._value_loss, self.opt_value)
         p.obs_norm.update(data["obs"])      # after the update, as in PPO (see ppo.py)
         adv = data["advantages"]
         out = {"cma_ppo/mean_loss": mean_loss, "cma_ppo/var_loss": var_loss, "cma_ppo/value_loss": value_loss,

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from flowrl_ray.algorithms.advantages import group_normalize
-from flowrl_ray.algorithms.base import Algorithm, frozen_copy, load_scheduler, lr_multiplier
+from flowrl_ray.algorithms.base import Algorithm, clip_and_step, frozen_copy, load_scheduler, lr_multiplier
 from flowrl_ray.algorithms.losses import ppo_clip_objective
 from flowrl_ray.batch import Batch
 from flowrl_ray.config import Config, ConfigError, check
@@ -335,11 +335,10 @@ class FEDGRPO(Algorithm):
         return self._metrics(stats, p)
 
     def _optimizer_step(self, stats: dict) -> None:
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.c.max_grad_norm)
-        if torch.isfinite(norm):
-            self.opt.step()
+        (norm,), stepped = clip_and_step([self.opt], self.c.max_grad_norm)   # one optimiser: one norm
+        if stepped:
             self.scheduler.step()
-            stats.setdefault("grad_norm", []).append(float(norm))
+            stats.setdefault("grad_norm", []).append(norm)
         else:
             self.skipped_updates += 1
         self.opt.zero_grad(set_to_none=True)

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from flowrl_ray.algorithms.advantages import group_advantages
-from flowrl_ray.algorithms.base import Algorithm, frozen_copy, optimizer_step
+from flowrl_ray.algorithms.base import Algorithm, clip_and_step, frozen_copy
 from flowrl_ray.algorithms.losses import ppo_clip_objective
 from flowrl_ray.batch import Batch
 from flowrl_ray.config import Config, ConfigError, check
@@ -208,7 +208,6 @@ class FlowGRPO(Algorithm):
         states, unmasked, tokens = traj["states"], traj["unmasked"], traj["tokens"]   # [S, B, L]
         attn, logp_old = traj["attention_mask"], traj["logp"]                  # [B, L], [S, B]
         steps = states.shape[0]
-        params = [p_ for g in self.opt.param_groups for p_ in g["params"]]
         stats: dict[str, list[float]] = {}
         self.lm.model.train()
         for _ in range(c.epochs):
@@ -241,10 +240,9 @@ class FlowGRPO(Algorithm):
                 self.opt.zero_grad(set_to_none=True)
                 self.skipped_updates += 1
                 continue
-            norm = torch.nn.utils.clip_grad_norm_(params, c.grad_clip)
-            if torch.isfinite(norm):
-                self.opt.step()
-                stats.setdefault("grad_norm", []).append(float(norm))
+            (norm,), stepped = clip_and_step([self.opt], c.grad_clip)           # one optimiser: one norm
+            if stepped:
+                stats.setdefault("grad_norm", []).append(norm)
             else:
                 self.skipped_updates += 1
             stats.setdefault("loss", []).append(total)

@@ -448,14 +448,16 @@ class FlowSAR(Algorithm):
             return out
         m = b["actions"].shape[0]
         optimizers = [self.opt] + ([self.critic_opt] if self.critic_opt else [])
-        params = [p for o in optimizers for g in o.param_groups for p in g["params"]]
         stats: dict[str, list[float]] = {}
         steps = 0
         for _ in range(c.epochs):
             perm = torch.randperm(m, generator=self.generator).to(self.device)
             for start in range(0, m, c.minibatch_size):
                 loss, mb = self._minibatch_loss(b, perm[start:start + c.minibatch_size])
-                grad_norm, stepped = optimizer_step(loss, optimizers, params, c.max_grad_norm)
+                # joint=True: the policy and the optional critic are clipped together by one
+                # norm, as FlowSAR always did (per-network clipping would change its numbers
+                # when the critic is on; FlowSAR's own behaviour is decided separately).
+                (grad_norm,), stepped = optimizer_step(loss, optimizers, c.max_grad_norm, joint=True)
                 self.skipped_updates += int(not stepped)
                 steps += 1
                 mb["flowsar/grad_norm"] = grad_norm

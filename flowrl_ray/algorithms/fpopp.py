@@ -258,7 +258,6 @@ class FPOPP(Algorithm):
             for start in range(0, m, c.minibatch_size):
                 idx = perm[start:start + c.minibatch_size]
                 optimizers = [self.actor_opt, self.critic_opt] if actor_active else [self.critic_opt]
-                params = [p for o in optimizers for g in o.param_groups for p in g["params"]]
                 # Gradient accumulation: the minibatch in parts (memory), one optimiser step.
                 parts = idx.chunk(c.grad_accumulation)
                 total_loss, mb_stats = 0.0, {}
@@ -267,11 +266,16 @@ class FPOPP(Algorithm):
                     total_loss = total_loss + loss * (len(part) / len(idx))
                     for k, v in part_stats.items():
                         mb_stats[k] = mb_stats.get(k, 0.0) + float(v) * len(part) / len(idx)
-                grad_norm, stepped = optimizer_step(total_loss, optimizers, params, c.max_grad_norm)
+                # Actor and critic each clipped by their own norm (the release clips both
+                # separately): a large critic gradient does not shrink the actor's step.
+                norms, stepped = optimizer_step(total_loss, optimizers, c.max_grad_norm)
                 self.skipped_updates += int(not stepped)
                 actor_steps += int(actor_active)
                 critic_steps += 1
-                mb_stats["grad_norm"] = grad_norm
+                if actor_active:
+                    stats.setdefault("actor_grad_norm", []).append(norms[0])
+                stats.setdefault("critic_grad_norm", []).append(norms[-1])
+                mb_stats["grad_norm"] = float(np.sqrt(np.sum(np.square(norms))))   # of both together
                 for k, v in mb_stats.items():
                     stats.setdefault(k, []).append(v)
                 if actor_active and c.target_kl is not None and mb_stats["approx_kl"] > c.target_kl:
@@ -285,11 +289,13 @@ class FPOPP(Algorithm):
             if opt is self.critic_opt or train_actor:
                 sched.step()
         self.iteration += 1
+        grad_norms = {f"fpopp/{k}": float(np.mean(stats[k])) if k in stats else float("nan")
+                      for k in ("grad_norm", "actor_grad_norm", "critic_grad_norm")}   # before clipping
         # The metric names of the FPO++ paper's logs, unprefixed; the rest under fpopp/.
-        out = {k: float(np.mean(v)) for k, v in stats.items() if k != "grad_norm"}
+        out = {k: float(np.mean(v)) for k, v in stats.items() if not k.endswith("grad_norm")}
         out.update(lrs)
-        out.update({"fpopp/grad_norm": float(np.mean(stats["grad_norm"])) if stats else float("nan"),
-                    "fpopp/explained_variance": explained_variance(b["returns"], b["values_old"]),
+        out.update(grad_norms)
+        out.update({"fpopp/explained_variance": explained_variance(b["returns"], b["values_old"]),
                     "fpopp/actor_steps": actor_steps,
                     "fpopp/critic_steps": critic_steps,
                     "fpopp/early_stopped": float(early_stop), "fpopp/actor_frozen": float(not train_actor),

@@ -131,7 +131,7 @@ class PPO(Algorithm):
                 v_loss = value_loss(self.values(b.obs[idx]), b.returns[idx], b.values_old[idx], c.vf_clip).mean()
                 entropy = dist.entropy().sum(-1).mean()
                 loss = policy_loss + c.vf_coef * v_loss - c.ent_coef * entropy
-                grad_norm, stepped = optimizer_step(loss, self.optimizer, self.params, c.max_grad_norm)
+                (grad_norm,), stepped = optimizer_step(loss, self.optimizer, c.max_grad_norm)   # one optimiser, policy and value: one norm
                 self.skipped_updates += int(not stepped)
                 with torch.no_grad():
                     kl = approx_kl(log_ratio)

@@ -120,7 +120,7 @@ class TokenGRPO(Algorithm):
         for _ in range(self.cfg.algo.epochs):
             logp = torch.log_softmax(self._policy.logits[p["prompts"]], -1).gather(-1, p["tokens"][:, None]).squeeze(-1)
             loss = -ppo_clip_objective((logp - p["logp_old"]).exp(), p["adv"], self.cfg.algo.clip).mean()
-            optimizer_step(loss, self.optimizer, list(self._policy.parameters()), None)
+            optimizer_step(loss, self.optimizer, None)
         return {"token_grpo/reward_mean": float(p["rewards"].mean())}
 
     def eval_metrics(self, batches):
