@@ -38,9 +38,25 @@ def test_cfm_losses_match_hand_computation():
     # pair 1: x = .25*[1,2] + .75*[0,4] = [.25, 3.5]; v = [.75, 2.5]; target a - eps = [1, -2]
     #         l = (.75 - 1)^2 + (2.5 + 2)^2 = .0625 + 20.25 = 20.3125
     # pair 2: x = a = [1, 2]; v = [1.5, 1]; target = [-1, 4]; l = 2.5^2 + 3^2 = 15.25
-    out = cfm_losses(velocity, obs, a, taus, eps)
+    out = cfm_losses(velocity, obs, a, taus, eps, reduction="sum")
     assert out.shape == (1, 2)
     torch.testing.assert_close(out, torch.tensor([[20.3125, 15.25]]))
+    # The default (the FPO++ paper's scale) averages over the Da = 2 action dims instead.
+    torch.testing.assert_close(cfm_losses(velocity, obs, a, taus, eps), torch.tensor([[10.15625, 7.625]]))
+    with pytest.raises(ValueError, match="reduction"):
+        cfm_losses(velocity, obs, a, taus, eps, reduction="mean")
+
+
+def test_cfm_losses_average_over_action_dims_and_sum_over_rows_by_hand():
+    # v = 0: the error of each element is -(a - eps) = eps - a. Ta = 3 rows, Da = 2 dims, N = 1.
+    velocity = lambda x, tau, obs: torch.zeros_like(x)               # noqa: E731
+    a = torch.tensor([[[1.0, 3.0], [2.0, 0.0], [0.0, -4.0]]])        # [B=1, Ta=3, Da=2]
+    eps = torch.zeros(1, 1, 3, 2)
+    taus = torch.tensor([[0.5]])
+    # squared errors per row: [1, 9], [4, 0], [0, 16]; row means 5, 2, 8; row sums 10, 4, 16
+    torch.testing.assert_close(cfm_losses(velocity, torch.zeros(1, 1), a, taus, eps), torch.tensor([[15.0]]))
+    torch.testing.assert_close(cfm_losses(velocity, torch.zeros(1, 1), a, taus, eps, reduction="sum"),
+                               torch.tensor([[30.0]]))
 
 
 def test_cfm_losses_with_the_huber_error_by_hand():
@@ -49,7 +65,7 @@ def test_cfm_losses_with_the_huber_error_by_hand():
     velocity = lambda x, tau, obs: x + obs[:, None, :]               # noqa: E731
     obs, a = torch.tensor([[0.5, -1.0]]), torch.tensor([[[1.0, 2.0]]])
     taus, eps = torch.tensor([[0.25, 1.0]]), torch.tensor([[[[0.0, 4.0]], [[2.0, -2.0]]]])
-    torch.testing.assert_close(cfm_losses(velocity, obs, a, taus, eps, huber_delta=1.0),
+    torch.testing.assert_close(cfm_losses(velocity, obs, a, taus, eps, huber_delta=1.0, reduction="sum"),
                                torch.tensor([[8.0625, 9.0]]))
     # A delta above every |d| is the squared error.
     torch.testing.assert_close(cfm_losses(velocity, obs, a, taus, eps, huber_delta=10.0),
@@ -69,7 +85,7 @@ def test_a_huber_policy_records_and_recomputes_the_same_losses_but_clones_with_s
     gen = torch.Generator().manual_seed(1)
     taus, eps = torch.rand(8, 1, generator=gen), torch.randn(8, 1, 3, 2, generator=gen)
     torch.testing.assert_close(bc, squared.new_tensor(float(
-        policy.cfm_losses(obs, actions, taus, eps, huber_delta=0.0).mean() / 6)))
+        policy.cfm_losses(obs, actions, taus, eps, huber_delta=0.0, reduction="sum").mean() / 6)))
 
 
 def test_cfm_losses_of_the_exact_velocity_field_of_a_point_mass():
@@ -85,7 +101,8 @@ def test_cfm_losses_of_the_exact_velocity_field_of_a_point_mass():
     torch.testing.assert_close(at_star, torch.zeros(3, 5), atol=1e-5, rtol=0)
     a = a_star + 0.5
     off = cfm_losses(velocity, obs, a.expand(3, 2, 2), taus, eps)
-    torch.testing.assert_close(off, (4 * 0.25) / (1 - taus) ** 2, rtol=1e-5, atol=1e-5)
+    # each of the 4 elements errs by 0.5 / (1 - tau): the row means 0.25 / (1 - tau)^2, two rows
+    torch.testing.assert_close(off, (2 * 0.25) / (1 - taus) ** 2, rtol=1e-5, atol=1e-5)
     # The Euler sampler integrates the same field to a* exactly from any start.
     x = euler_sample(lambda x, tau, o: velocity(x, tau, o), obs, torch.randn(3, 2, 2, generator=gen), 7)
     torch.testing.assert_close(x, a_star.expand(3, 2, 2), atol=1e-5, rtol=0)
@@ -336,7 +353,7 @@ def test_state_dict_round_trip():
 
 @pytest.mark.parametrize("override, key", [
     ({"ratio_mode": "mean"}, "algo.ratio_mode"), ({"clip": 0.0}, "algo.clip"), ({"n_mc": 0}, "algo.n_mc"),
-    ({"minibatch_size": 1000}, "algo.minibatch_size"), ({"hidden_sizes": []}, "algo.hidden_sizes")])
+    ({"minibatch_size": 1000}, "algo.minibatch_size"), ({"cfm_reduction": "mean"}, "algo.cfm_reduction"), ({"hidden_sizes": []}, "algo.hidden_sizes")])
 def test_config_mistakes_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         tiny_cfg(**override)

@@ -10,9 +10,10 @@ flow-matching action policy, with the likelihood ratio replaced by CFM-loss diff
                       + value loss; critic warm-up (actor frozen), target-KL stop, grad clip,
                       separate actor / critic learning rates.
 
-The CFM loss of a sample sums the squared error over the chunk and action dims (chunk-level
-ratio; ``cfm_huber_delta`` > 0 sums the FPO++ release's Huber error instead); the same advantage
-is shared by an action's N_mc samples. Evaluation integrates from
+The CFM loss of a sample averages the squared error over the action dims and sums it over the
+chunk's rows (the release's scale; ``cfm_reduction: sum`` sums over the action dims too, and
+``cfm_huber_delta`` > 0 uses the release's Huber error instead); the same advantage is shared by
+an action's N_mc samples. Evaluation integrates from
 eps = 0 ("zero-sampling", ``eval.sampling: zero``).
 """
 
@@ -53,6 +54,10 @@ class FPOPPConfig:
     # > 0: each element's error is Huber (squared inside delta, linear outside) before the sum,
     # as in the FPO++ release's manipulation runs; 0: the squared error
     cfm_huber_delta: float = field(default=0.0, metadata=check(ge=0))
+    # a chunk's CFM loss: "mean_dims" averages the error over the action dims and sums it over the
+    # executed rows (the FPO++ paper's and release's scale, which its clip and clamps assume);
+    # "sum" sums over the action dims too (Da times larger log-ratios; kept for the ablation)
+    cfm_reduction: Literal["mean_dims", "sum"] = "mean_dims"
     # PPO machinery
     gamma: float = field(default=0.99, metadata=check(ge=0, le=1))
     gae_lambda: float = field(default=0.99, metadata=check(ge=0, le=1))
@@ -96,7 +101,7 @@ def make_flow_policy(cfg: Config, spec: EnvSpec) -> FlowPolicy:
     # n_mc: the (tau, eps) pairs FPO++ records per action; other algorithms record none.
     return FlowPolicy(spec.obs_dim, spec.action_dim, cfg.env.horizon_steps, c.hidden_sizes, c.time_dim,
                       c.flow_steps, getattr(c, "n_mc", 0), image_shape(cfg), c.feature_dim,
-                      getattr(c, "cfm_huber_delta", 0.0))
+                      getattr(c, "cfm_huber_delta", 0.0), getattr(c, "cfm_reduction", "mean_dims"))
 
 
 def load_base_policy(path: str | Path) -> dict:
