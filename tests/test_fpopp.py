@@ -12,7 +12,7 @@ from flowrl_ray.algorithms.losses import aspo_objective, ppo_clip_objective, spo
 from flowrl_ray.batch import Batch, BatchMeta
 from flowrl_ray.config import ConfigError, config_from_dict
 from flowrl_ray.envs import EnvSpec
-from flowrl_ray.models.flow import FlowPolicy, cfm_losses, euler_sample, random_shift
+from flowrl_ray.models.flow import FlowPolicy, cfm_losses, euler_sample, random_shift, sum_rows
 
 SPEC = EnvSpec(obs_shape=(5,), action_dim=2, max_episode_steps=50)
 
@@ -59,6 +59,27 @@ def test_cfm_losses_average_over_action_dims_and_sum_over_rows_by_hand():
                                torch.tensor([[30.0]]))
 
 
+def test_cfm_losses_count_only_the_executed_rows_by_hand():
+    # v = 0 again; two chunks, Ta = 3, Da = 2, N = 2 pairs. Chunk 0 ran its act_steps = 2 rows;
+    # chunk 1's episode ended after its first row.
+    velocity = lambda x, tau, obs: torch.zeros_like(x)               # noqa: E731
+    a = torch.tensor([[[1.0, 3.0], [2.0, 0.0], [0.0, -4.0]],
+                      [[2.0, 2.0], [1.0, 1.0], [3.0, 1.0]]])          # [B=2, Ta=3, Da=2]
+    eps = torch.zeros(2, 2, 3, 2)
+    eps[:, 1] = 1.0                                                   # pair 1: error eps - a = 1 - a
+    taus = torch.full((2, 2), 0.5)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    # chunk 0 row means: pair 0 (a^2): 5, 2, (8 cut); pair 1 ((1-a)^2 = [0, 4], [1, 1]): 2, 1
+    # chunk 1 row means: pair 0: 4, (1, 5 cut); pair 1 ((1-a)^2 = [1, 1]): 1
+    expected = torch.tensor([[7.0, 3.0], [4.0, 1.0]])
+    out = cfm_losses(velocity, torch.zeros(2, 1), a, taus, eps, row_mask=mask)
+    torch.testing.assert_close(out, expected)
+    rows = cfm_losses(velocity, torch.zeros(2, 1), a, taus, eps, per_row=True)
+    assert rows.shape == (2, 2, 3)
+    torch.testing.assert_close(sum_rows(rows, mask), expected)
+    torch.testing.assert_close(sum_rows(rows), cfm_losses(velocity, torch.zeros(2, 1), a, taus, eps))
+
+
 def test_cfm_losses_with_the_huber_error_by_hand():
     # The same two pairs as above, elementwise errors d: pair 1 [-.25, 4.5], pair 2 [2.5, -3].
     # delta = 1: |d| <= 1 -> d^2, else 2|d| - 1:  pair 1 .0625 + 8 = 8.0625; pair 2 4 + 5 = 9.
@@ -77,7 +98,7 @@ def test_a_huber_policy_records_and_recomputes_the_same_losses_but_clones_with_s
     obs = torch.randn(8, 5)
     actions, record = policy.act(obs, generator=torch.Generator().manual_seed(0))
     recomputed = policy.cfm_losses(obs, actions, record["taus"], record["mc_eps"])
-    torch.testing.assert_close(record["cfm_old"], recomputed)          # ratios exactly 1
+    torch.testing.assert_close(sum_rows(record["cfm_old"]), recomputed)          # ratios exactly 1
     squared = policy.cfm_losses(obs, actions, record["taus"], record["mc_eps"], huber_delta=0.0)
     assert (recomputed < squared).all()                                # untrained: errors exceed 0.1
     gen = torch.Generator().manual_seed(1)
@@ -121,7 +142,7 @@ def test_euler_sampler_with_a_constant_field_and_zero_sampling():
     a3, rec3 = policy.act(obs, generator=torch.Generator().manual_seed(1))
     assert a3.abs().max() <= 1.0 and not torch.equal(a1, a3)
     assert rec3["taus"].shape == (6, 2) and rec3["mc_eps"].shape == (6, 2, 3, 2)
-    assert rec3["cfm_old"].shape == (6, 2) and not rec3["cfm_old"].requires_grad
+    assert rec3["cfm_old"].shape == (6, 2, 3) and not rec3["cfm_old"].requires_grad     # per row
 
 
 def test_random_shift_moves_whole_images_by_integer_offsets():
@@ -144,7 +165,7 @@ def test_identical_actor_and_old_actor_give_ratios_exactly_one():
     actions, record = old.act(obs, generator=torch.Generator().manual_seed(3))
     new = policy.cfm_losses(obs, actions, record["taus"], record["mc_eps"])
     for mode in ("per_sample", "averaged"):
-        ratios = fpopp_ratios(record["cfm_old"], new, 0.0, 5.0, mode)
+        ratios = fpopp_ratios(sum_rows(record["cfm_old"]), new, 0.0, 5.0, mode)
         assert ratios.shape == (7, 6)
         assert torch.equal(ratios, torch.ones(7, 6))
 
@@ -190,7 +211,7 @@ def test_gradients_reach_the_actor_and_never_the_old_actor():
         for p in actor.parameters():
             p.add_(0.01 * torch.randn_like(p))
     new = actor.cfm_losses(obs, actions, record["taus"], record["mc_eps"])
-    ratios = fpopp_ratios(record["cfm_old"], new, 0.0, 5.0)
+    ratios = fpopp_ratios(sum_rows(record["cfm_old"]), new, 0.0, 5.0)
     (-fpopp_objective(ratios, torch.randn(6), 0.2, use_aspo=False).mean()).backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in actor.parameters())
     assert all(p.grad is None for p in old_actor.parameters())
@@ -207,7 +228,7 @@ def test_per_sample_and_averaged_ratios_give_the_same_first_gradient():
     for mode in ("per_sample", "averaged"):
         policy = copy.deepcopy(policy0)
         new = policy.cfm_losses(obs, actions, record["taus"], record["mc_eps"])
-        fpopp_objective(fpopp_ratios(record["cfm_old"], new, 0.0, 5.0, mode), adv, 0.05, False).mean().backward()
+        fpopp_objective(fpopp_ratios(sum_rows(record["cfm_old"]), new, 0.0, 5.0, mode), adv, 0.05, False).mean().backward()
         grads.append(torch.cat([p.grad.flatten() for p in policy.parameters()]))
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-7)
 
@@ -281,7 +302,34 @@ def test_buffer_shapes_after_prepare():
     m = 8 * 8
     assert b["obs"].shape == (m, 19) and b["actions"].shape == (m, 3, 7)
     assert b["taus"].shape == (m, 4) and b["mc_eps"].shape == (m, 4, 3, 7) and b["cfm_old"].shape == (m, 4)
+    assert b["row_mask"].shape == (m, 3)
     assert b["advantages"].shape == b["returns"].shape == b["values_old"].shape == (m,)
+
+
+def test_prepare_keeps_only_the_executed_rows_in_the_old_losses_and_the_ratio():
+    # Chunks of Ta = 3 with act_steps = 2: row 2 never runs; env 1's episode ends after the first
+    # row of its chunk at step 2 (the env reports 1 executed row there).
+    cfg = tiny_cfg(critic_warmup_iters=0)
+    algo = FPOPP(cfg, EnvSpec((19,), 7), torch.device("cpu"))
+    batch = _rollout_batch(algo)
+    executed = torch.full((8, 4), 2, dtype=torch.int64)
+    executed[2, 1] = 1
+    batch.data["executed_rows"] = executed.numpy()
+    b = algo.prepare([batch])
+    cut = 2 * 4 + 1                                                   # flat index t * N + n
+    mask = torch.tensor([1.0, 1.0, 0.0]).repeat(32, 1)
+    mask[cut] = torch.tensor([1.0, 0.0, 0.0])
+    assert torch.equal(b["row_mask"], mask)
+    rows = torch.as_tensor(batch.data["cfm_old"]).reshape(32, 4, 3)   # the worker's per-row losses
+    expected = rows[..., 0] + rows[..., 1]
+    expected[cut] = rows[cut, :, 0]
+    torch.testing.assert_close(b["cfm_old"], expected)
+    # The update's new losses use the same rows: at theta = theta_old every ratio is 1.
+    _, stats = algo._losses(b, torch.arange(32), True)
+    assert abs(stats["ratio_min"] - 1) < 1e-6 and abs(stats["ratio_max"] - 1) < 1e-6
+    # Without the env's report every chunk ran its act_steps rows.
+    del batch.data["executed_rows"]
+    assert torch.equal(algo.prepare([batch])["row_mask"], torch.tensor([1.0, 1.0, 0.0]).repeat(32, 1))
 
 
 def test_update_freezes_the_actor_during_critic_warmup_then_moves_it():
@@ -335,7 +383,7 @@ def test_positive_advantage_actions_get_more_likely():
     b["advantages"] = torch.ones_like(b["advantages"])
     algo.update(b)
     with torch.no_grad():
-        after = algo.policy.cfm_losses(b["obs"], b["actions"], b["taus"], b["mc_eps"])
+        after = algo.policy.cfm_losses(b["obs"], b["actions"], b["taus"], b["mc_eps"], row_mask=b["row_mask"])
     assert after.mean() < b["cfm_old"].mean()
 
 

@@ -44,9 +44,11 @@ def test_state_rollout_batch_and_update():
     d = batch.data
     assert d["obs"].shape == (5, 2, 19) and d["last_obs"].shape == (2, 19)
     assert d["actions"].shape == (5, 2, 4, 7) and np.abs(d["actions"]).max() <= 1.0
-    assert d["taus"].shape == (5, 2, 3) and d["mc_eps"].shape == (5, 2, 3, 4, 7) and d["cfm_old"].shape == (5, 2, 3)
+    assert d["taus"].shape == (5, 2, 3) and d["mc_eps"].shape == (5, 2, 3, 4, 7)
+    assert d["cfm_old"].shape == (5, 2, 3, 4)                      # per row until the mask is known
     # 6 low-level steps with 2 executed per chunk step: every third chunk step truncates
     assert d["truncated"][2].all() and not d["truncated"][:2].any()
+    assert (d["executed_rows"] == 2).all()
     assert np.abs(d["final_obs"][2]).sum() > 0
     assert batch.meta.extra["successes"] == [False, False]         # a random policy lifts nothing
     assert evaluation["episode_successes"] == [False, False] and evaluation["episode_lengths"] == [3, 3]
@@ -54,7 +56,8 @@ def test_state_rollout_batch_and_update():
     assert prepared["actions"].shape == (10, 4, 7) and prepared["cfm_old"].shape == (10, 3)
     # on policy: the losses the worker recorded are the learner's (ratios 1 up to float rounding)
     with torch.no_grad():
-        new = algo.policy.cfm_losses(prepared["obs"], prepared["actions"], prepared["taus"], prepared["mc_eps"])
+        new = algo.policy.cfm_losses(prepared["obs"], prepared["actions"], prepared["taus"], prepared["mc_eps"],
+                                     row_mask=prepared["row_mask"])
     torch.testing.assert_close(new, prepared["cfm_old"], rtol=1e-5, atol=1e-5)
     metrics = algo.update(prepared)
     assert np.isfinite(metrics["pg_loss"]) and np.isfinite(metrics["v_loss"])
@@ -67,9 +70,26 @@ def test_a_huber_config_reaches_the_losses_the_workers_record():
     prepared = algo.prepare([batch])
     with torch.no_grad():
         args = (prepared["obs"], prepared["actions"], prepared["taus"], prepared["mc_eps"])
-        huber, squared = algo.policy.cfm_losses(*args), algo.policy.cfm_losses(*args, huber_delta=0.0)
+        mask = prepared["row_mask"]
+        huber = algo.policy.cfm_losses(*args, row_mask=mask)
+        squared = algo.policy.cfm_losses(*args, huber_delta=0.0, row_mask=mask)
     torch.testing.assert_close(huber, prepared["cfm_old"], rtol=1e-5, atol=1e-5)   # ratios 1
     assert (squared > huber).all()                 # an untrained policy's errors exceed 0.5 somewhere
+
+
+def test_an_episode_that_ends_inside_a_chunk_masks_the_rows_that_never_ran():
+    # 5 low-level steps with 2 rows per chunk step: the third chunk step runs 1 row and truncates
+    cfg = robot_cfg(max_episode_steps=5)
+    algo, batch, _ = _run(cfg)
+    d = batch.data
+    assert d["truncated"][2].all() and not d["truncated"][[0, 1, 3, 4]].any()
+    assert d["executed_rows"].tolist() == [[2, 2], [2, 2], [1, 1], [2, 2], [2, 2]]
+    prepared = algo.prepare([batch])
+    full, cut = torch.tensor([1.0, 1.0, 0.0, 0.0]), torch.tensor([1.0, 0.0, 0.0, 0.0])
+    expected = torch.stack([cut if t == 2 else full for t in range(5) for _ in range(2)])
+    assert torch.equal(prepared["row_mask"], expected)
+    rows = torch.as_tensor(d["cfm_old"]).reshape(10, 3, 4)
+    torch.testing.assert_close(prepared["cfm_old"], (rows * expected[:, None]).sum(-1))
 
 
 def test_image_rollout_batch_and_update():

@@ -2,8 +2,11 @@
 flow-matching action policy, with the likelihood ratio replaced by CFM-loss differences.
 
     rollout (worker): a ~ pi_old(. | o) by K Euler steps from eps ~ N(0, I); draw N_mc pairs
-                      (tau_i, eps_i) and record l_old_i = || v_old(x_i, tau_i | o) - (a - eps_i) ||^2
-    prepare:          V(o_t), GAE -> flat [M] advantages, returns
+                      (tau_i, eps_i) and record each row's l_old_i = || v_old(x_i, tau_i | o) - (a - eps_i) ||^2;
+                      the env reports how many rows of the chunk it executed
+    prepare:          V(o_t), GAE -> flat [M] advantages, returns; the row mask [M, Ta] of the
+                      executed rows (the first act_steps, fewer where the episode ended inside
+                      the chunk) and l_old summed over them
     update:           per sample  rho_i = exp(clamp(l_old_i - l_new_i, +-diff_clamp))     (Eq. 10)
                       (ratio_mode "averaged": one rho per action from the mean difference, Eq. 9)
                       maximise mean_i psi(rho_i, A)  psi = PPO clip, or ASPO (Eq. 12-13)
@@ -33,7 +36,7 @@ from flowrl_ray.algorithms.onpolicy import advantages_from_rollouts
 from flowrl_ray.batch import Batch, map_obs
 from flowrl_ray.config import Config, ConfigError, check, check_layer_sizes, check_minibatch_size
 from flowrl_ray.envs import EnvSpec
-from flowrl_ray.models.flow import FlowPolicy, ValueMLP
+from flowrl_ray.models.flow import FlowPolicy, ValueMLP, sum_rows
 
 
 @dataclass
@@ -136,6 +139,17 @@ def check_base_policy(cfg: Config) -> None:
                               f"policy's {value!r} ({c.base_policy})")
 
 
+def executed_row_mask(executed: torch.Tensor | None, count: int, horizon_steps: int,
+                      act_steps: int, device: torch.device) -> torch.Tensor:
+    """[M, Ta] float: 1 on the rows of each chunk the env executed, 0 on the rows it never ran.
+    ``executed`` [M] (rows run per chunk step, as the env reports them) or None (every chunk ran
+    its ``act_steps`` rows)."""
+    if executed is None:
+        executed = torch.full((count,), act_steps, device=device)
+    rows = torch.arange(horizon_steps, device=device)[None]                  # [1, Ta]
+    return (rows < executed.clamp(max=act_steps)[:, None]).float()           # [M, Ta]
+
+
 def fpopp_ratios(old_losses: torch.Tensor, new_losses: torch.Tensor, loss_clamp: float,
                  diff_clamp: float, mode: str = "per_sample") -> torch.Tensor:
     """FPO's likelihood-ratio surrogate from CFM losses [B, N] -> ratios [B, N].
@@ -224,8 +238,14 @@ class FPOPP(Algorithm):
     # ------------------------------------------------------------------ prepare
     def prepare(self, batches: list[Batch]) -> dict:
         c = self.c
-        return advantages_from_rollouts(batches, self.values, c.gamma, c.gae_lambda, c.reward_scale, self.device,
-                                        c.bootstrap_truncated)
+        b = advantages_from_rollouts(batches, self.values, c.gamma, c.gae_lambda, c.reward_scale, self.device,
+                                     c.bootstrap_truncated)
+        # Only the rows the env executed carry the ratio: the others never met a reward.
+        m = b["advantages"].shape[0]
+        b["row_mask"] = executed_row_mask(b.pop("executed_rows", None), m, self.cfg.env.horizon_steps,
+                                          self.cfg.env.act_steps, self.device)            # [M, Ta]
+        b["cfm_old"] = sum_rows(b["cfm_old"], b["row_mask"])                              # [M, N]
+        return b
 
     # ------------------------------------------------------------------ update
     def _losses(self, b: dict, idx: torch.Tensor, train_actor: bool) -> tuple[torch.Tensor, dict]:
@@ -237,7 +257,8 @@ class FPOPP(Algorithm):
         if not train_actor:                           # critic warm-up: the actor is frozen
             return c.vf_coef * v_loss, {"v_loss": v_loss.detach()}
         old = b["cfm_old"][idx]                                                   # [mb, N]
-        new = self._policy.cfm_losses(obs, b["actions"][idx], b["taus"][idx], b["mc_eps"][idx], augment)
+        new = self._policy.cfm_losses(obs, b["actions"][idx], b["taus"][idx], b["mc_eps"][idx], augment,
+                                      row_mask=b["row_mask"][idx])                        # [mb, N]
         ratios = fpopp_ratios(old, new, c.cfm_loss_clamp, c.cfm_diff_clamp, c.ratio_mode)   # [mb, N]
         adv = b["advantages"][idx]
         adv = normalize(adv) if c.normalize_advantages else adv

@@ -49,7 +49,7 @@ CFM_REDUCTIONS = ("mean_dims", "sum")
 
 def cfm_losses(velocity_fn: VelocityFn, obs: Obs, actions: torch.Tensor, taus: torch.Tensor,
                eps: torch.Tensor, huber_delta: float = 0.0, reduction: str = "mean_dims",
-               row_mask: torch.Tensor | None = None) -> torch.Tensor:
+               row_mask: torch.Tensor | None = None, per_row: bool = False) -> torch.Tensor:
     """Per-sample conditional flow-matching losses (FPO++ Eq. 5-8), all in one forward pass:
 
         x_i = tau_i * a + (1 - tau_i) * eps_i
@@ -61,7 +61,8 @@ def cfm_losses(velocity_fn: VelocityFn, obs: Obs, actions: torch.Tensor, taus: t
     never ran) weighs the rows before their sum (None: every row counts). With ``huber_delta``
     > 0 each element's squared error d^2 becomes ``2 delta |d| - delta^2`` where ``|d| > delta``
     (the FPO++ release's Huber error: equal to d^2 inside delta, linear outside, so large
-    noise-dominated errors weigh less).
+    noise-dominated errors weigh less). ``per_row``: the rows' losses [B, N, Ta] before their
+    (masked) sum, for a caller that learns the mask later (:func:`sum_rows` finishes them).
     """
     if reduction not in CFM_REDUCTIONS:
         raise ValueError(f"CFM reduction must be one of {CFM_REDUCTIONS}, got {reduction!r}")
@@ -77,9 +78,15 @@ def cfm_losses(velocity_fn: VelocityFn, obs: Obs, actions: torch.Tensor, taus: t
     else:
         err = d.pow(2)
     rows = err.mean(-1) if reduction == "mean_dims" else err.sum(-1)          # [B, N, Ta]
+    return rows if per_row else sum_rows(rows, row_mask)
+
+
+def sum_rows(rows: torch.Tensor, row_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-row CFM losses [B, N, Ta] -> [B, N]: the sum over the rows ``row_mask`` [B, Ta] keeps
+    (1: executed, 0: never ran; None: all)."""
     if row_mask is not None:
         rows = rows * row_mask[:, None, :].to(rows.dtype)
-    return rows.sum(-1)                                                       # [B, N]
+    return rows.sum(-1)
 
 
 def euler_sample(velocity_fn: VelocityFn, obs: Obs, eps: torch.Tensor, steps: int) -> torch.Tensor:
@@ -208,13 +215,13 @@ class FlowPolicy(nn.Module):
 
     def cfm_losses(self, obs: Obs, actions: torch.Tensor, taus: torch.Tensor, eps: torch.Tensor,
                    augment: bool = False, huber_delta: float | None = None, reduction: str | None = None,
-                   row_mask: torch.Tensor | None = None) -> torch.Tensor:
+                   row_mask: torch.Tensor | None = None, per_row: bool = False) -> torch.Tensor:
         """[B, N] per-sample CFM losses (see :func:`cfm_losses`; ``huber_delta`` and ``reduction``
-        default to the policy's, ``row_mask`` [B, Ta] to every row); the observation is encoded
-        once per row, not once per Monte Carlo sample."""
+        default to the policy's, ``row_mask`` [B, Ta] to every row; ``per_row``: [B, N, Ta]); the
+        observation is encoded once per row, not once per Monte Carlo sample."""
         delta = self.cfm_huber_delta if huber_delta is None else huber_delta
         return cfm_losses(self.velocity, self.encoder(obs, augment), actions, taus, eps, delta,
-                          reduction or self.cfm_reduction, row_mask)
+                          reduction or self.cfm_reduction, row_mask, per_row)
 
     def bc_loss(self, obs: Obs, actions: torch.Tensor, generator: torch.Generator | None = None,
                 augment: bool = False) -> torch.Tensor:
@@ -232,7 +239,8 @@ class FlowPolicy(nn.Module):
             generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """obs [N, ...] -> (action chunk [N, Ta, Da] in [-1, 1], record). The record holds
         ``actions``; when sampling for training also ``taus`` [N, M], ``mc_eps`` [N, M, Ta, Da]
-        and ``cfm_old`` [N, M] (M = n_mc)."""
+        and ``cfm_old`` [N, M, Ta] (M = n_mc): each row's loss, summed over the rows the env
+        executes once that is known (:func:`sum_rows`)."""
         n = obs_batch_size(obs)
         shape = (n, *self.chunk_shape)
         if deterministic:
@@ -244,7 +252,8 @@ class FlowPolicy(nn.Module):
         if not deterministic and self.n_mc > 0:
             taus = torch.rand(n, self.n_mc, generator=generator)
             mc_eps = torch.randn(n, self.n_mc, *self.chunk_shape, generator=generator)
-            record.update(taus=taus, mc_eps=mc_eps, cfm_old=self.cfm_losses(obs, actions, taus, mc_eps))
+            record.update(taus=taus, mc_eps=mc_eps,
+                          cfm_old=self.cfm_losses(obs, actions, taus, mc_eps, per_row=True))
         return actions, record
 
 
