@@ -3,6 +3,7 @@ gradient paths, and the update on rollout batches (no Ray here; the CLI run is i
 test_fpopp_robot.py)."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -309,7 +310,9 @@ def test_buffer_shapes_after_prepare():
 def test_prepare_keeps_only_the_executed_rows_in_the_old_losses_and_the_ratio():
     # Chunks of Ta = 3 with act_steps = 2: row 2 never runs; env 1's episode ends after the first
     # row of its chunk at step 2 (the env reports 1 executed row there).
+    # Async mode: the worker records each row's old loss, prepare sums the executed ones.
     cfg = tiny_cfg(critic_warmup_iters=0)
+    cfg.runtime = dataclasses.replace(cfg.runtime, mode="async")
     algo = FPOPP(cfg, EnvSpec((19,), 7), torch.device("cpu"))
     batch = _rollout_batch(algo)
     executed = torch.full((8, 4), 2, dtype=torch.int64)
@@ -327,9 +330,16 @@ def test_prepare_keeps_only_the_executed_rows_in_the_old_losses_and_the_ratio():
     # The update's new losses use the same rows: at theta = theta_old every ratio is 1.
     _, stats = algo._losses(b, torch.arange(32), True)
     assert abs(stats["ratio_min"] - 1) < 1e-6 and abs(stats["ratio_max"] - 1) < 1e-6
+    # Sync mode computes the same old losses on the learner (no per-row record from the worker).
+    sync = FPOPP(tiny_cfg(critic_warmup_iters=0), EnvSpec((19,), 7), torch.device("cpu"))
+    sync.load_state_dict(algo.state_dict())
+    del batch.data["cfm_old"]
+    b_sync = sync.prepare([batch])
+    assert torch.equal(b_sync["row_mask"], mask)
+    torch.testing.assert_close(b_sync["cfm_old"], expected)
     # Without the env's report every chunk ran its act_steps rows.
     del batch.data["executed_rows"]
-    assert torch.equal(algo.prepare([batch])["row_mask"], torch.tensor([1.0, 1.0, 0.0]).repeat(32, 1))
+    assert torch.equal(sync.prepare([batch])["row_mask"], torch.tensor([1.0, 1.0, 0.0]).repeat(32, 1))
 
 
 def test_update_freezes_the_actor_during_critic_warmup_then_moves_it():

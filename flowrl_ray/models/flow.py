@@ -190,7 +190,8 @@ class FlowPolicy(nn.Module):
     def __init__(self, state_dim: int, action_dim: int, horizon_steps: int, hidden_sizes: list[int],
                  time_dim: int = 32, flow_steps: int = 10, n_mc: int = 8,
                  image_shape: tuple[int, int, int] | None = None, feature_dim: int = 64,
-                 cfm_huber_delta: float = 0.0, cfm_reduction: str = "mean_dims"):
+                 cfm_huber_delta: float = 0.0, cfm_reduction: str = "mean_dims",
+                 record_old_losses: bool = True):
         super().__init__()
         self.action_dim, self.horizon_steps = action_dim, horizon_steps
         self.flow_steps, self.n_mc = flow_steps, n_mc
@@ -201,6 +202,9 @@ class FlowPolicy(nn.Module):
         if cfm_reduction not in CFM_REDUCTIONS:
             raise ValueError(f"CFM reduction must be one of {CFM_REDUCTIONS}, got {cfm_reduction!r}")
         self.cfm_reduction = cfm_reduction
+        # False: act() records the (tau, eps) pairs but not their losses (a learner that holds the
+        # sampling weights computes them itself, on the images its update sees)
+        self.record_old_losses = record_old_losses
         self.encoder = ObsEncoder(state_dim, image_shape, feature_dim)
         self.velocity = VelocityMLP(self.encoder.out_dim, horizon_steps, action_dim, hidden_sizes, time_dim)
 
@@ -239,8 +243,8 @@ class FlowPolicy(nn.Module):
             generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """obs [N, ...] -> (action chunk [N, Ta, Da] in [-1, 1], record). The record holds
         ``actions``; when sampling for training also ``taus`` [N, M], ``mc_eps`` [N, M, Ta, Da]
-        and ``cfm_old`` [N, M, Ta] (M = n_mc): each row's loss, summed over the rows the env
-        executes once that is known (:func:`sum_rows`)."""
+        and, with ``record_old_losses``, ``cfm_old`` [N, M, Ta] (M = n_mc): each row's loss,
+        summed over the rows the env executes once that is known (:func:`sum_rows`)."""
         n = obs_batch_size(obs)
         shape = (n, *self.chunk_shape)
         if deterministic:
@@ -252,8 +256,9 @@ class FlowPolicy(nn.Module):
         if not deterministic and self.n_mc > 0:
             taus = torch.rand(n, self.n_mc, generator=generator)
             mc_eps = torch.randn(n, self.n_mc, *self.chunk_shape, generator=generator)
-            record.update(taus=taus, mc_eps=mc_eps,
-                          cfm_old=self.cfm_losses(obs, actions, taus, mc_eps, per_row=True))
+            record.update(taus=taus, mc_eps=mc_eps)
+            if self.record_old_losses:
+                record["cfm_old"] = self.cfm_losses(obs, actions, taus, mc_eps, per_row=True)
         return actions, record
 
 
