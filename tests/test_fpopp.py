@@ -342,6 +342,19 @@ def test_prepare_keeps_only_the_executed_rows_in_the_old_losses_and_the_ratio():
     assert torch.equal(sync.prepare([batch])["row_mask"], torch.tensor([1.0, 1.0, 0.0]).repeat(32, 1))
 
 
+def test_the_summed_reduction_reaches_the_old_and_new_losses():
+    # algo.cfm_reduction: sum sums the 7 action dims where the default averages them: 7x the losses
+    mean = FPOPP(tiny_cfg(critic_warmup_iters=0), EnvSpec((19,), 7), torch.device("cpu"))
+    summed = FPOPP(tiny_cfg(critic_warmup_iters=0, cfm_reduction="sum"), EnvSpec((19,), 7), torch.device("cpu"))
+    summed.load_state_dict(mean.state_dict())
+    assert (mean.policy.cfm_reduction, summed.policy.cfm_reduction) == ("mean_dims", "sum")
+    batch = _rollout_batch(mean)
+    b_mean, b_sum = mean.prepare([batch]), summed.prepare([batch])
+    torch.testing.assert_close(b_sum["cfm_old"], 7 * b_mean["cfm_old"], rtol=1e-5, atol=1e-5)
+    _, stats = summed._losses(b_sum, torch.arange(32), True)
+    assert abs(stats["ratio_min"] - 1) < 1e-6 and abs(stats["ratio_max"] - 1) < 1e-6
+
+
 def test_update_freezes_the_actor_during_critic_warmup_then_moves_it():
     cfg = tiny_cfg(critic_warmup_iters=1, actor_lr=1e-3)
     algo = FPOPP(cfg, EnvSpec((19,), 7), torch.device("cpu"))
