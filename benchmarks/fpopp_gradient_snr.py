@@ -137,7 +137,8 @@ def main() -> None:
             algo.update(algo.prepare(fit_windows))
         b = algo.prepare(grad_windows)
         with torch.no_grad():     # the old losses under this variant's loss (the rollouts' are squared)
-            b["cfm_old"] = algo.policy.cfm_losses(b["obs"], b["actions"], b["taus"], b["mc_eps"])
+            b["cfm_old"] = algo.policy.cfm_losses(b["obs"], b["actions"], b["taus"], b["mc_eps"],
+                                                  row_mask=b["row_mask"])
         explained = explained_of[variant] = explained_variance(b["returns"], b["values_old"])
         t_len, n_cols = cfg.runtime.rollout_length, b["advantages"].shape[0] // cfg.runtime.rollout_length
         g = torch.Generator().manual_seed(0)

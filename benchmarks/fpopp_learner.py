@@ -148,7 +148,8 @@ class BareLearner:
         x = t * a + (1.0 - t) * eps                                     # [B, N, Ta, Da]
         v = self.velocity(x.reshape(bs * n, *actions.shape[1:]), taus.reshape(bs * n),
                           obs.repeat_interleave(n, dim=0))
-        new = (v.reshape(bs, n, *actions.shape[1:]) - (a - eps)).pow(2).sum(dim=(-2, -1))   # [B, N]
+        err = (v.reshape(bs, n, *actions.shape[1:]) - (a - eps)).pow(2).mean(-1)        # [B, N, Ta]
+        new = (err * b["row_mask"][idx][:, None]).sum(-1)               # executed rows: [B, N]
         ratio = (b["cfm_old"][idx] - new).clamp(-self.diff_clamp, self.diff_clamp).exp()
         adv = b["advantages"][idx]
         adv = ((adv - adv.mean()) / (adv.std() + 1e-8))[:, None]

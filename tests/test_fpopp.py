@@ -3,6 +3,7 @@ gradient paths, and the update on rollout batches (no Ray here; the CLI run is i
 test_fpopp_robot.py)."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ from flowrl_ray.algorithms.losses import aspo_objective, ppo_clip_objective, spo
 from flowrl_ray.batch import Batch, BatchMeta
 from flowrl_ray.config import ConfigError, config_from_dict
 from flowrl_ray.envs import EnvSpec
-from flowrl_ray.models.flow import FlowPolicy, cfm_losses, euler_sample, random_shift
+from flowrl_ray.models.flow import FlowPolicy, cfm_losses, euler_sample, random_shift, sum_rows
 
 SPEC = EnvSpec(obs_shape=(5,), action_dim=2, max_episode_steps=50)
 
@@ -38,9 +39,46 @@ def test_cfm_losses_match_hand_computation():
     # pair 1: x = .25*[1,2] + .75*[0,4] = [.25, 3.5]; v = [.75, 2.5]; target a - eps = [1, -2]
     #         l = (.75 - 1)^2 + (2.5 + 2)^2 = .0625 + 20.25 = 20.3125
     # pair 2: x = a = [1, 2]; v = [1.5, 1]; target = [-1, 4]; l = 2.5^2 + 3^2 = 15.25
-    out = cfm_losses(velocity, obs, a, taus, eps)
+    out = cfm_losses(velocity, obs, a, taus, eps, reduction="sum")
     assert out.shape == (1, 2)
     torch.testing.assert_close(out, torch.tensor([[20.3125, 15.25]]))
+    # The default (the FPO++ paper's scale) averages over the Da = 2 action dims instead.
+    torch.testing.assert_close(cfm_losses(velocity, obs, a, taus, eps), torch.tensor([[10.15625, 7.625]]))
+    with pytest.raises(ValueError, match="reduction"):
+        cfm_losses(velocity, obs, a, taus, eps, reduction="mean")
+
+
+def test_cfm_losses_average_over_action_dims_and_sum_over_rows_by_hand():
+    # v = 0: the error of each element is -(a - eps) = eps - a. Ta = 3 rows, Da = 2 dims, N = 1.
+    velocity = lambda x, tau, obs: torch.zeros_like(x)               # noqa: E731
+    a = torch.tensor([[[1.0, 3.0], [2.0, 0.0], [0.0, -4.0]]])        # [B=1, Ta=3, Da=2]
+    eps = torch.zeros(1, 1, 3, 2)
+    taus = torch.tensor([[0.5]])
+    # squared errors per row: [1, 9], [4, 0], [0, 16]; row means 5, 2, 8; row sums 10, 4, 16
+    torch.testing.assert_close(cfm_losses(velocity, torch.zeros(1, 1), a, taus, eps), torch.tensor([[15.0]]))
+    torch.testing.assert_close(cfm_losses(velocity, torch.zeros(1, 1), a, taus, eps, reduction="sum"),
+                               torch.tensor([[30.0]]))
+
+
+def test_cfm_losses_count_only_the_executed_rows_by_hand():
+    # v = 0 again; two chunks, Ta = 3, Da = 2, N = 2 pairs. Chunk 0 ran its act_steps = 2 rows;
+    # chunk 1's episode ended after its first row.
+    velocity = lambda x, tau, obs: torch.zeros_like(x)               # noqa: E731
+    a = torch.tensor([[[1.0, 3.0], [2.0, 0.0], [0.0, -4.0]],
+                      [[2.0, 2.0], [1.0, 1.0], [3.0, 1.0]]])          # [B=2, Ta=3, Da=2]
+    eps = torch.zeros(2, 2, 3, 2)
+    eps[:, 1] = 1.0                                                   # pair 1: error eps - a = 1 - a
+    taus = torch.full((2, 2), 0.5)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    # chunk 0 row means: pair 0 (a^2): 5, 2, (8 cut); pair 1 ((1-a)^2 = [0, 4], [1, 1]): 2, 1
+    # chunk 1 row means: pair 0: 4, (1, 5 cut); pair 1 ((1-a)^2 = [1, 1]): 1
+    expected = torch.tensor([[7.0, 3.0], [4.0, 1.0]])
+    out = cfm_losses(velocity, torch.zeros(2, 1), a, taus, eps, row_mask=mask)
+    torch.testing.assert_close(out, expected)
+    rows = cfm_losses(velocity, torch.zeros(2, 1), a, taus, eps, per_row=True)
+    assert rows.shape == (2, 2, 3)
+    torch.testing.assert_close(sum_rows(rows, mask), expected)
+    torch.testing.assert_close(sum_rows(rows), cfm_losses(velocity, torch.zeros(2, 1), a, taus, eps))
 
 
 def test_cfm_losses_with_the_huber_error_by_hand():
@@ -49,7 +87,7 @@ def test_cfm_losses_with_the_huber_error_by_hand():
     velocity = lambda x, tau, obs: x + obs[:, None, :]               # noqa: E731
     obs, a = torch.tensor([[0.5, -1.0]]), torch.tensor([[[1.0, 2.0]]])
     taus, eps = torch.tensor([[0.25, 1.0]]), torch.tensor([[[[0.0, 4.0]], [[2.0, -2.0]]]])
-    torch.testing.assert_close(cfm_losses(velocity, obs, a, taus, eps, huber_delta=1.0),
+    torch.testing.assert_close(cfm_losses(velocity, obs, a, taus, eps, huber_delta=1.0, reduction="sum"),
                                torch.tensor([[8.0625, 9.0]]))
     # A delta above every |d| is the squared error.
     torch.testing.assert_close(cfm_losses(velocity, obs, a, taus, eps, huber_delta=10.0),
@@ -61,7 +99,7 @@ def test_a_huber_policy_records_and_recomputes_the_same_losses_but_clones_with_s
     obs = torch.randn(8, 5)
     actions, record = policy.act(obs, generator=torch.Generator().manual_seed(0))
     recomputed = policy.cfm_losses(obs, actions, record["taus"], record["mc_eps"])
-    torch.testing.assert_close(record["cfm_old"], recomputed)          # ratios exactly 1
+    torch.testing.assert_close(sum_rows(record["cfm_old"]), recomputed)          # ratios exactly 1
     squared = policy.cfm_losses(obs, actions, record["taus"], record["mc_eps"], huber_delta=0.0)
     assert (recomputed < squared).all()                                # untrained: errors exceed 0.1
     gen = torch.Generator().manual_seed(1)
@@ -69,7 +107,7 @@ def test_a_huber_policy_records_and_recomputes_the_same_losses_but_clones_with_s
     gen = torch.Generator().manual_seed(1)
     taus, eps = torch.rand(8, 1, generator=gen), torch.randn(8, 1, 3, 2, generator=gen)
     torch.testing.assert_close(bc, squared.new_tensor(float(
-        policy.cfm_losses(obs, actions, taus, eps, huber_delta=0.0).mean() / 6)))
+        policy.cfm_losses(obs, actions, taus, eps, huber_delta=0.0, reduction="sum").mean() / 6)))
 
 
 def test_cfm_losses_of_the_exact_velocity_field_of_a_point_mass():
@@ -85,7 +123,8 @@ def test_cfm_losses_of_the_exact_velocity_field_of_a_point_mass():
     torch.testing.assert_close(at_star, torch.zeros(3, 5), atol=1e-5, rtol=0)
     a = a_star + 0.5
     off = cfm_losses(velocity, obs, a.expand(3, 2, 2), taus, eps)
-    torch.testing.assert_close(off, (4 * 0.25) / (1 - taus) ** 2, rtol=1e-5, atol=1e-5)
+    # each of the 4 elements errs by 0.5 / (1 - tau): the row means 0.25 / (1 - tau)^2, two rows
+    torch.testing.assert_close(off, (2 * 0.25) / (1 - taus) ** 2, rtol=1e-5, atol=1e-5)
     # The Euler sampler integrates the same field to a* exactly from any start.
     x = euler_sample(lambda x, tau, o: velocity(x, tau, o), obs, torch.randn(3, 2, 2, generator=gen), 7)
     torch.testing.assert_close(x, a_star.expand(3, 2, 2), atol=1e-5, rtol=0)
@@ -104,7 +143,7 @@ def test_euler_sampler_with_a_constant_field_and_zero_sampling():
     a3, rec3 = policy.act(obs, generator=torch.Generator().manual_seed(1))
     assert a3.abs().max() <= 1.0 and not torch.equal(a1, a3)
     assert rec3["taus"].shape == (6, 2) and rec3["mc_eps"].shape == (6, 2, 3, 2)
-    assert rec3["cfm_old"].shape == (6, 2) and not rec3["cfm_old"].requires_grad
+    assert rec3["cfm_old"].shape == (6, 2, 3) and not rec3["cfm_old"].requires_grad     # per row
 
 
 def test_random_shift_moves_whole_images_by_integer_offsets():
@@ -127,7 +166,7 @@ def test_identical_actor_and_old_actor_give_ratios_exactly_one():
     actions, record = old.act(obs, generator=torch.Generator().manual_seed(3))
     new = policy.cfm_losses(obs, actions, record["taus"], record["mc_eps"])
     for mode in ("per_sample", "averaged"):
-        ratios = fpopp_ratios(record["cfm_old"], new, 0.0, 5.0, mode)
+        ratios = fpopp_ratios(sum_rows(record["cfm_old"]), new, 0.0, 5.0, mode)
         assert ratios.shape == (7, 6)
         assert torch.equal(ratios, torch.ones(7, 6))
 
@@ -173,7 +212,7 @@ def test_gradients_reach_the_actor_and_never_the_old_actor():
         for p in actor.parameters():
             p.add_(0.01 * torch.randn_like(p))
     new = actor.cfm_losses(obs, actions, record["taus"], record["mc_eps"])
-    ratios = fpopp_ratios(record["cfm_old"], new, 0.0, 5.0)
+    ratios = fpopp_ratios(sum_rows(record["cfm_old"]), new, 0.0, 5.0)
     (-fpopp_objective(ratios, torch.randn(6), 0.2, use_aspo=False).mean()).backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in actor.parameters())
     assert all(p.grad is None for p in old_actor.parameters())
@@ -190,7 +229,7 @@ def test_per_sample_and_averaged_ratios_give_the_same_first_gradient():
     for mode in ("per_sample", "averaged"):
         policy = copy.deepcopy(policy0)
         new = policy.cfm_losses(obs, actions, record["taus"], record["mc_eps"])
-        fpopp_objective(fpopp_ratios(record["cfm_old"], new, 0.0, 5.0, mode), adv, 0.05, False).mean().backward()
+        fpopp_objective(fpopp_ratios(sum_rows(record["cfm_old"]), new, 0.0, 5.0, mode), adv, 0.05, False).mean().backward()
         grads.append(torch.cat([p.grad.flatten() for p in policy.parameters()]))
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-7)
 
@@ -264,7 +303,56 @@ def test_buffer_shapes_after_prepare():
     m = 8 * 8
     assert b["obs"].shape == (m, 19) and b["actions"].shape == (m, 3, 7)
     assert b["taus"].shape == (m, 4) and b["mc_eps"].shape == (m, 4, 3, 7) and b["cfm_old"].shape == (m, 4)
+    assert b["row_mask"].shape == (m, 3)
     assert b["advantages"].shape == b["returns"].shape == b["values_old"].shape == (m,)
+
+
+def test_prepare_keeps_only_the_executed_rows_in_the_old_losses_and_the_ratio():
+    # Chunks of Ta = 3 with act_steps = 2: row 2 never runs; env 1's episode ends after the first
+    # row of its chunk at step 2 (the env reports 1 executed row there).
+    # Async mode: the worker records each row's old loss, prepare sums the executed ones.
+    cfg = tiny_cfg(critic_warmup_iters=0)
+    cfg.runtime = dataclasses.replace(cfg.runtime, mode="async")
+    algo = FPOPP(cfg, EnvSpec((19,), 7), torch.device("cpu"))
+    batch = _rollout_batch(algo)
+    executed = torch.full((8, 4), 2, dtype=torch.int64)
+    executed[2, 1] = 1
+    batch.data["executed_rows"] = executed.numpy()
+    b = algo.prepare([batch])
+    cut = 2 * 4 + 1                                                   # flat index t * N + n
+    mask = torch.tensor([1.0, 1.0, 0.0]).repeat(32, 1)
+    mask[cut] = torch.tensor([1.0, 0.0, 0.0])
+    assert torch.equal(b["row_mask"], mask)
+    rows = torch.as_tensor(batch.data["cfm_old"]).reshape(32, 4, 3)   # the worker's per-row losses
+    expected = rows[..., 0] + rows[..., 1]
+    expected[cut] = rows[cut, :, 0]
+    torch.testing.assert_close(b["cfm_old"], expected)
+    # The update's new losses use the same rows: at theta = theta_old every ratio is 1.
+    _, stats = algo._losses(b, torch.arange(32), True)
+    assert abs(stats["ratio_min"] - 1) < 1e-6 and abs(stats["ratio_max"] - 1) < 1e-6
+    # Sync mode computes the same old losses on the learner (no per-row record from the worker).
+    sync = FPOPP(tiny_cfg(critic_warmup_iters=0), EnvSpec((19,), 7), torch.device("cpu"))
+    sync.load_state_dict(algo.state_dict())
+    del batch.data["cfm_old"]
+    b_sync = sync.prepare([batch])
+    assert torch.equal(b_sync["row_mask"], mask)
+    torch.testing.assert_close(b_sync["cfm_old"], expected)
+    # Without the env's report every chunk ran its act_steps rows.
+    del batch.data["executed_rows"]
+    assert torch.equal(sync.prepare([batch])["row_mask"], torch.tensor([1.0, 1.0, 0.0]).repeat(32, 1))
+
+
+def test_the_summed_reduction_reaches_the_old_and_new_losses():
+    # algo.cfm_reduction: sum sums the 7 action dims where the default averages them: 7x the losses
+    mean = FPOPP(tiny_cfg(critic_warmup_iters=0), EnvSpec((19,), 7), torch.device("cpu"))
+    summed = FPOPP(tiny_cfg(critic_warmup_iters=0, cfm_reduction="sum"), EnvSpec((19,), 7), torch.device("cpu"))
+    summed.load_state_dict(mean.state_dict())
+    assert (mean.policy.cfm_reduction, summed.policy.cfm_reduction) == ("mean_dims", "sum")
+    batch = _rollout_batch(mean)
+    b_mean, b_sum = mean.prepare([batch]), summed.prepare([batch])
+    torch.testing.assert_close(b_sum["cfm_old"], 7 * b_mean["cfm_old"], rtol=1e-5, atol=1e-5)
+    _, stats = summed._losses(b_sum, torch.arange(32), True)
+    assert abs(stats["ratio_min"] - 1) < 1e-6 and abs(stats["ratio_max"] - 1) < 1e-6
 
 
 def test_update_freezes_the_actor_during_critic_warmup_then_moves_it():
@@ -318,7 +406,7 @@ def test_positive_advantage_actions_get_more_likely():
     b["advantages"] = torch.ones_like(b["advantages"])
     algo.update(b)
     with torch.no_grad():
-        after = algo.policy.cfm_losses(b["obs"], b["actions"], b["taus"], b["mc_eps"])
+        after = algo.policy.cfm_losses(b["obs"], b["actions"], b["taus"], b["mc_eps"], row_mask=b["row_mask"])
     assert after.mean() < b["cfm_old"].mean()
 
 
@@ -336,7 +424,7 @@ def test_state_dict_round_trip():
 
 @pytest.mark.parametrize("override, key", [
     ({"ratio_mode": "mean"}, "algo.ratio_mode"), ({"clip": 0.0}, "algo.clip"), ({"n_mc": 0}, "algo.n_mc"),
-    ({"minibatch_size": 1000}, "algo.minibatch_size"), ({"hidden_sizes": []}, "algo.hidden_sizes")])
+    ({"minibatch_size": 1000}, "algo.minibatch_size"), ({"cfm_reduction": "mean"}, "algo.cfm_reduction"), ({"hidden_sizes": []}, "algo.hidden_sizes")])
 def test_config_mistakes_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         tiny_cfg(**override)

@@ -7,19 +7,20 @@ import os
 os.environ.setdefault("MUJOCO_GL", "egl")
 
 import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from flowrl_ray.algorithms.fpopp import FPOPP  # noqa: E402
-from flowrl_ray.config import config_from_dict  # noqa: E402
+from flowrl_ray.config import ConfigError, config_from_dict  # noqa: E402
 from flowrl_ray.envs import env_family  # noqa: E402
 from flowrl_ray.envs.rollout import EnvRunner  # noqa: E402
 
 
-def robot_cfg(**env):
+def robot_cfg(mode="sync", **env):
     return config_from_dict({
         "algorithm": "fpopp",
         "env": {"family": "robot", "id": "lift", "horizon_steps": 4, "act_steps": 2, "max_episode_steps": 6, **env},
-        "runtime": {"num_workers": 1, "envs_per_worker": 2, "rollout_length": 5},
+        "runtime": {"num_workers": 1, "envs_per_worker": 2, "rollout_length": 5, "mode": mode},
         "algo": {"hidden_sizes": [32], "critic_hidden_sizes": [16], "minibatch_size": 4, "n_mc": 3,
                  "flow_steps": 2, "critic_warmup_iters": 0, "feature_dim": 8}})
 
@@ -39,37 +40,58 @@ def _run(cfg):
 
 
 def test_state_rollout_batch_and_update():
-    cfg = robot_cfg()
+    cfg = robot_cfg(mode="async")                # async: the workers record the old losses
     algo, batch, evaluation = _run(cfg)
     d = batch.data
     assert d["obs"].shape == (5, 2, 19) and d["last_obs"].shape == (2, 19)
     assert d["actions"].shape == (5, 2, 4, 7) and np.abs(d["actions"]).max() <= 1.0
-    assert d["taus"].shape == (5, 2, 3) and d["mc_eps"].shape == (5, 2, 3, 4, 7) and d["cfm_old"].shape == (5, 2, 3)
+    assert d["taus"].shape == (5, 2, 3) and d["mc_eps"].shape == (5, 2, 3, 4, 7)
+    assert d["cfm_old"].shape == (5, 2, 3, 4)                      # per row until the mask is known
     # 6 low-level steps with 2 executed per chunk step: every third chunk step truncates
     assert d["truncated"][2].all() and not d["truncated"][:2].any()
+    assert (d["executed_rows"] == 2).all()
     assert np.abs(d["final_obs"][2]).sum() > 0
     assert batch.meta.extra["successes"] == [False, False]         # a random policy lifts nothing
     assert evaluation["episode_successes"] == [False, False] and evaluation["episode_lengths"] == [3, 3]
     prepared = algo.prepare([batch])
     assert prepared["actions"].shape == (10, 4, 7) and prepared["cfm_old"].shape == (10, 3)
     # on policy: the losses the worker recorded are the learner's (ratios 1 up to float rounding)
+    # (sync mode computes them on the learner: see the image test)
     with torch.no_grad():
-        new = algo.policy.cfm_losses(prepared["obs"], prepared["actions"], prepared["taus"], prepared["mc_eps"])
+        new = algo.policy.cfm_losses(prepared["obs"], prepared["actions"], prepared["taus"], prepared["mc_eps"],
+                                     row_mask=prepared["row_mask"])
     torch.testing.assert_close(new, prepared["cfm_old"], rtol=1e-5, atol=1e-5)
     metrics = algo.update(prepared)
     assert np.isfinite(metrics["pg_loss"]) and np.isfinite(metrics["v_loss"])
 
 
 def test_a_huber_config_reaches_the_losses_the_workers_record():
-    cfg = robot_cfg()
+    cfg = robot_cfg(mode="async")
     cfg.algo = dataclasses.replace(cfg.algo, cfm_huber_delta=0.5)
     algo, batch, _ = _run(cfg)
     prepared = algo.prepare([batch])
     with torch.no_grad():
         args = (prepared["obs"], prepared["actions"], prepared["taus"], prepared["mc_eps"])
-        huber, squared = algo.policy.cfm_losses(*args), algo.policy.cfm_losses(*args, huber_delta=0.0)
+        mask = prepared["row_mask"]
+        huber = algo.policy.cfm_losses(*args, row_mask=mask)
+        squared = algo.policy.cfm_losses(*args, huber_delta=0.0, row_mask=mask)
     torch.testing.assert_close(huber, prepared["cfm_old"], rtol=1e-5, atol=1e-5)   # ratios 1
     assert (squared > huber).all()                 # an untrained policy's errors exceed 0.5 somewhere
+
+
+def test_an_episode_that_ends_inside_a_chunk_masks_the_rows_that_never_ran():
+    # 5 low-level steps with 2 rows per chunk step: the third chunk step runs 1 row and truncates
+    cfg = robot_cfg(mode="async", max_episode_steps=5)
+    algo, batch, _ = _run(cfg)
+    d = batch.data
+    assert d["truncated"][2].all() and not d["truncated"][[0, 1, 3, 4]].any()
+    assert d["executed_rows"].tolist() == [[2, 2], [2, 2], [1, 1], [2, 2], [2, 2]]
+    prepared = algo.prepare([batch])
+    full, cut = torch.tensor([1.0, 1.0, 0.0, 0.0]), torch.tensor([1.0, 0.0, 0.0, 0.0])
+    expected = torch.stack([cut if t == 2 else full for t in range(5) for _ in range(2)])
+    assert torch.equal(prepared["row_mask"], expected)
+    rows = torch.as_tensor(d["cfm_old"]).reshape(10, 3, 4)
+    torch.testing.assert_close(prepared["cfm_old"], (rows * expected[:, None]).sum(-1))
 
 
 def test_image_rollout_batch_and_update():
@@ -79,7 +101,23 @@ def test_image_rollout_batch_and_update():
     assert d["obs/state"].shape == (5, 2, 9) and d["obs/rgb"].shape == (5, 2, 3, 32, 32)
     assert d["obs/rgb"].dtype == np.uint8 and d["obs/rgb"].max() > 0
     assert d["last_obs/rgb"].shape == (2, 3, 32, 32) and d["final_obs/rgb"][2].max() > 0
+    assert "cfm_old" not in d                    # sync: the learner computes the old losses
     prepared = algo.prepare([batch])
     assert set(prepared["obs"]) == {"state", "rgb"} and prepared["obs"]["rgb"].dtype == torch.uint8
+    # one random shift per sample: whole images moved by whole pixels, most of them moved
+    raw = torch.as_tensor(d["obs/rgb"]).reshape(10, 3, 32, 32)
+    moved = [not torch.equal(prepared["obs"]["rgb"][i], raw[i]) for i in range(10)]
+    assert sum(moved) >= 5
+    # At theta = theta_old every ratio is 1: the old and new losses see the same shifted images
+    # (the update's first minibatch holds the whole batch here), in every epoch.
+    for _ in range(2):
+        _, stats = algo._losses(prepared, torch.arange(10), True)
+        assert abs(stats["ratio_min"] - 1) < 1e-6 and abs(stats["ratio_max"] - 1) < 1e-6, stats
     metrics = algo.update(prepared)
     assert np.isfinite(metrics["pg_loss"])
+
+
+def test_image_augmentation_with_async_workers_is_refused_before_ray_starts():
+    with pytest.raises(ConfigError, match=r"algo\.augment.*async"):
+        robot_cfg(mode="async", obs_mode="image", cameras=["agentview"], image_size=32)
+    robot_cfg(mode="async")                      # state observations have nothing to shift

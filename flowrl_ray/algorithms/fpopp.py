@@ -2,17 +2,26 @@
 flow-matching action policy, with the likelihood ratio replaced by CFM-loss differences.
 
     rollout (worker): a ~ pi_old(. | o) by K Euler steps from eps ~ N(0, I); draw N_mc pairs
-                      (tau_i, eps_i) and record l_old_i = || v_old(x_i, tau_i | o) - (a - eps_i) ||^2
-    prepare:          V(o_t), GAE -> flat [M] advantages, returns
+                      (tau_i, eps_i); the env reports how many rows of the chunk it executed
+    prepare:          V(o_t), GAE -> flat [M] advantages, returns; the row mask [M, Ta] of the
+                      executed rows (the first act_steps, fewer where the episode ended inside
+                      the chunk); image observations get one random shift per sample (DPPO's
+                      augmentation, kept for every epoch); then, with the rollout weights,
+                      l_old_i = || v_old(x_i, tau_i | o) - (a - eps_i) ||^2 over the executed rows
+                      (sync: the learner's weights are the rollout weights, so the learner computes
+                      l_old on the same augmented images and in the same precision as l_new: every
+                      ratio is exactly 1 before the first step; async: the workers record each
+                      row's l_old at sampling time, and augmentation is refused)
     update:           per sample  rho_i = exp(clamp(l_old_i - l_new_i, +-diff_clamp))     (Eq. 10)
                       (ratio_mode "averaged": one rho per action from the mean difference, Eq. 9)
                       maximise mean_i psi(rho_i, A)  psi = PPO clip, or ASPO (Eq. 12-13)
                       + value loss; critic warm-up (actor frozen), target-KL stop, grad clip,
                       separate actor / critic learning rates.
 
-The CFM loss of a sample sums the squared error over the chunk and action dims (chunk-level
-ratio; ``cfm_huber_delta`` > 0 sums the FPO++ release's Huber error instead); the same advantage
-is shared by an action's N_mc samples. Evaluation integrates from
+The CFM loss of a sample averages the squared error over the action dims and sums it over the
+chunk's rows (the release's scale; ``cfm_reduction: sum`` sums over the action dims too, and
+``cfm_huber_delta`` > 0 uses the release's Huber error instead); the same advantage is shared by
+an action's N_mc samples. Evaluation integrates from
 eps = 0 ("zero-sampling", ``eval.sampling: zero``).
 """
 
@@ -32,7 +41,7 @@ from flowrl_ray.algorithms.onpolicy import advantages_from_rollouts
 from flowrl_ray.batch import Batch, map_obs
 from flowrl_ray.config import Config, ConfigError, check, check_layer_sizes, check_minibatch_size
 from flowrl_ray.envs import EnvSpec
-from flowrl_ray.models.flow import FlowPolicy, ValueMLP
+from flowrl_ray.models.flow import FlowPolicy, ValueMLP, random_shift, sum_rows
 
 
 @dataclass
@@ -53,6 +62,10 @@ class FPOPPConfig:
     # > 0: each element's error is Huber (squared inside delta, linear outside) before the sum,
     # as in the FPO++ release's manipulation runs; 0: the squared error
     cfm_huber_delta: float = field(default=0.0, metadata=check(ge=0))
+    # a chunk's CFM loss: "mean_dims" averages the error over the action dims and sums it over the
+    # executed rows (the FPO++ paper's and release's scale, which its clip and clamps assume);
+    # "sum" sums over the action dims too (Da times larger log-ratios; kept for the ablation)
+    cfm_reduction: Literal["mean_dims", "sum"] = "mean_dims"
     # PPO machinery
     gamma: float = field(default=0.99, metadata=check(ge=0, le=1))
     gae_lambda: float = field(default=0.99, metadata=check(ge=0, le=1))
@@ -77,7 +90,9 @@ class FPOPPConfig:
     target_kl: Optional[float] = field(default=None, metadata=check(gt=0))
     critic_warmup_iters: int = field(default=2, metadata=check(ge=0))
     critic_hidden_sizes: list = field(default_factory=lambda: [256, 256, 256])
-    augment: bool = True                # image observations: random shifts in the update
+    # image observations: one random shift per sample per iteration, shared by the old and new
+    # losses and every epoch (sync mode only: async workers record the old losses un-augmented)
+    augment: bool = True
 
 
 ARCH_KEYS = ("hidden_sizes", "time_dim", "feature_dim")
@@ -96,7 +111,15 @@ def make_flow_policy(cfg: Config, spec: EnvSpec) -> FlowPolicy:
     # n_mc: the (tau, eps) pairs FPO++ records per action; other algorithms record none.
     return FlowPolicy(spec.obs_dim, spec.action_dim, cfg.env.horizon_steps, c.hidden_sizes, c.time_dim,
                       c.flow_steps, getattr(c, "n_mc", 0), image_shape(cfg), c.feature_dim,
-                      getattr(c, "cfm_huber_delta", 0.0))
+                      getattr(c, "cfm_huber_delta", 0.0), getattr(c, "cfm_reduction", "mean_dims"),
+                      record_old_losses=records_old_losses(cfg))
+
+
+def records_old_losses(cfg: Config) -> bool:
+    """Whether the rollout workers record the old CFM losses: only in async mode, where the
+    learner no longer holds the weights a batch was sampled with (sync: the learner computes them
+    in ``prepare``)."""
+    return cfg.runtime.mode == "async"
 
 
 def load_base_policy(path: str | Path) -> dict:
@@ -129,6 +152,17 @@ def check_base_policy(cfg: Config) -> None:
                 key, f"algo.{key}" if key in ARCH_KEYS else f"env.{key}")
             raise ConfigError(f"config key '{where}': {mine[key]!r} does not match the base "
                               f"policy's {value!r} ({c.base_policy})")
+
+
+def executed_row_mask(executed: torch.Tensor | None, count: int, horizon_steps: int,
+                      act_steps: int, device: torch.device) -> torch.Tensor:
+    """[M, Ta] float: 1 on the rows of each chunk the env executed, 0 on the rows it never ran.
+    ``executed`` [M] (rows run per chunk step, as the env reports them) or None (every chunk ran
+    its ``act_steps`` rows)."""
+    if executed is None:
+        executed = torch.full((count,), act_steps, device=device)
+    rows = torch.arange(horizon_steps, device=device)[None]                  # [1, Ta]
+    return (rows < executed.clamp(max=act_steps)[:, None]).float()           # [M, Ta]
 
 
 def fpopp_ratios(old_losses: torch.Tensor, new_losses: torch.Tensor, loss_clamp: float,
@@ -173,6 +207,11 @@ class FPOPP(Algorithm):
         if cfg.env.family == "gym":
             raise ConfigError("config key 'env.family': FPO++ emits action chunks [horizon_steps, A]; "
                               "the gym family takes single actions (use the robot family)")
+        if c.augment and cfg.runtime.mode == "async" and image_shape(cfg) is not None:
+            raise ConfigError("config key 'algo.augment': async rollout workers record the old CFM "
+                              "losses on un-augmented images (the learner no longer holds their "
+                              "weights), so a shift would bias every ratio; set algo.augment: false "
+                              "or runtime.mode: sync")
         if c.grad_accumulation > c.minibatch_size:
             raise ConfigError(f"config key 'algo.grad_accumulation': {c.grad_accumulation} parts of a "
                               f"{c.minibatch_size}-sample minibatch")
@@ -198,7 +237,7 @@ class FPOPP(Algorithm):
         critic_schedule = lr_multiplier(c.lr_schedule, cfg.train.iterations)
         self.schedulers = [torch.optim.lr_scheduler.LambdaLR(self.actor_opt, actor_schedule),
                            torch.optim.lr_scheduler.LambdaLR(self.critic_opt, critic_schedule)]
-        self.generator = torch.Generator().manual_seed(cfg.seed)      # minibatch shuffling
+        self.generator = torch.Generator().manual_seed(cfg.seed)      # minibatch shuffling, image shifts
         self.iteration = 0
         self.skipped_updates = 0
 
@@ -219,20 +258,54 @@ class FPOPP(Algorithm):
     # ------------------------------------------------------------------ prepare
     def prepare(self, batches: list[Batch]) -> dict:
         c = self.c
-        return advantages_from_rollouts(batches, self.values, c.gamma, c.gae_lambda, c.reward_scale, self.device,
-                                        c.bootstrap_truncated)
+        b = advantages_from_rollouts(batches, self.values, c.gamma, c.gae_lambda, c.reward_scale, self.device,
+                                     c.bootstrap_truncated)
+        # Only the rows the env executed carry the ratio: the others never met a reward.
+        m = b["advantages"].shape[0]
+        b["row_mask"] = executed_row_mask(b.pop("executed_rows", None), m, self.cfg.env.horizon_steps,
+                                          self.cfg.env.act_steps, self.device)            # [M, Ta]
+        if isinstance(b["obs"], dict) and c.augment:
+            b["obs"]["rgb"] = self._shifted(b["obs"]["rgb"])
+        if records_old_losses(self.cfg):              # async: the worker's per-row losses
+            b["cfm_old"] = sum_rows(b["cfm_old"], b["row_mask"])                          # [M, N]
+        else:                                         # sync: these weights sampled the batch
+            b["cfm_old"] = self._old_losses(b)                                            # [M, N]
+        return b
+
+    @torch.no_grad()
+    def _shifted(self, rgb: torch.Tensor) -> torch.Tensor:
+        """One random shift per image [M, C, H, W] uint8 (a pure pixel move, exact in uint8),
+        drawn from the algorithm's generator (exact resume)."""
+        step = max(1, self.c.minibatch_size // self.c.grad_accumulation)
+        return torch.cat([random_shift(rgb[i:i + step].float(), generator=self.generator).to(torch.uint8)
+                          for i in range(0, rgb.shape[0], step)])
+
+    @torch.no_grad()
+    def _old_losses(self, b: dict) -> torch.Tensor:
+        """[M, N] CFM losses of the batch under the current (= rollout) weights, over the executed
+        rows, in the update's part size (memory)."""
+        step = max(1, self.c.minibatch_size // self.c.grad_accumulation)
+        out = []
+        for i in range(0, b["actions"].shape[0], step):
+            sl = slice(i, i + step)
+            obs = map_obs(lambda x: x[sl], b["obs"])
+            out.append(self._policy.cfm_losses(obs, b["actions"][sl], b["taus"][sl], b["mc_eps"][sl],
+                                               row_mask=b["row_mask"][sl]))
+        return torch.cat(out)
 
     # ------------------------------------------------------------------ update
     def _losses(self, b: dict, idx: torch.Tensor, train_actor: bool) -> tuple[torch.Tensor, dict]:
         """Loss of the minibatch rows ``idx`` and its statistics."""
         c = self.c
         obs = map_obs(lambda x: x[idx], b["obs"])
-        augment = c.augment and isinstance(obs, dict)
-        v_loss = value_loss(self.critic(obs, augment), b["returns"][idx]).mean()
+        # image observations were shifted once in prepare: the actor's old and new losses and the
+        # critic see the same images in every epoch
+        v_loss = value_loss(self.critic(obs), b["returns"][idx]).mean()
         if not train_actor:                           # critic warm-up: the actor is frozen
             return c.vf_coef * v_loss, {"v_loss": v_loss.detach()}
         old = b["cfm_old"][idx]                                                   # [mb, N]
-        new = self._policy.cfm_losses(obs, b["actions"][idx], b["taus"][idx], b["mc_eps"][idx], augment)
+        new = self._policy.cfm_losses(obs, b["actions"][idx], b["taus"][idx], b["mc_eps"][idx],
+                                      row_mask=b["row_mask"][idx])                        # [mb, N]
         ratios = fpopp_ratios(old, new, c.cfm_loss_clamp, c.cfm_diff_clamp, c.ratio_mode)   # [mb, N]
         adv = b["advantages"][idx]
         adv = normalize(adv) if c.normalize_advantages else adv

@@ -34,7 +34,9 @@ class EnvRunner:
         of each step (a Gaussian policy's actions [T, N, A] and logp [T, N]; a flow policy's
         action chunks and Monte Carlo pairs). Dict observations are stored as "obs/<key>".
     Families with ``episode_success(infos, done)`` also report each finished episode's success
-    in ``meta.extra["successes"]``.
+    in ``meta.extra["successes"]``; families with ``executed_rows(infos, done)`` (action chunks)
+    add ``executed_rows`` [T, N] int64: the rows of each step's chunk the env ran (fewer than
+    ``act_steps`` where the episode ended inside the chunk).
     """
 
     def __init__(self, family, env_cfg: EnvConfig, num_envs: int, seed: int, policy: nn.Module,
@@ -83,6 +85,9 @@ class EnvRunner:
                 buf[k][t] = v.numpy()
             self.obs, reward, terminated, truncated, info = self.envs.step(action)
             buf["rewards"][t], buf["terminated"][t], buf["truncated"][t] = reward, terminated, truncated
+            if hasattr(self.family, "executed_rows"):
+                buf.setdefault("executed_rows", np.zeros((num_steps, n), np.int64))[t] = \
+                    self.family.executed_rows(info, terminated | truncated)
             self.episode_return += reward
             self.episode_length += 1
             done = terminated | truncated

@@ -41,18 +41,31 @@ def obs_batch_size(obs: Obs) -> int:
     return next(iter(obs.values())).shape[0] if isinstance(obs, dict) else obs.shape[0]
 
 
+#: how a chunk's squared errors [Ta, Da] become one CFM loss: "mean_dims" averages over the
+#: action dims and sums over the (executed) rows, the FPO++ paper's and release's scale;
+#: "sum" sums over both (Da times larger: behaviour cloning's historical loss, and the ablation)
+CFM_REDUCTIONS = ("mean_dims", "sum")
+
+
 def cfm_losses(velocity_fn: VelocityFn, obs: Obs, actions: torch.Tensor, taus: torch.Tensor,
-               eps: torch.Tensor, huber_delta: float = 0.0) -> torch.Tensor:
+               eps: torch.Tensor, huber_delta: float = 0.0, reduction: str = "mean_dims",
+               row_mask: torch.Tensor | None = None, per_row: bool = False) -> torch.Tensor:
     """Per-sample conditional flow-matching losses (FPO++ Eq. 5-8), all in one forward pass:
 
         x_i = tau_i * a + (1 - tau_i) * eps_i
-        l_i = || v(x_i, tau_i | o) - (a - eps_i) ||^2     summed over the chunk and action dims
+        l_i = sum_rows m_r * reduce_dims (v(x_i, tau_i | o) - (a - eps_i))_r^2
 
     obs [B, ...] (repeated ``N`` times for the call), actions [B, Ta, Da], taus [B, N],
-    eps [B, N, Ta, Da] -> [B, N]. With ``huber_delta`` > 0 each element's squared error d^2
-    becomes ``2 delta |d| - delta^2`` where ``|d| > delta`` (the FPO++ release's Huber error:
-    equal to d^2 inside delta, linear outside, so large noise-dominated errors weigh less).
+    eps [B, N, Ta, Da] -> [B, N]. ``reduction`` (see :data:`CFM_REDUCTIONS`) reduces each row's
+    Da errors by their mean or sum; ``row_mask`` [B, Ta] (1: the env executed the row, 0: it
+    never ran) weighs the rows before their sum (None: every row counts). With ``huber_delta``
+    > 0 each element's squared error d^2 becomes ``2 delta |d| - delta^2`` where ``|d| > delta``
+    (the FPO++ release's Huber error: equal to d^2 inside delta, linear outside, so large
+    noise-dominated errors weigh less). ``per_row``: the rows' losses [B, N, Ta] before their
+    (masked) sum, for a caller that learns the mask later (:func:`sum_rows` finishes them).
     """
+    if reduction not in CFM_REDUCTIONS:
+        raise ValueError(f"CFM reduction must be one of {CFM_REDUCTIONS}, got {reduction!r}")
     b, n = taus.shape
     a = actions.unsqueeze(1)                                    # [B, 1, Ta, Da]
     t = taus[..., None, None]                                   # [B, N, 1, 1]
@@ -64,7 +77,16 @@ def cfm_losses(velocity_fn: VelocityFn, obs: Obs, actions: torch.Tensor, taus: t
         err = torch.where(d.abs() <= huber_delta, d.pow(2), 2.0 * huber_delta * d.abs() - huber_delta ** 2)
     else:
         err = d.pow(2)
-    return err.sum(dim=(-2, -1))
+    rows = err.mean(-1) if reduction == "mean_dims" else err.sum(-1)          # [B, N, Ta]
+    return rows if per_row else sum_rows(rows, row_mask)
+
+
+def sum_rows(rows: torch.Tensor, row_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-row CFM losses [B, N, Ta] -> [B, N]: the sum over the rows ``row_mask`` [B, Ta] keeps
+    (1: executed, 0: never ran; None: all)."""
+    if row_mask is not None:
+        rows = rows * row_mask[:, None, :].to(rows.dtype)
+    return rows.sum(-1)
 
 
 def euler_sample(velocity_fn: VelocityFn, obs: Obs, eps: torch.Tensor, steps: int) -> torch.Tensor:
@@ -168,13 +190,21 @@ class FlowPolicy(nn.Module):
     def __init__(self, state_dim: int, action_dim: int, horizon_steps: int, hidden_sizes: list[int],
                  time_dim: int = 32, flow_steps: int = 10, n_mc: int = 8,
                  image_shape: tuple[int, int, int] | None = None, feature_dim: int = 64,
-                 cfm_huber_delta: float = 0.0):
+                 cfm_huber_delta: float = 0.0, cfm_reduction: str = "mean_dims",
+                 record_old_losses: bool = True):
         super().__init__()
         self.action_dim, self.horizon_steps = action_dim, horizon_steps
         self.flow_steps, self.n_mc = flow_steps, n_mc
         # the error of the recorded and the recomputed CFM losses (0: squared; behaviour cloning
         # always uses the squared error)
         self.cfm_huber_delta = cfm_huber_delta
+        # how a chunk's errors reduce to one loss (see CFM_REDUCTIONS; behaviour cloning always sums)
+        if cfm_reduction not in CFM_REDUCTIONS:
+            raise ValueError(f"CFM reduction must be one of {CFM_REDUCTIONS}, got {cfm_reduction!r}")
+        self.cfm_reduction = cfm_reduction
+        # False: act() records the (tau, eps) pairs but not their losses (a learner that holds the
+        # sampling weights computes them itself, on the images its update sees)
+        self.record_old_losses = record_old_losses
         self.encoder = ObsEncoder(state_dim, image_shape, feature_dim)
         self.velocity = VelocityMLP(self.encoder.out_dim, horizon_steps, action_dim, hidden_sizes, time_dim)
 
@@ -188,27 +218,33 @@ class FlowPolicy(nn.Module):
         return euler_sample(self.velocity, cond, eps, steps or self.flow_steps).clamp(-1.0, 1.0)
 
     def cfm_losses(self, obs: Obs, actions: torch.Tensor, taus: torch.Tensor, eps: torch.Tensor,
-                   augment: bool = False, huber_delta: float | None = None) -> torch.Tensor:
-        """[B, N] per-sample CFM losses (see :func:`cfm_losses`; ``huber_delta`` defaults to the
-        policy's); the observation is encoded once per row, not once per Monte Carlo sample."""
+                   augment: bool = False, huber_delta: float | None = None, reduction: str | None = None,
+                   row_mask: torch.Tensor | None = None, per_row: bool = False) -> torch.Tensor:
+        """[B, N] per-sample CFM losses (see :func:`cfm_losses`; ``huber_delta`` and ``reduction``
+        default to the policy's, ``row_mask`` [B, Ta] to every row; ``per_row``: [B, N, Ta]); the
+        observation is encoded once per row, not once per Monte Carlo sample."""
         delta = self.cfm_huber_delta if huber_delta is None else huber_delta
-        return cfm_losses(self.velocity, self.encoder(obs, augment), actions, taus, eps, delta)
+        return cfm_losses(self.velocity, self.encoder(obs, augment), actions, taus, eps, delta,
+                          reduction or self.cfm_reduction, row_mask, per_row)
 
     def bc_loss(self, obs: Obs, actions: torch.Tensor, generator: torch.Generator | None = None,
                 augment: bool = False) -> torch.Tensor:
         """Behaviour cloning: the CFM loss of one (tau ~ U[0, 1], eps ~ N(0, I)) pair per
-        demonstration chunk, averaged over the chunk, action and batch dims."""
+        demonstration chunk, averaged over the chunk, action and batch dims (the summed reduction
+        divided by Ta * Da, whatever the policy's FPO++ reduction: bases keep their loss)."""
         b = actions.shape[0]
         taus = torch.rand(b, 1, generator=generator).to(actions.device)
         eps = torch.randn(b, 1, *actions.shape[1:], generator=generator).to(actions.device)
-        return self.cfm_losses(obs, actions, taus, eps, augment, huber_delta=0.0).mean() / (actions[0].numel())
+        return self.cfm_losses(obs, actions, taus, eps, augment, huber_delta=0.0,
+                               reduction="sum").mean() / (actions[0].numel())
 
     @torch.no_grad()
     def act(self, obs: Obs, deterministic: bool = False,
             generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """obs [N, ...] -> (action chunk [N, Ta, Da] in [-1, 1], record). The record holds
         ``actions``; when sampling for training also ``taus`` [N, M], ``mc_eps`` [N, M, Ta, Da]
-        and ``cfm_old`` [N, M] (M = n_mc)."""
+        and, with ``record_old_losses``, ``cfm_old`` [N, M, Ta] (M = n_mc): each row's loss,
+        summed over the rows the env executes once that is known (:func:`sum_rows`)."""
         n = obs_batch_size(obs)
         shape = (n, *self.chunk_shape)
         if deterministic:
@@ -220,7 +256,9 @@ class FlowPolicy(nn.Module):
         if not deterministic and self.n_mc > 0:
             taus = torch.rand(n, self.n_mc, generator=generator)
             mc_eps = torch.randn(n, self.n_mc, *self.chunk_shape, generator=generator)
-            record.update(taus=taus, mc_eps=mc_eps, cfm_old=self.cfm_losses(obs, actions, taus, mc_eps))
+            record.update(taus=taus, mc_eps=mc_eps)
+            if self.record_old_losses:
+                record["cfm_old"] = self.cfm_losses(obs, actions, taus, mc_eps, per_row=True)
         return actions, record
 
 

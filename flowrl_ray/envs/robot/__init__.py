@@ -133,6 +133,20 @@ def episode_success(infos: dict, done: np.ndarray) -> np.ndarray:
     return np.asarray(done, bool) & success
 
 
+def executed_rows(infos: dict, done: np.ndarray) -> np.ndarray:
+    """[N] int64: how many rows of its action chunk each env executed at this step (``act_steps``,
+    or fewer where the episode ended inside the chunk). With same-step autoreset the ended envs'
+    counts are under ``final_info``."""
+    done = np.asarray(done, bool)
+    rows = np.zeros(len(done), np.int64)
+    if "substeps" in infos:
+        rows = np.where(np.asarray(infos.get("_substeps", True), bool), infos["substeps"], rows)
+    final = infos.get("final_info", {})
+    if "substeps" in final:
+        rows = np.where(done & np.asarray(final.get("_substeps", True), bool), final["substeps"], rows)
+    return rows.astype(np.int64)
+
+
 def snapshot(vec: gym.vector.VectorEnv) -> bytes:
     """Simulator and RNG state of every env, for exact resume (robosuite envs do not pickle)."""
     first = vec.envs[0]
