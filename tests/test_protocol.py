@@ -5,6 +5,7 @@ to end on a tiny FPO++ Lift run (real demos, pretraining, two training runs on l
 import itertools
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -169,11 +170,12 @@ def test_protocol_end_to_end_on_a_tiny_lift_run(tmp_path, capsys):
     for png in ("smoke_train.png", "smoke_eval.png"):
         assert (results / png).read_bytes()[:4] == b"\x89PNG"
     md = (results / "smoke.md").read_text()
-    assert "| tiny-lift | random | 2 |" in md and "## Machine" in md
+    assert re.search(r"\| tiny-lift +\| random +\| 2 +\|", md) and "## Machine" in md
 
-    # the finished runs again, as a --variant, in a new evaluation: the same outcomes
-    runs = ",".join(r["run_dir"] for r in v["runs"])
-    assert robot_protocol.main(["--variant", f"again={runs}", "--output", "again", *common]) == 0
+    # the finished runs again (--runs groups them by their config name, the variant's), in a new
+    # evaluation with new envs: the same outcomes
+    runs = [r["run_dir"] for r in v["runs"]]
+    assert robot_protocol.main(["--runs", *runs, "--output", "again", *common]) == 0
     again = json.loads((results / "again.json").read_text())
     assert list(again["bases"].values())[0]["outcomes"] == base_entry["outcomes"]
-    assert [r["outcomes"] for r in again["variants"]["again"]["runs"]] == [r["outcomes"] for r in v["runs"]]
+    assert [r["outcomes"] for r in again["variants"]["tiny-lift"]["runs"]] == [r["outcomes"] for r in v["runs"]]
