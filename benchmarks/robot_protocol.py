@@ -17,7 +17,8 @@ Launched runs are `flowrl-ray train CONFIG --run-dir runs/protocol-<variant>-s<s
 seed=<seed> [overrides]`, one private local Ray each; the demos (``env.dataset``) and the base
 (``algo.base_policy``) are made first when missing (``--demos``, ``--pretrain-epochs``). On 2
 cores, a robosuite rollout worker with 8 envs holds about 3.7 GB: ``--parallel 2`` runs two
-trainings side by side, each then slower.
+trainings side by side, each then slower; their output goes to ``<runs-dir>/logs/<run>.log``,
+with each run's last line printed here every minute.
 
 Evaluation: the base (``--base``, default the runs' ``algo.base_policy``) and every run's last
 checkpoint, on ``--episodes`` (100) seeded episodes per sampling rule: zero-sampling (eps = 0,
@@ -110,7 +111,8 @@ def collect_variants(args) -> dict[str, list[Path]]:
 def launch(args, cfg, name: str, stamp: str) -> list[dict]:
     """Train one run per seed (``--parallel`` at a time); returns [{"run_dir", "seed", "wall_s"}]."""
     runs_dir = Path(args.runs_dir)
-    todo = [{"seed": s, "run_dir": runs_dir / f"protocol-{name}-s{s}-{stamp}"} for s in args.seeds]
+    todo = [{"seed": s, "run_dir": runs_dir / f"protocol-{name}-s{s}-{stamp}",
+             "log": runs_dir / "logs" / f"protocol-{name}-s{s}-{stamp}.log"} for s in args.seeds]
     log(f"training {len(todo)} runs of {args.config} ({cfg.train.iterations} iterations each), "
         f"{args.parallel} at a time")
     running: list[tuple[dict, subprocess.Popen, float, object]] = []
@@ -122,7 +124,7 @@ def launch(args, cfg, name: str, stamp: str) -> list[dict]:
             cmd = [*FLOWRL, "train", args.config, "--run-dir", str(run["run_dir"]), *args.overrides,
                    f"seed={run['seed']}", f"name={name}"]
             if args.parallel > 1:            # interleaved output is unreadable: one log per run
-                logfile = Path(f"{run['run_dir']}.log")
+                logfile = run["log"]
                 logfile.parent.mkdir(parents=True, exist_ok=True)
                 out = logfile.open("w")
                 log(f"seed {run['seed']}: {run['run_dir']} (output in {logfile})")
@@ -142,15 +144,17 @@ def launch(args, cfg, name: str, stamp: str) -> list[dict]:
             run["wall_s"] = round(time.monotonic() - t0, 1)
             if proc.returncode != 0:
                 raise RuntimeError(f"training seed {run['seed']} failed (exit {proc.returncode}); "
-                                   f"see {run['run_dir']}" + (".log" if out is not None else ""))
+                                   f"see {run['log'] if out is not None else 'its output above'}")
             finished.append(run)
             log(f"seed {run['seed']} finished in {run['wall_s'] / 60:.1f} min "
                 f"({len(finished)}/{len(todo)} runs done)")
         if args.parallel > 1 and running and time.monotonic() - last_report > 60:
             last_report = time.monotonic()
             for run, _, t0, _ in running:
-                tail = _last_line(Path(f"{run['run_dir']}.log"))
+                tail = _last_line(run["log"])
                 log(f"seed {run['seed']} ({(time.monotonic() - t0) / 60:.1f} min): {tail}")
+    for run in finished:
+        run.pop("log")
     return sorted(finished, key=lambda r: args.seeds.index(r["seed"]))
 
 
