@@ -351,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError("--config needs --seeds (e.g. --seeds 0 1 2)")
         if args.seeds and len(set(args.seeds)) != len(args.seeds):
             raise UsageError(f"--seeds: repeated seed in {args.seeds}")
+        for o in args.overrides:
+            if o.split("=", 1)[0] in ("seed", "name"):
+                raise UsageError(f"override {o!r}: the runs' seed and name come from --seeds and --name")
         if args.parallel < 1:
             raise UsageError(f"--parallel must be >= 1, got {args.parallel}")
         if args.episodes < 1:

@@ -105,6 +105,15 @@ def test_an_episode_key_names_the_same_initial_state_whatever_the_policy_did():
 
 # --------------------------------------------------------------------------- the command
 
+def test_overrides_after_seeds_are_overrides_and_a_variant_stays_a_variant():
+    import robot_protocol
+    parser = robot_protocol.build_parser()
+    flags, overrides = robot_protocol.split_overrides(
+        parser, ["--config", "c.yaml", "--seeds", "0", "1", "2", "algo.n_mc=16", "--variant", "a=r0,r1", "seed=3"])
+    args = parser.parse_args(flags)
+    assert args.seeds == [0, 1, 2] and args.variant == ["a=r0,r1"] and overrides == ["algo.n_mc=16", "seed=3"]
+
+
 def test_bad_input_stops_with_one_line_naming_the_flag(tmp_path, capsys):
     import robot_protocol
     assert robot_protocol.main(["--variant", f"a={tmp_path / 'nope'}"]) == 2
@@ -117,6 +126,8 @@ def test_bad_input_stops_with_one_line_naming_the_flag(tmp_path, capsys):
     cfg = str(REPO / "configs" / "fpopp" / "lift_state_quickstart.yaml")
     assert robot_protocol.main(["--config", cfg, "--seeds", "0", "algo.n_mcc=4"]) == 2
     assert "algo.n_mcc" in capsys.readouterr().err
+    assert robot_protocol.main(["--config", cfg, "--seeds", "0", "seed=4"]) == 2
+    assert "--seeds" in capsys.readouterr().err
     assert robot_protocol.main(["--config", cfg, "--seeds", "0", "--parallel", "0"]) == 2
     assert "--parallel" in capsys.readouterr().err
 
