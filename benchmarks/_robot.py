@@ -30,13 +30,27 @@ def make_eval_runner(cfg, policy):
     return EnvRunner(env_family(cfg.env.family), cfg.env, EVAL_ENVS, seed=EVAL_SEED, policy=policy.eval())
 
 
-def evaluate_episodes(policy, cfg, episodes: int, runner=None) -> dict:
+def _progress(label: str, episodes: int, every_s: float = 15.0):
+    """An ``on_episodes`` callback printing a CountProgress line every ``every_s`` and at the end."""
+    import time
+
+    from flowrl_ray.progress import CountProgress
+    bar, last = CountProgress(episodes, label), [time.perf_counter()]
+
+    def on_episodes(done: int, total: int) -> None:
+        if done >= total or time.perf_counter() - last[0] >= every_s:
+            last[0] = time.perf_counter()
+            bar.update(done)
+    return on_episodes
+
+
+def evaluate_episodes(policy, cfg, episodes: int, runner=None, label: str | None = None) -> dict:
     """Per sampling rule, each episode's outcome, ordered by episode key (env index, episode
     number on that env), so that position e is the same initial state for every policy:
     {"zero": {"successes": [E] 0/1, "lengths": [E] chunk steps, "keys": [E] [env, k]}, "random": ...}.
 
     runner: a :func:`make_eval_runner` to reuse (its policy is replaced); None builds one per
-    sampling rule and closes it."""
+    sampling rule and closes it. label: print progress lines ``[label zero] 40/100 episodes ...``."""
     import torch
     torch.set_num_threads(1)
     out = {}
@@ -46,7 +60,8 @@ def evaluate_episodes(policy, cfg, episodes: int, runner=None) -> dict:
         r.policy = policy.eval()
         torch.manual_seed(EVAL_SEED)         # the same action noise for every policy evaluated
         try:
-            res = r.evaluate(episodes, deterministic=sampling == "zero")
+            res = r.evaluate(episodes, deterministic=sampling == "zero",
+                             on_episodes=_progress(f"{label} {sampling}", episodes) if label else None)
         finally:
             if own:
                 r.close()

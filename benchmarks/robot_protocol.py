@@ -207,7 +207,7 @@ def evaluate_all(variants: dict[str, list[Path]], base_override: str | None, epi
         for bid, b in bases.items():
             policy = base_policy(b["cfg"], b["path"])
             runners[bid] = make_eval_runner(b["cfg"], policy)
-            b["outcomes"] = evaluate_episodes(policy, b["cfg"], episodes, runners[bid])
+            b["outcomes"] = evaluate_episodes(policy, b["cfg"], episodes, runners[bid], label="eval base")
             done += 1
             progress(f"base {b['path']}")
         out = {}
@@ -215,7 +215,7 @@ def evaluate_all(variants: dict[str, list[Path]], base_override: str | None, epi
             rows = []
             for d, cfg, _ in runs:
                 _, _, policy = load_policy(d)
-                outcomes = evaluate_episodes(policy, cfg, episodes, runners[bid])
+                outcomes = evaluate_episodes(policy, cfg, episodes, runners[bid], label=f"eval {name} s{cfg.seed}")
                 rows.append({"run_dir": str(d), "seed": cfg.seed, **run_summary(d),
                              "launch_wall_s": launch_wall.get(str(d)), "outcomes": outcomes})
                 done += 1
