@@ -277,17 +277,18 @@ def machine_section() -> str:
     return "\n".join(f"- {k}: {v}" for k, v in machine_info().items())
 
 
-def write_results(name: str, title: str, body: str, command: str | None = None) -> Path:
-    """Write benchmarks/results/<name>.md (title, command, date, machine, body), print it, and
-    return the path."""
+def write_results(name: str, title: str, body: str, command: str | None = None,
+                  results_dir: Path = RESULTS_DIR) -> Path:
+    """Write <results_dir>/<name>.md (default benchmarks/results/; title, command, date, machine,
+    body), print it, and return the path."""
     now = _dt.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M:%S %Z")
     text = (f"# {title}\n\n"
             f"Command (from the repository root):\n\n```\n{command or command_line()}\n```\n\n"
             f"Date: {now}\n\n"
             f"## Machine\n\n{machine_section()}\n\n"
             f"{body.rstrip()}\n")
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"{name}.md"
+    results_dir.mkdir(parents=True, exist_ok=True)
+    path = results_dir / f"{name}.md"
     path.write_text(text)
     print("\n" + text, flush=True)
     print(f"[bench] results written to {os.path.relpath(path, Path.cwd())}", flush=True)

@@ -12,7 +12,7 @@ Run from the repository root:
 Every run is one `flowrl-ray train` of the quickstart configs (2 workers x 8 envs x 40 chunk
 steps per iteration, same for FlowSAR and FPO++) for ``--iterations`` iterations. Each final
 policy and the base policy are then evaluated in this process on the same seeded episodes with
-zero-sampling and random sampling (``fpopp_lift_learning.evaluate``). Results:
+zero-sampling and random sampling (``_robot.evaluate``). Results:
 ``benchmarks/results/flowsar_<task>.{md,json}`` and ``flowsar_<task>_success.png`` (training
 success, random sampling, vs env steps). The spec predicts full > uniform > random ~ inverse;
 the table reports what was measured. No assertion is made.
@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import REPO_ROOT, RESULTS_DIR, git_revision, md_table, write_results  # noqa: E402
-from fpopp_lift_learning import FLOWRL, base_policy, ensure_demos_and_base, evaluate, run_summary  # noqa: E402
+from _robot import FLOWRL, base_policy, ensure_demos_and_base, evaluate, run_summary  # noqa: E402
 
 os.environ.setdefault("MUJOCO_GL", "egl")
 FLOWSAR = "configs/flowsar/lift_state_quickstart.yaml"

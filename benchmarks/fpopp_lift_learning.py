@@ -35,79 +35,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import REPO_ROOT, RESULTS_DIR, git_revision, md_table, write_results  # noqa: E402
+from _robot import FLOWRL, base_key, base_policy, ensure_demos_and_base, evaluate, run_config, run_summary  # noqa: E402
 
-os.environ.setdefault("MUJOCO_GL", "egl")
 CONFIG = "configs/fpopp/lift_state_quickstart.yaml"
-FLOWRL = [sys.executable, "-m", "flowrl_ray.cli"]
-
-
-def evaluate(policy, cfg, episodes: int) -> dict:
-    """Success rate with zero and with random sampling over the same seeded episodes (initial
-    states and sampling noise)."""
-    import torch
-
-    from flowrl_ray.envs import env_family
-    from flowrl_ray.envs.rollout import EnvRunner
-    torch.set_num_threads(1)
-    out = {}
-    for sampling in ("zero", "random"):
-        runner = EnvRunner(env_family("robot"), cfg.env, 8, seed=12345, policy=policy.eval())
-        torch.manual_seed(12345)             # the same action noise for every policy evaluated
-        try:
-            r = runner.evaluate(episodes, deterministic=sampling == "zero")
-        finally:
-            runner.close()
-        out[sampling] = sum(r["episode_successes"]) / len(r["episode_successes"])
-        out[f"{sampling}_length"] = sum(r["episode_lengths"]) / len(r["episode_lengths"])
-    return out
-
-
-def base_policy(cfg):
-    import torch
-
-    from flowrl_ray.algorithms.fpopp import FPOPP
-    from flowrl_ray.envs import env_family
-    spec = env_family("robot").spec(cfg.env)
-    policy = FPOPP.make_policy(cfg, spec)
-    policy.load_state_dict(torch.load(cfg.algo.base_policy, map_location="cpu", weights_only=False)["policy"])
-    return policy
-
-
-def base_key(cfg) -> str:
-    """The base policy's path, with the executed chunk length when it is not the config's 8."""
-    path = cfg.algo.base_policy
-    return path if cfg.env.act_steps == 8 else f"{path}, act_steps {cfg.env.act_steps}"
-
-
-def ensure_demos_and_base(config: str, cfg, task: str, demos: int, epochs: int, overrides=()) -> None:
-    """The scripted demos (``env.dataset``) and the pretrained base policy (``algo.base_policy``)
-    of ``cfg``, made once with the CLI; skipped when the files exist."""
-    if not Path(cfg.env.dataset).is_file():
-        subprocess.run([*FLOWRL, "demos", task, "--episodes", str(demos), "--out", cfg.env.dataset], check=True)
-    if not Path(cfg.algo.base_policy).is_file():
-        subprocess.run([*FLOWRL, "pretrain", config, *overrides, "--epochs", str(epochs)], check=True)
-
-
-def run_summary(run_dir: Path) -> dict:
-    from flowrl_ray.runtime.metrics import read_metrics
-    rows = read_metrics(run_dir)
-    # An interrupted run has no summary.json; its metrics say as much (its policy is the last checkpoint's).
-    from flowrl_ray.checkpoint import latest_checkpoint, load_checkpoint
-    saved = load_checkpoint(latest_checkpoint(run_dir))["trainer"]["iteration"]
-    rows = [r for r in rows if r["iteration"] <= saved]
-    last = rows[-1]
-    summary = {"env_steps": last["env_steps"], "time_s": last["time_s"], "iterations": last["iteration"]}
-    train = [(r["env_steps"], r["success_rate"]) for r in rows if r.get("success_rate") is not None]
-    evals = [(r["env_steps"], r["eval/success_rate"]) for r in rows if r.get("eval/success_rate") is not None]
-    return {"env_steps": summary["env_steps"], "time_s": summary["time_s"], "iterations": summary["iterations"],
-            "train_success_first": train[0][1] if train else None,
-            "train_success_last": train[-1][1] if train else None,
-            "eval_curve": evals, "name": _config_of(run_dir).name}
-
-
-def _config_of(run_dir: Path):
-    from flowrl_ray.config import load_config
-    return load_config(run_dir / "config.yaml")
 
 
 def main() -> None:
@@ -139,7 +69,7 @@ def main() -> None:
     t0 = time.perf_counter()
     results = {"config": args.config, "overrides": args.overrides, "revision": git_revision(),
                "eval_episodes": args.eval_episodes, "bases": {}, "runs": []}
-    for run_cfg in [_config_of(d) for d in run_dirs] or [cfg]:
+    for run_cfg in [run_config(d) for d in run_dirs] or [cfg]:
         key = base_key(run_cfg)        # a base executed with another chunk length is another policy
         if key not in results["bases"]:
             print(f"[bench] evaluating the base policy {key} ({args.eval_episodes} episodes x zero/random)",

@@ -115,7 +115,11 @@ class EnvRunner:
                  video: tuple[str, int] = ("agentview", 256), on_episodes=None) -> dict:
         """Run `episodes` full episodes on separate, freshly seeded eval envs (training envs
         keep their state). Returns returns and lengths of each episode (and, for families that
-        report success, ``episode_successes``).
+        report success, ``episode_successes``) in the order they finished, and ``episode_keys``:
+        each episode's (env index, episode number on that env). Env i is reset with seed
+        ``seed + EVAL_SEED_OFFSET + i`` and its later episodes start from its own autoresets, so
+        a key names the same initial state for every policy evaluated with the same seed and
+        env count (the pairing of ``flowrl_ray.stats.paired_bootstrap_gain``).
 
         video_episodes: families that render (robot: ``video = (camera, size)``) record the
         first ``video_episodes`` episodes that start, and only those, returned as ``videos``:
@@ -142,7 +146,7 @@ class EnvRunner:
         obs, _ = envs.reset(seed=self.seed + EVAL_SEED_OFFSET)
         done_count = np.zeros(n, dtype=np.int64)
         ret, length = np.zeros(n), np.zeros(n, dtype=np.int64)
-        returns, lengths, successes, videos = [], [], [], []
+        returns, lengths, successes, videos, keys = [], [], [], [], []
         eval_gen = torch.Generator().manual_seed(self.seed + EVAL_SEED_OFFSET)
         while (done_count < quota).any():
             action, _ = self._act(obs, deterministic, eval_gen)
@@ -157,6 +161,7 @@ class EnvRunner:
             for j, i in enumerate(np.flatnonzero(counted)):
                 returns.append(float(ret[i]))
                 lengths.append(int(length[i]))
+                keys.append((int(i), int(done_count[i])))
                 if recording[i]:
                     frames = envs.get_attr("finished_frames")[i]   # the episode's, moved at reset
                     videos.append({"frames": np.stack(frames),
@@ -176,7 +181,8 @@ class EnvRunner:
             envs.set_attr("video", [None] * n)
             envs.set_attr("frames", [[] for _ in range(n)])
             envs.set_attr("finished_frames", [[] for _ in range(n)])
-        out = {"episode_returns": returns[:episodes], "episode_lengths": lengths[:episodes]}
+        out = {"episode_returns": returns[:episodes], "episode_lengths": lengths[:episodes],
+               "episode_keys": keys[:episodes]}
         if hasattr(self.family, "episode_success"):
             out["episode_successes"] = successes[:episodes]
         if video_episodes:

@@ -1,0 +1,140 @@
+"""Pieces shared by the robot benchmarks (``fpopp_lift_learning.py``, ``flowsar_lift.py``,
+``robot_protocol.py``): the CLI as a subprocess, the demos and base policy made once, a run's
+summary from its metrics, and the evaluation of a policy on seeded episodes with zero-sampling
+(eps = 0, FPO++'s test-time rule) and random sampling (eps ~ N(0, I), what training rollouts use).
+
+"env steps" are policy steps: one action chunk each, i.e. up to ``env.act_steps`` low-level 20 Hz
+robosuite steps (fewer when the episode ends inside the chunk).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+os.environ.setdefault("MUJOCO_GL", "egl")
+FLOWRL = [sys.executable, "-m", "flowrl_ray.cli"]
+SAMPLING_RULES = ("zero", "random")
+EVAL_SEED = 12345        # the evaluation episodes' seed: env i starts from seed + EVAL_SEED_OFFSET + i
+EVAL_ENVS = 8            # envs stepping the evaluation episodes (part of what fixes the episodes)
+
+
+def make_eval_runner(cfg, policy):
+    """An EnvRunner with the evaluation seed and env count; ``runner.policy`` may be swapped
+    between evaluations (every ``evaluate`` re-seeds its envs and its action-noise generator)."""
+    from flowrl_ray.envs import env_family
+    from flowrl_ray.envs.rollout import EnvRunner
+    return EnvRunner(env_family(cfg.env.family), cfg.env, EVAL_ENVS, seed=EVAL_SEED, policy=policy.eval())
+
+
+def _progress(label: str, episodes: int, every_s: float = 15.0):
+    """An ``on_episodes`` callback printing a CountProgress line every ``every_s`` and at the end."""
+    import time
+
+    from flowrl_ray.progress import CountProgress
+    bar, last = CountProgress(episodes, label), [time.perf_counter()]
+
+    def on_episodes(done: int, total: int) -> None:
+        if done >= total or time.perf_counter() - last[0] >= every_s:
+            last[0] = time.perf_counter()
+            bar.update(done)
+    return on_episodes
+
+
+def evaluate_episodes(policy, cfg, episodes: int, runner=None, label: str | None = None) -> dict:
+    """Per sampling rule, each episode's outcome, ordered by episode key (env index, episode
+    number on that env), so that position e is the same initial state for every policy:
+    {"zero": {"successes": [E] 0/1, "lengths": [E] chunk steps, "keys": [E] [env, k]}, "random": ...}.
+
+    runner: a :func:`make_eval_runner` to reuse (its policy is replaced); None builds one per
+    sampling rule and closes it. label: print progress lines ``[label zero] 40/100 episodes ...``."""
+    import torch
+    torch.set_num_threads(1)
+    out = {}
+    for sampling in SAMPLING_RULES:
+        own = runner is None
+        r = make_eval_runner(cfg, policy) if own else runner
+        r.policy = policy.eval()
+        torch.manual_seed(EVAL_SEED)         # the same action noise for every policy evaluated
+        try:
+            res = r.evaluate(episodes, deterministic=sampling == "zero",
+                             on_episodes=_progress(f"{label} {sampling}", episodes) if label else None)
+        finally:
+            if own:
+                r.close()
+        order = sorted(range(len(res["episode_keys"])), key=lambda j: res["episode_keys"][j])
+        out[sampling] = {"successes": [int(res["episode_successes"][j]) for j in order],
+                         "lengths": [int(res["episode_lengths"][j]) for j in order],
+                         "keys": [list(res["episode_keys"][j]) for j in order]}
+    return out
+
+
+def evaluate(policy, cfg, episodes: int) -> dict:
+    """Success rate and mean episode length (chunk steps) with zero and with random sampling over
+    the same seeded episodes (initial states and sampling noise)."""
+    out = {}
+    for sampling, ep in evaluate_episodes(policy, cfg, episodes).items():
+        out[sampling] = sum(ep["successes"]) / len(ep["successes"])
+        out[f"{sampling}_length"] = sum(ep["lengths"]) / len(ep["lengths"])
+    return out
+
+
+def base_policy(cfg, path: str | None = None):
+    """The policy of ``cfg``'s architecture with the pretrained weights at ``path`` (default
+    ``algo.base_policy``)."""
+    import torch
+
+    from flowrl_ray.algorithms import get_algorithm
+    from flowrl_ray.envs import env_family
+    spec = env_family(cfg.env.family).spec(cfg.env)
+    policy = get_algorithm(cfg.algorithm).make_policy(cfg, spec)
+    state = torch.load(path or cfg.algo.base_policy, map_location="cpu", weights_only=False)
+    policy.load_state_dict(state["policy"])
+    return policy.eval()
+
+
+def base_key(cfg) -> str:
+    """The base policy's path, with the executed chunk length when it is not the config's 8."""
+    path = cfg.algo.base_policy
+    return path if cfg.env.act_steps == 8 else f"{path}, act_steps {cfg.env.act_steps}"
+
+
+def ensure_demos_and_base(config: str, cfg, task: str, demos: int, epochs: int, overrides=()) -> None:
+    """The scripted demos (``env.dataset``) and the pretrained base policy (``algo.base_policy``)
+    of ``cfg``, made once with the CLI; skipped when the files exist."""
+    if not Path(cfg.env.dataset).is_file():
+        subprocess.run([*FLOWRL, "demos", task, "--episodes", str(demos), "--out", cfg.env.dataset], check=True)
+    if not Path(cfg.algo.base_policy).is_file():
+        subprocess.run([*FLOWRL, "pretrain", config, *overrides, "--epochs", str(epochs)], check=True)
+
+
+def run_config(run_dir: Path):
+    from flowrl_ray.config import load_config
+    return load_config(Path(run_dir) / "config.yaml")
+
+
+def run_summary(run_dir: Path) -> dict:
+    """Env steps, training wall-clock (``time_s``: the iterations' time, without Ray's start),
+    iterations, the training success (last 100 training episodes, random sampling) first and
+    last, its curve and the periodic-eval curve ([env steps, success] pairs), up to the last
+    checkpoint (an interrupted run's policy is its last checkpoint's)."""
+    from flowrl_ray.checkpoint import latest_checkpoint, load_checkpoint
+    from flowrl_ray.runtime.metrics import read_metrics
+    rows = read_metrics(run_dir)
+    saved = load_checkpoint(latest_checkpoint(run_dir))["trainer"]["iteration"]
+    rows = [r for r in rows if r["iteration"] <= saved]
+    last = rows[-1]
+    train = [(r["env_steps"], r["success_rate"]) for r in rows if r.get("success_rate") is not None]
+    evals = [(r["env_steps"], r["eval/success_rate"]) for r in rows if r.get("eval/success_rate") is not None]
+    return {"env_steps": last["env_steps"], "time_s": last["time_s"], "iterations": last["iteration"],
+            "train_success_first": train[0][1] if train else None,
+            "train_success_last": train[-1][1] if train else None,
+            "train_curve": train, "eval_curve": evals, "name": run_config(run_dir).name}
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n")

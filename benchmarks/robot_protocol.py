@@ -1,0 +1,418 @@
+"""The robot evaluation protocol: several training seeds per variant, every final policy and the
+base evaluated in one process on the same seeded episodes, the gain over the base with a 95 %
+paired bootstrap confidence interval, and curves as mean +- std over seeds.
+
+Run from the repository root:
+
+    # launch the runs (sequentially, or N at a time), then evaluate them with the base
+    .venv/bin/python benchmarks/robot_protocol.py --config configs/fpopp/lift_state_quickstart.yaml \\
+        --seeds 0 1 2 --output protocol_lift_quickstart
+    .venv/bin/python benchmarks/robot_protocol.py --config CONFIG --seeds 0 1 2 --parallel 2 algo.n_mc=16
+    # evaluate finished `flowrl-ray train` runs, grouped into variants
+    .venv/bin/python benchmarks/robot_protocol.py --variant per_sample=runs/a0,runs/a1,runs/a2 \\
+        --variant averaged=runs/b0,runs/b1,runs/b2 --output protocol_lift_ratio
+    .venv/bin/python benchmarks/robot_protocol.py --runs runs/x-* runs/y-*     # variant = config `name`
+
+Launched runs are `flowrl-ray train CONFIG --run-dir runs/protocol-<variant>-s<seed>-<time>
+seed=<seed> [overrides]`, one private local Ray each; the demos (``env.dataset``) and the base
+(``algo.base_policy``) are made first when missing (``--demos``, ``--pretrain-epochs``). On 2
+cores, a robosuite rollout worker with 8 envs holds about 3.7 GB: ``--parallel 2`` runs two
+trainings side by side, each then slower; their output goes to ``<runs-dir>/logs/<run>.log``,
+with each run's last line printed here every minute.
+
+Evaluation: the base (``--base``, default the runs' ``algo.base_policy``) and every run's last
+checkpoint, on ``--episodes`` (100) seeded episodes per sampling rule: zero-sampling (eps = 0,
+FPO++'s test-time rule) and random sampling (eps ~ N(0, I), what training uses). The episodes
+are fixed by the evaluation seed (12345) and env count (8): episode (env i, k-th on env i) has
+the same initial state for every policy, which pairs them. Variants whose env sections or flow
+steps differ are compared with the base evaluated under their own settings.
+
+Reported (``<results-dir>/<output>.{json,md}``, ``<output>_train.png``, ``<output>_eval.png``):
+success per seed, the mean gain over the base with a 95 % bootstrap CI paired by episode
+(:func:`flowrl_ray.stats.paired_bootstrap_gain`), training success (last 100 training episodes,
+random sampling) and periodic-eval success vs env steps as the mean over seeds with a band of
++- one standard deviation across seeds, env steps and wall-clock per run, the machine. "env steps"
+are chunk steps, each up to ``env.act_steps`` low-level 20 Hz robosuite steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import RESULTS_DIR, command_line, git_revision, machine_info, md_table, write_results  # noqa: E402
+from _robot import (EVAL_ENVS, EVAL_SEED, FLOWRL, SAMPLING_RULES, base_policy,  # noqa: E402
+                    ensure_demos_and_base, evaluate_episodes, make_eval_runner, run_config, run_summary,
+                    write_json)
+
+MIN_SEEDS = 3
+LEVEL = 0.95
+
+
+class UsageError(Exception):
+    """A bad flag or run directory: one line, exit status 2, before anything runs."""
+
+
+def log(msg: str) -> None:
+    print(f"[protocol] {msg}", flush=True)
+
+
+# --------------------------------------------------------------------------- arguments
+
+def parse_variant(text: str) -> tuple[str, list[Path]]:
+    """``NAME=RUN,RUN,...`` -> (NAME, run dirs)."""
+    name, sep, runs = text.partition("=")
+    dirs = [Path(r) for r in runs.split(",") if r.strip()]
+    if not sep or not name.strip() or not dirs:
+        raise UsageError(f"--variant {text!r}: expected NAME=RUN_DIR[,RUN_DIR...]")
+    return name.strip(), dirs
+
+
+def check_run_dir(flag: str, run_dir: Path) -> None:
+    from flowrl_ray.checkpoint import latest_checkpoint
+    if not (run_dir / "config.yaml").is_file():
+        raise UsageError(f"{flag}: {run_dir} is not a run directory (no config.yaml)")
+    if latest_checkpoint(run_dir) is None:
+        raise UsageError(f"{flag}: {run_dir} has no checkpoint (its policy cannot be evaluated)")
+
+
+def base_id(cfg, base_path: str) -> str:
+    """What makes two base evaluations the same: the weights, the env section (task, chunking,
+    observations) and the sampler's flow steps."""
+    return json.dumps({"base": str(base_path), "env": dataclasses.asdict(cfg.env),
+                       "flow_steps": cfg.algo.flow_steps}, sort_keys=True, default=str)
+
+
+def collect_variants(args) -> dict[str, list[Path]]:
+    """Variant name -> finished run dirs, from --variant and --runs (checked, not yet loaded)."""
+    variants: dict[str, list[Path]] = {}
+    for text in args.variant or []:
+        name, dirs = parse_variant(text)
+        if name in variants:
+            raise UsageError(f"--variant {name}: given twice")
+        for d in dirs:
+            check_run_dir(f"--variant {name}", d)
+        variants[name] = dirs
+    for d in map(Path, args.runs or []):
+        check_run_dir("--runs", d)
+        variants.setdefault(run_config(d).name, []).append(d)
+    return variants
+
+
+# --------------------------------------------------------------------------- launching
+
+def launch(args, cfg, name: str, stamp: str) -> list[dict]:
+    """Train one run per seed (``--parallel`` at a time); returns [{"run_dir", "seed", "wall_s"}]."""
+    runs_dir = Path(args.runs_dir)
+    todo = [{"seed": s, "run_dir": runs_dir / f"protocol-{name}-s{s}-{stamp}",
+             "log": runs_dir / "logs" / f"protocol-{name}-s{s}-{stamp}.log"} for s in args.seeds]
+    log(f"training {len(todo)} runs of {args.config} ({cfg.train.iterations} iterations each), "
+        f"{args.parallel} at a time")
+    running: list[tuple[dict, subprocess.Popen, float, object]] = []
+    pending, finished, last_report = list(todo), [], time.monotonic()
+    while pending or running:
+        while pending and len(running) < args.parallel:
+            run = pending.pop(0)
+            # the variant's name is the runs' config name, so that --runs groups them again
+            cmd = [*FLOWRL, "train", args.config, "--run-dir", str(run["run_dir"]), *args.overrides,
+                   f"seed={run['seed']}", f"name={name}"]
+            if args.parallel > 1:            # interleaved output is unreadable: one log per run
+                logfile = run["log"]
+                logfile.parent.mkdir(parents=True, exist_ok=True)
+                out = logfile.open("w")
+                log(f"seed {run['seed']}: {run['run_dir']} (output in {logfile})")
+            else:
+                out = None
+                log(f"seed {run['seed']}: {run['run_dir']}")
+            running.append((run, subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if out else None),
+                            time.monotonic(), out))
+        time.sleep(1.0)
+        for item in list(running):
+            run, proc, t0, out = item
+            if proc.poll() is None:
+                continue
+            running.remove(item)
+            if out is not None:
+                out.close()
+            run["wall_s"] = round(time.monotonic() - t0, 1)
+            if proc.returncode != 0:
+                raise RuntimeError(f"training seed {run['seed']} failed (exit {proc.returncode}); "
+                                   f"see {run['log'] if out is not None else 'its output above'}")
+            finished.append(run)
+            log(f"seed {run['seed']} finished in {run['wall_s'] / 60:.1f} min "
+                f"({len(finished)}/{len(todo)} runs done)")
+        if args.parallel > 1 and running and time.monotonic() - last_report > 60:
+            last_report = time.monotonic()
+            for run, _, t0, _ in running:
+                tail = _last_line(run["log"])
+                log(f"seed {run['seed']} ({(time.monotonic() - t0) / 60:.1f} min): {tail}")
+    for run in finished:
+        run.pop("log")
+    return sorted(finished, key=lambda r: args.seeds.index(r["seed"]))
+
+
+def _last_line(path: Path) -> str:
+    try:
+        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return "-"
+    return lines[-1][-160:] if lines else "-"
+
+
+# --------------------------------------------------------------------------- evaluation
+
+def evaluate_all(variants: dict[str, list[Path]], base_override: str | None, episodes: int,
+                 launch_wall: dict[str, float]) -> tuple[dict, dict]:
+    """Every base and every run's last checkpoint on the same seeded episodes, in this process.
+    Returns (bases: id -> outcomes, variants: name -> runs with outcomes)."""
+    from flowrl_ray.checkpoint import load_policy
+
+    plan, bases = {}, {}
+    for name, dirs in variants.items():
+        runs = []
+        for d in dirs:
+            cfg = run_config(d)
+            if cfg.env.family != "robot":
+                raise UsageError(f"variant {name}: {d} is a {cfg.env.family} run; the protocol is for robot tasks")
+            path = base_override or cfg.algo.base_policy
+            if not path:
+                raise UsageError(f"variant {name}: {d} has no algo.base_policy; pass --base")
+            runs.append((d, cfg, base_id(cfg, path)))
+        ids = {b for _, _, b in runs}
+        if len(ids) > 1:
+            raise UsageError(f"variant {name}: its runs differ in base policy, env section or flow steps "
+                             f"({', '.join(str(d) for d, _, _ in runs)}); group runs of one setting per variant")
+        bid = ids.pop()
+        bases.setdefault(bid, {"path": base_override or runs[0][1].algo.base_policy, "cfg": runs[0][1]})
+        plan[name] = (bid, runs)
+
+    total = len(bases) + sum(len(r) for _, r in plan.values())
+    done, t0 = 0, time.perf_counter()
+
+    def progress(label: str) -> None:
+        el = time.perf_counter() - t0
+        eta = el / done * (total - done) if done else float("nan")
+        log(f"evaluated {label} ({done}/{total} policies, {el / 60:.1f} min, ETA {eta / 60:.1f} min)")
+
+    runners = {}            # one set of eval envs per base setting, reused by every policy under it
+    log(f"evaluating {total} policies on {episodes} seeded episodes x {'/'.join(SAMPLING_RULES)} sampling")
+    try:
+        for bid, b in bases.items():
+            policy = base_policy(b["cfg"], b["path"])
+            runners[bid] = make_eval_runner(b["cfg"], policy)
+            b["outcomes"] = evaluate_episodes(policy, b["cfg"], episodes, runners[bid], label="eval base")
+            done += 1
+            progress(f"base {b['path']}")
+        out = {}
+        for name, (bid, runs) in plan.items():
+            rows = []
+            for d, cfg, _ in runs:
+                _, _, policy = load_policy(d)
+                outcomes = evaluate_episodes(policy, cfg, episodes, runners[bid], label=f"eval {name} s{cfg.seed}")
+                rows.append({"run_dir": str(d), "seed": cfg.seed, **run_summary(d),
+                             "launch_wall_s": launch_wall.get(str(d)), "outcomes": outcomes})
+                done += 1
+                progress(f"{name} seed {cfg.seed} ({d})")
+            out[name] = {"base": bid, "runs": rows}
+    finally:
+        for r in runners.values():
+            r.close()
+    return bases, out
+
+
+def summarise(bases: dict, variants: dict, n_boot: int) -> None:
+    """Adds per variant and sampling rule: base success, success per seed, mean and the gain."""
+    from flowrl_ray.stats import paired_bootstrap_gain
+    for v in variants.values():
+        base = bases[v["base"]]["outcomes"]
+        v["success"], v["gain"] = {}, {}
+        for s in SAMPLING_RULES:
+            per_seed = [r["outcomes"][s]["successes"] for r in v["runs"]]
+            v["success"][s] = {"base": _mean(base[s]["successes"]),
+                               "per_seed": [_mean(x) for x in per_seed],
+                               "mean": sum(_mean(x) for x in per_seed) / len(per_seed)}
+            v["gain"][s] = paired_bootstrap_gain(per_seed, base[s]["successes"], n_boot=n_boot, level=LEVEL)
+
+
+def _mean(xs) -> float:
+    return sum(xs) / len(xs)
+
+
+# --------------------------------------------------------------------------- output
+
+def plot(variants: dict, results_dir: Path, output: str) -> list[str]:
+    from flowrl_ray.plotting import plot_curves
+    written = []
+    for key, fname, title in (("train_curve", "train", "training success (last 100 episodes, random sampling)"),
+                              ("eval_curve", "eval", "periodic eval success (config's eval.sampling)")):
+        import numpy as np
+        data = {name: [(np.array([x for x, _ in r[key]], float), np.array([y for _, y in r[key]], float))
+                       for r in v["runs"] if len(r[key]) >= 1]
+                for name, v in variants.items()}
+        data = {k: runs for k, runs in data.items() if runs}
+        if not data:
+            log(f"no {key.replace('_', ' ')} in the runs' metrics: {fname} plot skipped")
+            continue
+        path = results_dir / f"{output}_{fname}.png"
+        plot_curves(data, path, "env steps (chunks)", "success rate",
+                    f"{title}: mean +- std over seeds")
+        written.append(str(path))
+    return written
+
+
+def report(results: dict, results_dir: Path, output: str) -> None:
+    pct = lambda v: "-" if v is None else f"{100 * v:.0f} %"                 # noqa: E731
+    pts = lambda v: f"{100 * v:+.1f}"                                          # noqa: E731
+    rows, runs = [], []
+    for name, v in results["variants"].items():
+        for s in SAMPLING_RULES:
+            g, succ = v["gain"][s], v["success"][s]
+            rows.append([name, s, len(v["runs"]), pct(succ["base"]), ", ".join(pct(x) for x in succ["per_seed"]),
+                         pct(succ["mean"]), f"{pts(g['gain'])} [{pts(g['ci_low'])}, {pts(g['ci_high'])}]"])
+        for r in v["runs"]:
+            wall = "-" if r["launch_wall_s"] is None else f"{r['launch_wall_s'] / 60:.1f} min"
+            runs.append([name, r["seed"], r["run_dir"], r["iterations"], f"{r['env_steps']:,}",
+                         f"{r['time_s'] / 60:.1f} min", wall])
+    p = results["protocol"]
+    body = (f"Protocol: every policy and its base evaluated in one process on the same {p['episodes']} seeded "
+            f"episodes per sampling rule (evaluation seed {p['eval_seed']}, {p['eval_envs']} envs); gain = mean "
+            f"over seeds of (policy success - base success), in points, with a {100 * LEVEL:.0f} % percentile "
+            f"bootstrap CI over episodes ({p['n_boot']:,} resamples, paired by episode). Curves: mean +- one std "
+            f"across seeds (`{output}_train.png`, `{output}_eval.png`)."
+            + (f"\n\n{results['note']}" if results.get("note") else "") + "\n\n"
+            + md_table(["variant", "sampling", "seeds", "base", "success per seed", "mean", "gain [95 % CI], points"],
+                       rows)
+            + "\n\nRuns (env steps = chunk steps, each up to `env.act_steps` robosuite steps; training = the "
+              "iterations' time; launch = the whole `flowrl-ray train` process, Ray's start included):\n\n"
+            + md_table(["variant", "seed", "run", "iterations", "env steps", "training", "launch"], runs)
+            + f"\n\nEvaluation time: {results['eval_time_s'] / 60:.1f} min.\n")
+    write_results(output, "Robot evaluation protocol", body, results_dir=results_dir)
+
+
+# --------------------------------------------------------------------------- main
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--variant", action="append", metavar="NAME=RUN,RUN,...",
+                   help="finished run directories of one variant (repeatable)")
+    p.add_argument("--runs", nargs="+", metavar="RUN", help="finished run directories, grouped by config name")
+    p.add_argument("--config", help="launch one run of CONFIG per --seeds value, then evaluate them")
+    p.add_argument("--seeds", nargs="+", type=int, help="with --config: the seeds (>= 3 for a result)")
+    p.add_argument("--name", help="with --config: the variant's name (default: the config's name)")
+    p.add_argument("--parallel", type=int, default=1, help="with --config: runs trained at a time")
+    p.add_argument("--runs-dir", default="runs", help="with --config: where the run directories go")
+    p.add_argument("--demos", type=int, default=50, help="with --config: demos made if env.dataset is missing")
+    p.add_argument("--pretrain-epochs", type=int, default=10,
+                   help="with --config: epochs of the base made if algo.base_policy is missing")
+    p.add_argument("--base", help="the base checkpoint (default: the runs' algo.base_policy)")
+    p.add_argument("--episodes", type=int, default=100, help="evaluation episodes per sampling rule")
+    p.add_argument("--n-boot", type=int, default=10_000, help="bootstrap resamples")
+    p.add_argument("--output", default="robot_protocol", help="results name: <results-dir>/<output>.{json,md,png}")
+    p.add_argument("--results-dir", default=str(RESULTS_DIR))
+    p.add_argument("--note", help="a line printed with the results (e.g. 'smoke run: 2 iterations')")
+    p.add_argument("overrides", nargs="*", help="with --config: config overrides (key.sub=value) for every run")
+    return p
+
+
+OVERRIDE_RE = re.compile(r"^[A-Za-z_][\w]*(\.[\w]+)*=")
+
+
+def split_overrides(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[list[str], list[str]]:
+    """(flags, overrides): ``key.sub=value`` tokens anywhere (``--seeds 0 1 2 algo.n_mc=16`` would
+    otherwise give the override to --seeds), except as the value of a one-value flag
+    (``--variant a=RUN,...``)."""
+    one_value = {s for a in parser._actions if a.option_strings and a.nargs is None for s in a.option_strings}
+    flags, overrides = [], []
+    for i, tok in enumerate(argv):
+        if OVERRIDE_RE.match(tok) and not (i > 0 and argv[i - 1] in one_value):
+            overrides.append(tok)
+        else:
+            flags.append(tok)
+    return flags, overrides
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    flags, overrides = split_overrides(parser, sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(flags)
+    args.overrides = [*args.overrides, *overrides]
+    from flowrl_ray.config import ConfigError, load_config
+    try:
+        if args.config is None and (args.seeds or args.overrides or args.name):
+            raise UsageError("--seeds, --name and config overrides need --config")
+        if args.config is not None and not args.seeds:
+            raise UsageError("--config needs --seeds (e.g. --seeds 0 1 2)")
+        if args.seeds and len(set(args.seeds)) != len(args.seeds):
+            raise UsageError(f"--seeds: repeated seed in {args.seeds}")
+        for o in args.overrides:
+            if o.split("=", 1)[0] in ("seed", "name"):
+                raise UsageError(f"override {o!r}: the runs' seed and name come from --seeds and --name")
+        if args.parallel < 1:
+            raise UsageError(f"--parallel must be >= 1, got {args.parallel}")
+        if args.episodes < 1:
+            raise UsageError(f"--episodes must be >= 1, got {args.episodes}")
+        if args.n_boot < 1:
+            raise UsageError(f"--n-boot must be >= 1, got {args.n_boot}")
+        if args.base is not None and not Path(args.base).is_file():
+            raise UsageError(f"--base: no such file {args.base!r}")
+        if not (args.config or args.variant or args.runs):
+            raise UsageError("nothing to evaluate: give --config CONFIG --seeds ..., --variant NAME=RUN,... or --runs")
+        variants = collect_variants(args)
+        cfg = None
+        if args.config is not None:
+            cfg = load_config(args.config, [*args.overrides, f"seed={args.seeds[0]}"])   # bad keys stop here
+            if cfg.env.family != "robot":
+                raise UsageError(f"--config {args.config}: a {cfg.env.family} config; the protocol is for robot tasks")
+            name = args.name or cfg.name
+            if name in variants:
+                raise UsageError(f"--name {name}: also the name of a --variant/--runs group")
+    except (UsageError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    launch_wall = {}
+    if cfg is not None:
+        ensure_demos_and_base(args.config, cfg, cfg.env.id, args.demos, args.pretrain_epochs, args.overrides)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        launched = launch(args, cfg, name, stamp)
+        variants[name] = [r["run_dir"] for r in launched]
+        launch_wall = {str(r["run_dir"]): r["wall_s"] for r in launched}
+    for name, dirs in variants.items():
+        if len(dirs) < MIN_SEEDS:
+            log(f"variant {name} has {len(dirs)} seed(s); a protocol result needs >= {MIN_SEEDS}")
+
+    t0 = time.perf_counter()
+    try:
+        bases, evaluated = evaluate_all(variants, args.base, args.episodes, launch_wall)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    summarise(bases, evaluated, args.n_boot)
+    results = {"revision": git_revision(), "command": command_line(), "machine": machine_info(),
+               "note": args.note,
+               "protocol": {"episodes": args.episodes, "eval_seed": EVAL_SEED, "eval_envs": EVAL_ENVS,
+                            "sampling": list(SAMPLING_RULES), "n_boot": args.n_boot, "level": LEVEL,
+                            "band": "std across seeds",
+                            "gain": "mean over seeds of (policy success - base success), CI: percentile "
+                                    "bootstrap over episodes, paired"},
+               "launched": {"config": args.config, "overrides": args.overrides, "seeds": args.seeds,
+                            "parallel": args.parallel} if cfg is not None else None,
+               "bases": {bid: {"path": str(b["path"]), "setting": json.loads(bid), "outcomes": b["outcomes"]}
+                         for bid, b in bases.items()},
+               "variants": evaluated, "eval_time_s": round(time.perf_counter() - t0, 1)}
+    results_dir = Path(args.results_dir)
+    results["plots"] = plot(evaluated, results_dir, args.output)
+    write_json(results_dir / f"{args.output}.json", results)
+    report(results, results_dir, args.output)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,192 @@
+"""The robot evaluation protocol: the paired bootstrap gain (hand-computed cases and properties),
+the episode pairing it relies on (real robosuite envs), bad input, and the benchmark command end
+to end on a tiny FPO++ Lift run (real demos, pretraining, two training runs on local Rays)."""
+
+import itertools
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+os.environ.setdefault("MUJOCO_GL", "egl")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import yaml  # noqa: E402
+
+from flowrl_ray.stats import episode_gains, paired_bootstrap_gain  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+
+# --------------------------------------------------------------------------- the estimator
+
+def test_two_episodes_by_hand():
+    # one seed; the policy wins episode 1 only: d = [0, 1], gain 0.5. The 4 equally likely
+    # resamples give 0, 0.5, 0.5, 1, so the 2.5 % / 97.5 % quantiles are 0 and 1.
+    g = paired_bootstrap_gain([[0, 1]], [0, 0], n_boot=5000)
+    assert g["gain"] == 0.5 and g["ci_low"] == 0.0 and g["ci_high"] == 1.0
+    assert g["seeds"] == 1 and g["episodes"] == 2
+
+
+def test_two_seeds_four_episodes_against_the_exact_bootstrap():
+    policy = [[1, 1, 0, 0],
+              [1, 0, 1, 0]]
+    base = [0, 1, 0, 0]
+    # d_e = mean over seeds of (policy - base) = [1, -0.5, 0.5, 0]; gain = 1/4
+    np.testing.assert_allclose(episode_gains(policy, base), [1.0, -0.5, 0.5, 0.0])
+    g = paired_bootstrap_gain(policy, base, n_boot=20_000, seed=1)
+    assert g["gain"] == pytest.approx(0.25)
+    # the exact bootstrap distribution: all 4^4 resamples of the episodes, equally likely
+    d = [1.0, -0.5, 0.5, 0.0]
+    exact = np.array([np.mean([d[i] for i in idx]) for idx in itertools.product(range(4), repeat=4)])
+    lo, hi = np.quantile(exact, [0.025, 0.975])
+    assert (lo, hi) == (-0.25, 0.75)           # resample means are multiples of 1/8
+    assert g["ci_low"] == pytest.approx(lo, abs=0.125) and g["ci_high"] == pytest.approx(hi, abs=0.125)
+
+
+def test_identical_policies_give_zero_and_a_constant_win_gives_one():
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, 2, size=100)
+    same = paired_bootstrap_gain(np.stack([base, base, base]), base)
+    assert (same["gain"], same["ci_low"], same["ci_high"]) == (0.0, 0.0, 0.0)
+    win = paired_bootstrap_gain(np.ones((3, 100)), np.zeros(100))
+    assert (win["gain"], win["ci_low"], win["ci_high"]) == (1.0, 1.0, 1.0)
+
+
+def test_pairing_removes_the_episodes_shared_difficulty():
+    # the policies solve exactly what the base solves plus 10 more of 100 episodes: paired, every
+    # resample sees only the 10 gains; unpaired (the base's episodes shuffled) the difficulty of
+    # each episode no longer cancels, and the interval widens
+    rng = np.random.default_rng(3)
+    base = (rng.random(100) < 0.5).astype(float)
+    policy = base.copy()
+    policy[np.flatnonzero(base == 0)[:10]] = 1.0
+    paired = paired_bootstrap_gain(np.stack([policy] * 3), base)
+    shuffled = paired_bootstrap_gain(np.stack([policy] * 3), rng.permutation(base))
+    assert paired["gain"] == pytest.approx(0.1) == shuffled["gain"]
+    assert paired["ci_low"] > 0.0
+    assert paired["ci_high"] - paired["ci_low"] < 0.5 * (shuffled["ci_high"] - shuffled["ci_low"])
+
+
+def test_mismatched_episodes_are_refused():
+    with pytest.raises(ValueError, match="same non-empty episodes"):
+        paired_bootstrap_gain([[1, 0, 1]], [1, 0])
+    with pytest.raises(ValueError, match="seeds, episodes"):
+        paired_bootstrap_gain(np.zeros((2, 2, 2)), [0, 0])
+
+
+# --------------------------------------------------------------------------- the pairing
+
+def test_an_episode_key_names_the_same_initial_state_whatever_the_policy_did():
+    """Env i's k-th evaluation episode starts from its seeded reset and k autoresets: what ran
+    before (other actions, other episode lengths) must not change its initial state."""
+    from flowrl_ray.config import config_from_dict
+    from flowrl_ray.envs.robot import RobotEnv
+    cfg = config_from_dict({"algorithm": "fpopp", "env": {"family": "robot", "id": "lift", "horizon_steps": 4,
+                                                          "act_steps": 2, "max_episode_steps": 40}})
+    starts = []
+    for actions, steps in ((np.zeros((4, 7)), 2), (np.full((4, 7), 0.8), 7)):
+        env = RobotEnv(cfg.env, None)
+        try:
+            first, _ = env.reset(seed=101)
+            for _ in range(steps):
+                env.step(actions)
+            second, _ = env.reset()          # an autoreset: no seed
+            starts.append((first, second))
+        finally:
+            env.close()
+    np.testing.assert_array_equal(starts[0][0], starts[1][0])
+    np.testing.assert_array_equal(starts[0][1], starts[1][1])
+    assert not np.array_equal(starts[0][0], starts[0][1])       # the next episode is another scene
+
+
+# --------------------------------------------------------------------------- the command
+
+def test_overrides_after_seeds_are_overrides_and_a_variant_stays_a_variant():
+    import robot_protocol
+    parser = robot_protocol.build_parser()
+    flags, overrides = robot_protocol.split_overrides(
+        parser, ["--config", "c.yaml", "--seeds", "0", "1", "2", "algo.n_mc=16", "--variant", "a=r0,r1", "seed=3"])
+    args = parser.parse_args(flags)
+    assert args.seeds == [0, 1, 2] and args.variant == ["a=r0,r1"] and overrides == ["algo.n_mc=16", "seed=3"]
+
+
+def test_bad_input_stops_with_one_line_naming_the_flag(tmp_path, capsys):
+    import robot_protocol
+    assert robot_protocol.main(["--variant", f"a={tmp_path / 'nope'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --variant a:") and "not a run directory" in err[0]
+    assert robot_protocol.main(["--variant", "a"]) == 2
+    assert "expected NAME=RUN_DIR" in capsys.readouterr().err
+    assert robot_protocol.main(["--seeds", "0", "1"]) == 2
+    assert "need --config" in capsys.readouterr().err
+    cfg = str(REPO / "configs" / "fpopp" / "lift_state_quickstart.yaml")
+    assert robot_protocol.main(["--config", cfg, "--seeds", "0", "algo.n_mcc=4"]) == 2
+    assert "algo.n_mcc" in capsys.readouterr().err
+    assert robot_protocol.main(["--config", cfg, "--seeds", "0", "seed=4"]) == 2
+    assert "--seeds" in capsys.readouterr().err
+    assert robot_protocol.main(["--config", cfg, "--seeds", "0", "--parallel", "0"]) == 2
+    assert "--parallel" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_protocol_end_to_end_on_a_tiny_lift_run(tmp_path, capsys):
+    """2 seeds x 2 iterations of a tiny FPO++ Lift config, trained 2 at a time, then the base and
+    both final policies on the same 6 episodes; the numbers are read back and recomputed."""
+    import robot_protocol
+
+    from flowrl_ray.cli import main as cli
+    demos, base = tmp_path / "lift.hdf5", tmp_path / "base.pt"
+    assert cli(["demos", "lift", "--episodes", "2", "--out", str(demos)]) == 0
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump({
+        "name": "tiny-lift", "algorithm": "fpopp",
+        "env": {"family": "robot", "id": "lift", "horizon_steps": 4, "act_steps": 2,
+                "max_episode_steps": 10, "dataset": str(demos)},
+        "train": {"iterations": 2},
+        "runtime": {"num_workers": 1, "envs_per_worker": 2, "rollout_length": 6, "checkpoint_interval": 0},
+        "eval": {"interval": 2, "episodes": 2, "at_start": True},
+        "algo": {"base_policy": str(base), "hidden_sizes": [32, 32], "critic_hidden_sizes": [16],
+                 "minibatch_size": 12, "n_mc": 2, "flow_steps": 3, "critic_warmup_iters": 1, "epochs": 1}}))
+    assert cli(["pretrain", str(config), "--epochs", "2", "--batch-size", "32"]) == 0
+    capsys.readouterr()
+
+    results = tmp_path / "results"
+    common = ["--episodes", "6", "--n-boot", "2000", "--results-dir", str(results)]
+    assert robot_protocol.main(["--config", str(config), "--seeds", "0", "1", "--parallel", "2",
+                                "--runs-dir", str(tmp_path / "runs"), "--output", "smoke", *common]) == 0
+    out = capsys.readouterr().out
+    assert "seed 1 finished" in out and "has 2 seed(s)" in out
+    data = json.loads((results / "smoke.json").read_text())
+    v = data["variants"]["tiny-lift"]
+    assert [r["seed"] for r in v["runs"]] == [0, 1]
+    (base_entry,) = data["bases"].values()
+    for s in ("zero", "random"):
+        b = base_entry["outcomes"][s]
+        assert len(b["successes"]) == 6 and b["keys"] == sorted(b["keys"])
+        assert sorted(map(tuple, b["keys"])) == [(i, k) for i in range(6) for k in range(1)]   # 6 envs, 1 each
+        per_seed = [r["outcomes"][s]["successes"] for r in v["runs"]]
+        assert all(r["outcomes"][s]["keys"] == b["keys"] for r in v["runs"])    # the same episodes
+        gain = np.mean([np.mean(p) for p in per_seed]) - np.mean(b["successes"])
+        assert v["gain"][s]["gain"] == pytest.approx(gain)
+        assert v["gain"][s]["ci_low"] <= v["gain"][s]["gain"] <= v["gain"][s]["ci_high"]
+        assert v["success"][s]["per_seed"] == pytest.approx([np.mean(p) for p in per_seed])
+    for r in v["runs"]:
+        assert r["iterations"] == 2 and r["env_steps"] == 2 * 2 * 6 and r["launch_wall_s"] > 0
+        assert len(r["train_curve"]) >= 1 and [x for x, _ in r["eval_curve"]] == [0, 24]
+    assert data["machine"]["CPU"] and "logical" in data["machine"]["cores"]
+    for png in ("smoke_train.png", "smoke_eval.png"):
+        assert (results / png).read_bytes()[:4] == b"\x89PNG"
+    md = (results / "smoke.md").read_text()
+    assert re.search(r"\| tiny-lift +\| random +\| 2 +\|", md) and "## Machine" in md
+
+    # the finished runs again (--runs groups them by their config name, the variant's), in a new
+    # evaluation with new envs: the same outcomes
+    runs = [r["run_dir"] for r in v["runs"]]
+    assert robot_protocol.main(["--runs", *runs, "--output", "again", *common]) == 0
+    again = json.loads((results / "again.json").read_text())
+    assert list(again["bases"].values())[0]["outcomes"] == base_entry["outcomes"]
+    assert [r["outcomes"] for r in again["variants"]["tiny-lift"]["runs"]] == [r["outcomes"] for r in v["runs"]]
