@@ -89,7 +89,7 @@ def parse_args() -> argparse.Namespace:
 # --------------------------------------------------------------------------- report
 
 def _area(curve) -> float | None:
-    from flowrl_ray.compare import learning_curve_area
+    from flowrl_ray.runtime.compare import learning_curve_area
     return learning_curve_area([{"env_steps": s, "r": r} for s, r in curve], key="r")
 
 

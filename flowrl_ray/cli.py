@@ -218,7 +218,7 @@ def _eval_group(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from flowrl_ray.tune import parse_search_space, run_sweep
+    from flowrl_ray.runtime.tune import parse_search_space, run_sweep
     cfg = load_config(args.config, args.overrides)       # validates before Ray starts
     space = parse_search_space(args.grid, args.choice, args.uniform, args.loguniform, base=cfg)
     out_dir = Path(args.out_dir) if args.out_dir else _default_run_dir(f"tune-{cfg.name}")
@@ -230,7 +230,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from flowrl_ray.compare import run_comparison
+    from flowrl_ray.runtime.compare import run_comparison
     items = list(args.items) + list(getattr(args, "overrides", []))
     configs = [x for x in items if "=" not in x]
     overrides = [x for x in items if "=" in x]
@@ -243,7 +243,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from flowrl_ray.serve import serve_policy
+    from flowrl_ray.runtime.serve import serve_policy
     serve_policy(args.run_dir, host=args.host, port=args.port, block=True, address=args.address)
     return 0
 

@@ -84,7 +84,7 @@ def test_compare_runs_every_config_with_the_same_seeds(tmp_path):
 
 
 def test_learning_curve_area_by_hand():
-    from flowrl_ray.compare import learning_curve_area
+    from flowrl_ray.runtime.compare import learning_curve_area
     rows = [{"env_steps": 0, "episode_return_mean": 0.0}, {"env_steps": 10, "episode_return_mean": 10.0},
             {"env_steps": 20, "episode_return_mean": None}, {"env_steps": 30, "episode_return_mean": 10.0}]
     assert learning_curve_area(rows) == pytest.approx((50 + 200) / 30)

@@ -58,7 +58,7 @@ def test_demos_pretrain_train_eval_serve(tmp_path, capsys):
 
     import requests
 
-    from flowrl_ray.serve import deploy, shutdown
+    from flowrl_ray.runtime.serve import deploy, shutdown
     url = deploy(run, host="127.0.0.1", port=_free_port())
     try:
         health = requests.get(url + "/healthz", timeout=30).json()

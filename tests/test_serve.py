@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from flowrl_ray.config import ConfigError
-from flowrl_ray.serve import BadRequest, parse_request, rescale
+from flowrl_ray.runtime.serve import BadRequest, parse_request, rescale
 
 REPO = Path(__file__).resolve().parents[1]
 PENDULUM = REPO / "configs" / "ppo" / "pendulum.yaml"
@@ -79,7 +79,7 @@ def test_rescale_matches_env_bounds():
 def test_deploy_rejects_a_non_run_dir_before_ray(tmp_path):
     import ray
 
-    from flowrl_ray.serve import deploy
+    from flowrl_ray.runtime.serve import deploy
     with pytest.raises(ConfigError, match="not a run directory"):
         deploy(tmp_path, port=1)
     assert not ray.is_initialized()
@@ -98,7 +98,7 @@ def served(tmp_path_factory, local_ray):
     """Train a tiny run with the Trainer, then deploy it; yields (url, run_dir, port)."""
     from flowrl_ray.config import load_config
     from flowrl_ray.runtime.trainer import Trainer
-    from flowrl_ray.serve import deploy, shutdown
+    from flowrl_ray.runtime.serve import deploy, shutdown
 
     run_dir = tmp_path_factory.mktemp("serve") / "run"
     trainer = Trainer(load_config(PENDULUM, TINY), run_dir, tensorboard=False, quiet=True)

@@ -351,7 +351,7 @@ def test_tune_sweep_one_tracked_run_per_trial(tmp_path, offline_wandb, local_ray
 
     from flowrl_ray.runtime.metrics import read_metrics
     from flowrl_ray.runtime.tracking import mlflow_store_uri
-    from flowrl_ray.tune import parse_search_space, run_sweep
+    from flowrl_ray.runtime.tune import parse_search_space, run_sweep
     overrides = ["train.iterations=2", "runtime.num_workers=1", "runtime.envs_per_worker=2",
                  "runtime.rollout_length=64", "algo.minibatch_size=64", "algo.epochs=2",
                  "eval.interval=0", "env.max_episode_steps=50", *tracking_overrides(tmp_path)]

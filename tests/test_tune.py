@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from flowrl_ray.config import ConfigError, load_config
-from flowrl_ray.tune import parse_search_space, run_sweep, trial_bundles, trial_config
+from flowrl_ray.runtime.tune import parse_search_space, run_sweep, trial_bundles, trial_config
 
 REPO = Path(__file__).resolve().parents[1]
 PENDULUM = REPO / "configs" / "ppo" / "pendulum.yaml"
