@@ -278,7 +278,7 @@ def _lora_algorithm(sft_dir, **algo) -> FlowGRPO:
 
 def test_ratios_are_one_at_the_start_of_an_update_with_lora_dropout(sft_dir):
     from flowrl_ray.models.masked_diffusion import trajectory_log_probs
-    algo = _lora_algorithm(sft_dir, epochs=2, timestep_fraction=0.5)
+    algo = _lora_algorithm(sft_dir, epochs=2, timestep_fraction=0.5, minibatch_groups=1)   # 2 minibatches
     drops = [m for m in algo.lm.model.modules() if isinstance(m, torch.nn.Dropout)]
     assert drops and all(m.p == 0.05 for m in drops)
     chunks = algo.generate(1, "train")

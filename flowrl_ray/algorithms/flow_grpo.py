@@ -30,8 +30,9 @@ its gradient) at K/S of the cost; fraction 1 is the full mean. The draws (partit
 come from ``update_generator`` (seed + 1), saved in the state_dict: a resumed run picks the same.
 
 Log-probs of a ratio: at the start of an update the old log-probs (the weights that generated)
-and the reference's are recomputed for every (minibatch, step) the update will use, and the new
-ones in the loss, all with dropout off (:func:`dropout_off`, LoRA dropout included) and the sums
+are recomputed for every (minibatch, step) the update will use (the first minibatch's from its
+own first forward pass, which comes before any step), the reference's on first use (cached for
+the later epochs), and the new ones in the loss, all with dropout off (:func:`dropout_off`, LoRA dropout included) and the sums
 over a step's tokens in float64: every ratio is exactly 1 before the first optimiser step.
 """
 
@@ -272,17 +273,16 @@ class FlowGRPO(Algorithm):
         minibatches, epochs = self._update_plan(batch // c.group_size, steps)
         model = self.lm.model
         model.train()
-        # Old and reference log-probs of every (minibatch, step) the update uses, before any
-        # step, on exactly the rows the loss will see (so rho = 1 holds to the last bit).
-        needed = [sorted({s for e in epochs for m, ss in e if m == mb for s in ss}) for mb in range(len(minibatches))]
+        # Old log-probs of every (minibatch, step) the update uses, computed before any step on
+        # exactly the rows the loss will see (so rho = 1 holds to the last bit). The first
+        # minibatch of the first epoch comes before any step: its own forward pass gives them.
+        first_mb, first_steps = epochs[0][0]
         old: dict[tuple[int, int], torch.Tensor] = {}
-        ref: dict[tuple[int, int], torch.Tensor] = {}
+        ref: dict[tuple[int, int], torch.Tensor] = {}         # the frozen reference: on first use
         with torch.no_grad():
-            for mb, rows in enumerate(minibatches):
-                for s in needed[mb]:
-                    old[mb, s] = self._step_log_prob(model, traj, s, rows)
-                    if c.kl_coeff > 0:
-                        ref[mb, s] = self._step_log_prob(self.reference, traj, s, rows)
+            for key in sorted({(m, s) for plan in epochs for m, ss in plan for s in ss}):
+                if key[0] != first_mb or key[1] not in first_steps:
+                    old[key] = self._step_log_prob(model, traj, key[1], minibatches[key[0]])
         ratios: list[torch.Tensor] = []
         stats: dict[str, list[float]] = {}
         for plan in epochs:
@@ -297,9 +297,14 @@ class FlowGRPO(Algorithm):
                         continue
                     weight = weight / weight.sum() / len(picked)              # mean over rows, 1/K over steps
                     logp = self._step_log_prob(model, traj, s, rows)         # [mb] with gradients
+                    if (mb, s) not in old:                                     # no step taken yet
+                        old[mb, s] = logp.detach()
                     log_ratio = logp - old[mb, s]
                     ratio = torch.exp(log_ratio)
                     pg = -ppo_clip_objective(ratio, a, c.clip_range)
+                    if c.kl_coeff > 0 and (mb, s) not in ref:
+                        with torch.no_grad():
+                            ref[mb, s] = self._step_log_prob(self.reference, traj, s, rows)
                     kl = k3_kl(logp, ref[mb, s]) if c.kl_coeff > 0 else torch.zeros_like(logp)
                     loss = ((pg + c.kl_coeff * kl) * weight).sum()
                     if not torch.isfinite(loss):
