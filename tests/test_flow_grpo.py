@@ -208,6 +208,9 @@ def test_sft_then_flow_grpo_then_eval_through_the_cli(tmp_path, capsys):
     for row in rows[1:]:
         assert row["episodes_this_iter"] == 4              # 2 prompts x G=2, scored in Chromium
         assert 0.0 <= row["field_accuracy"] <= 1.0 and math.isfinite(row["flow_grpo/loss"])
+        for k in ("flow_grpo/ratio_mean", "flow_grpo/ratio_min", "flow_grpo/ratio_max", "approx_kl", "kl",
+                  "clipfrac", "task_completion", "execution_completeness", "invalid_episodes"):
+            assert math.isfinite(row[k]), k            # per-iteration metrics in metrics.jsonl
     capsys.readouterr()
     assert main(["eval", str(run), "--episodes", "2"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
