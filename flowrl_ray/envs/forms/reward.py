@@ -106,7 +106,6 @@ class EpisodeResult:
     def to_dict(self) -> dict:
         out = asdict(self)
         del out["screenshot"]
-        out["valid"] = self.valid
         return out
 
 
