@@ -298,6 +298,7 @@ def test_ratios_are_one_at_the_start_of_an_update_with_lora_dropout(sft_dir):
     assert abs(metrics["flow_grpo/ratio_min"] - 1) < 1e-6 and abs(metrics["flow_grpo/ratio_max"] - 1) < 1e-6
     assert metrics["flow_grpo/clipfrac"] == 0.0 and abs(metrics["approx_kl"]) < 1e-12
     assert all(m.training for m in drops)              # the modes are back after the update
+    assert metrics["flow_grpo/sampler_logp_gap"] < 1e-3    # the sampler's own log-probs agree (eval mode)
 
 
 def test_update_plan_uses_whole_groups_and_k_of_s_steps_and_resumes_the_same_picks(sft_dir):

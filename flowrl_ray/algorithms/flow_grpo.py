@@ -7,7 +7,8 @@ its own generation trajectory.
                          S unmasking steps; per step s the trajectory keeps the masked state x_s,
                          the newly unmasked positions U_s and their tokens, and the behaviour
                          log-prob  logp_old_s = sum_{j in U_s} log p_theta_old(tok_j | x_s)
-                         recorded *at generation time* (so epochs > 1 give real ratios)
+                         as the sampler computed it (the update recomputes it, see below, and
+                         reports the largest gap as flow_grpo/sampler_logp_gap)
     score (workers):     the completion runs as actions in headless Chromium -> reward r
     prepare:             A = clip((r - mean_g) / (std_g + 1e-8), +-adv_clip_max)
                          (population std over the *valid* members of the group of G; an
@@ -283,6 +284,7 @@ class FlowGRPO(Algorithm):
             for key in sorted({(m, s) for plan in epochs for m, ss in plan for s in ss}):
                 if key[0] != first_mb or key[1] not in first_steps:
                     old[key] = self._step_log_prob(model, traj, key[1], minibatches[key[0]])
+        sampler_gap = 0.0                  # |recomputed - sampler's| old log-prob: numerics only
         ratios: list[torch.Tensor] = []
         stats: dict[str, list[float]] = {}
         for plan in epochs:
@@ -299,6 +301,9 @@ class FlowGRPO(Algorithm):
                     logp = self._step_log_prob(model, traj, s, rows)         # [mb] with gradients
                     if (mb, s) not in old:                                     # no step taken yet
                         old[mb, s] = logp.detach()
+                    if plan is epochs[0]:
+                        gap = (old[mb, s] - traj["logp"][s][rows].double()).abs()[unmasked[s][rows].any(-1)]
+                        sampler_gap = max(sampler_gap, float(gap.max()) if gap.numel() else 0.0)
                     log_ratio = logp - old[mb, s]
                     ratio = torch.exp(log_ratio)
                     pg = -ppo_clip_objective(ratio, a, c.clip_range)
@@ -342,6 +347,7 @@ class FlowGRPO(Algorithm):
                     "flow_grpo/advantage_abs_mean": float(p["advantages"].abs().mean()),
                     "flow_grpo/steps": float(steps), "flow_grpo/steps_per_minibatch": float(len(epochs[0][0][1])),
                     "flow_grpo/optimizer_steps": float(sum(len(e) for e in epochs)),
+                    "flow_grpo/sampler_logp_gap": sampler_gap,
                     "flow_grpo/skipped_updates": float(self.skipped_updates)})
         return out
 
