@@ -363,3 +363,15 @@ def test_minibatch_and_fraction_mistakes_name_the_key(sft_dir):
                       ({"epochs": 0}, "epochs")):
         with pytest.raises(ConfigError, match=key):
             config_from_dict(_config(None, sft_dir, **algo))
+
+
+def test_a_non_finite_loss_skips_and_counts_the_minibatch_step(sft_dir):
+    algo = _algorithm(sft_dir, learning_rate=1e-2, epochs=2)
+    before = {k: v.clone() for k, v in algo.lm.model.state_dict().items()}
+    chunks = algo.generate(1, "train")
+    p = algo.prepare(_scored(algo, chunks, [1.0, 0.0, 0.0, 1.0]))
+    p["advantages"][0] = float("nan")
+    metrics = algo.update(p)
+    assert metrics["flow_grpo/skipped_updates"] == 2 == metrics["flow_grpo/optimizer_steps"]   # 1 minibatch x 2 epochs
+    after = algo.lm.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)

@@ -328,6 +328,9 @@ class FlowGRPO(Algorithm):
                 if not finite:
                     self.opt.zero_grad(set_to_none=True)
                     self.skipped_updates += 1
+                    with torch.no_grad():          # still before any step: the old log-probs it left out
+                        for key in [(mb, t) for t in picked if (mb, t) not in old and plan is epochs[0]]:
+                            old[key] = self._step_log_prob(model, traj, key[1], rows)
                     continue
                 (norm,), stepped = clip_and_step([self.opt], c.grad_clip)       # one optimiser: one norm
                 if stepped:
