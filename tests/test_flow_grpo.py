@@ -205,6 +205,7 @@ def test_sft_then_flow_grpo_then_eval_through_the_cli(tmp_path, capsys):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [0, 1, 2]
     assert rows[0]["eval/episodes"] == 2 and "eval/heldout_forms/field_accuracy" in rows[0]
+    assert rows[0]["eval/invalid_episodes"] == 0
     for row in rows[1:]:
         assert row["episodes_this_iter"] == 4              # 2 prompts x G=2, scored in Chromium
         assert 0.0 <= row["field_accuracy"] <= 1.0 and math.isfinite(row["flow_grpo/loss"])

@@ -377,7 +377,8 @@ class FlowGRPO(Algorithm):
         """Greedy generations on held-out tasks: overall and per held-out kind (new values on
         training forms, forms never seen in training)."""
         s = self._rewards(batches)
-        out = {"eval/return_mean": float(s["rewards"].mean()), "eval/episodes": len(s["rewards"])}
+        out = {"eval/return_mean": float(s["rewards"].mean()), "eval/episodes": len(s["rewards"]),
+               "eval/invalid_episodes": float((~s["valid"]).sum())}       # crashed / timed out: scored 0
         splits = np.array(self.pending["splits"])
         for kind in ("", *sorted(set(splits))):
             rows = torch.as_tensor(splits == kind) if kind else torch.ones(len(splits), dtype=torch.bool)
