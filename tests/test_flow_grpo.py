@@ -205,10 +205,174 @@ def test_sft_then_flow_grpo_then_eval_through_the_cli(tmp_path, capsys):
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [0, 1, 2]
     assert rows[0]["eval/episodes"] == 2 and "eval/heldout_forms/field_accuracy" in rows[0]
+    assert rows[0]["eval/invalid_episodes"] == 0
     for row in rows[1:]:
         assert row["episodes_this_iter"] == 4              # 2 prompts x G=2, scored in Chromium
         assert 0.0 <= row["field_accuracy"] <= 1.0 and math.isfinite(row["flow_grpo/loss"])
+        for k in ("flow_grpo/ratio_mean", "flow_grpo/ratio_min", "flow_grpo/ratio_max", "approx_kl", "kl",
+                  "clipfrac", "task_completion", "execution_completeness", "invalid_episodes"):
+            assert math.isfinite(row[k]), k            # per-iteration metrics in metrics.jsonl
     capsys.readouterr()
     assert main(["eval", str(run), "--episodes", "2"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["eval/episodes"] == 2 and 0.0 <= result["eval/field_accuracy"] <= 1.0
+
+
+# --------------------------------------------------------------------------- epochs, minibatches,
+# step subsampling, dropout, invalid episodes
+
+def _scored_with(algo: FlowGRPO, chunks: list[dict], rewards: list[float], reasons: list[str]) -> list[Batch]:
+    from flowrl_ray.envs.forms.reward import INVALID_REASONS
+    [batch] = _scored(algo, chunks, rewards)
+    ids = batch.data["ids"]
+    batch.data["reason"] = np.array([reasons[i] for i in ids], dtype=str)
+    batch.data["valid"] = np.array([reasons[i] not in INVALID_REASONS for i in ids], dtype=bool)
+    return [batch]
+
+
+def test_group_advantages_leave_a_crashed_member_out_of_its_group_by_hand():
+    # group 1: (1, 0, crash, 0.5) -> valid (1, 0, 0.5): mean 0.5, population std sqrt(1/6)
+    # group 2: (0.2, 0.2, 0.2, 1.0) all valid: mean 0.4, std sqrt(0.12)
+    r = torch.tensor([1.0, 0.0, 0.0, 0.5, 0.2, 0.2, 0.2, 1.0])
+    valid = torch.tensor([True, True, False, True, True, True, True, True])
+    adv = group_advantages(r, 4, valid=valid)
+    s1, s2 = math.sqrt(1 / 6), math.sqrt(0.12)
+    want = torch.tensor([0.5 / s1, -0.5 / s1, 0.0, 0.0, -0.2 / s2, -0.2 / s2, -0.2 / s2, 0.6 / s2])
+    assert torch.allclose(adv, want, atol=1e-5)
+    # counting the crash as a 0 would have given the crash and the 0 the same negative advantage
+    assert group_advantages(r, 4)[2] < 0
+    # a group with one valid member (or none) gets zeros; all valid == the old behaviour
+    one = group_advantages(torch.tensor([1.0, 0.0]), 2, valid=torch.tensor([True, False]))
+    assert torch.equal(one, torch.zeros(2))
+    assert torch.equal(group_advantages(r, 4, valid=torch.ones(8, dtype=torch.bool)), group_advantages(r, 4))
+
+
+def test_episode_validity_is_a_closed_set_of_infrastructure_reasons():
+    from flowrl_ray.envs.forms.reward import GATE_REASONS, INVALID_REASONS, EpisodeResult
+    assert set(INVALID_REASONS) <= set(GATE_REASONS)
+    assert {"browser_crash", "timeout"} <= set(INVALID_REASONS)
+    for reason in ("", *GATE_REASONS):
+        r = EpisodeResult(task_id="t", form_id="f", reason=reason)
+        assert r.valid == (reason not in INVALID_REASONS)
+    assert EpisodeResult("t", "f", reason="no_actions").valid         # the policy wrote nothing: its fault
+
+
+def test_dropout_off_sets_every_dropout_to_eval_and_restores_the_modes():
+    from flowrl_ray.algorithms.base import dropout_off
+    net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Dropout(0.5), torch.nn.Dropout1d(0.5))
+    net.train()
+    net[2].eval()                                      # a mixed state comes back as it was
+    with dropout_off(net):
+        assert not net[1].training and not net[2].training and net[0].training and net.training
+        x = torch.ones(4, 3)
+        assert torch.equal(net(x), net(x))             # deterministic
+    assert net[1].training and not net[2].training and net[0].training
+
+
+def _lora_algorithm(sft_dir, **algo) -> FlowGRPO:
+    lora = {"r": 4, "alpha": 8, "dropout": 0.05, "target_modules": ["q_proj", "v_proj"]}
+    a = _algorithm(sft_dir, model={**TINY_MODEL, "lora": lora}, **algo)
+    with torch.no_grad():                              # B = 0 at init would hide the dropout
+        g = torch.Generator().manual_seed(1)
+        for n, p in a.lm.model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+    return a
+
+
+def test_ratios_are_one_at_the_start_of_an_update_with_lora_dropout(sft_dir):
+    from flowrl_ray.models.masked_diffusion import trajectory_log_probs
+    algo = _lora_algorithm(sft_dir, epochs=2, timestep_fraction=0.5, minibatch_groups=1)   # 2 minibatches
+    drops = [m for m in algo.lm.model.modules() if isinstance(m, torch.nn.Dropout)]
+    assert drops and all(m.p == 0.05 for m in drops)
+    chunks = algo.generate(1, "train")
+    traj = algo.pending["trajectory"]
+    # the failure this guards against: recomputing in train mode, LoRA dropout on
+    algo.lm.model.train()
+    torch.manual_seed(0)
+    noisy = torch.exp(trajectory_log_probs(algo.lm.model, traj, algo.c.generation_temperature) - traj["logp"])
+    assert (noisy - 1).abs().max() > 1e-3
+    # lr 0: the weights never move, so every ratio of the whole update is a start-of-update ratio
+    for g in algo.opt.param_groups:
+        g["lr"] = 0.0
+    metrics = algo.update(algo.prepare(_scored(algo, chunks, [1.0, 0.0, 0.3, 0.0])))
+    assert abs(metrics["flow_grpo/ratio_min"] - 1) < 1e-6 and abs(metrics["flow_grpo/ratio_max"] - 1) < 1e-6
+    assert metrics["flow_grpo/clipfrac"] == 0.0 and abs(metrics["approx_kl"]) < 1e-12
+    assert all(m.training for m in drops)              # the modes are back after the update
+    assert metrics["flow_grpo/sampler_logp_gap"] < 1e-3    # the sampler's own log-probs agree (eval mode)
+
+
+def test_update_plan_uses_whole_groups_and_k_of_s_steps_and_resumes_the_same_picks(sft_dir):
+    algo = _algorithm(sft_dir, prompts_per_iteration=4, minibatch_groups=2, epochs=3, timestep_fraction=0.5)
+    minibatches, epochs = algo._update_plan(groups=4, steps=7)
+    assert len(minibatches) == 2 and len(epochs) == 3
+    rows = torch.cat(minibatches).sort().values
+    assert torch.equal(rows, torch.arange(8))                          # a partition of the 4 x G=2 rows
+    for mb in minibatches:                                             # whole groups: pairs (2g, 2g+1)
+        assert torch.equal(mb.view(-1, 2)[:, 1] - mb.view(-1, 2)[:, 0], torch.ones(2, dtype=torch.long))
+        assert (mb.view(-1, 2)[:, 0] % 2 == 0).all()
+    for plan in epochs:
+        assert sorted(m for m, _ in plan) == [0, 1]
+        assert all(len(steps) == 4 and len(set(steps)) == 4 and max(steps) < 7 for _, steps in plan)   # ceil(0.5 * 7)
+    # resume: the update generator's state is in the state_dict
+    state = algo.state_dict()
+    nxt = algo._update_plan(4, 7)
+    resumed = _algorithm(sft_dir, prompts_per_iteration=4, minibatch_groups=2, epochs=3, timestep_fraction=0.5)
+    fresh = resumed._update_plan(4, 7)
+    resumed.load_state_dict(state)
+    again = resumed._update_plan(4, 7)
+    assert again[1] == nxt[1] and all(torch.equal(a, b) for a, b in zip(again[0], nxt[0]))
+    assert fresh[1] != nxt[1]                                          # without the state: other picks
+    full = _algorithm(sft_dir, timestep_fraction=1.0)._update_plan(2, 7)[1]
+    assert all(steps == list(range(7)) for plan in full for _, steps in plan)
+
+
+def test_update_takes_one_step_per_minibatch_per_epoch_and_reports_the_metrics(sft_dir):
+    algo = _algorithm(sft_dir, prompts_per_iteration=2, minibatch_groups=1, epochs=2, timestep_fraction=0.5,
+                      learning_rate=1e-3)
+    chunks = algo.generate(1, "train")
+    metrics = algo.update(algo.prepare(_scored_with(algo, chunks, [1.0, 0.0, 0.0, 1.0], ["", "", "", ""])))
+    assert metrics["flow_grpo/optimizer_steps"] == 4 and metrics["flow_grpo/steps"] == 6
+    assert metrics["flow_grpo/steps_per_minibatch"] == 3                # ceil(0.5 * 6)
+    for k in ("flow_grpo/ratio_mean", "flow_grpo/ratio_min", "flow_grpo/ratio_max", "approx_kl", "kl",
+              "clipfrac", "task_completion", "field_accuracy", "execution_completeness", "invalid_episodes"):
+        assert math.isfinite(metrics[k]), k
+    assert metrics["flow_grpo/ratio_min"] <= metrics["flow_grpo/ratio_mean"] <= metrics["flow_grpo/ratio_max"]
+    assert metrics["flow_grpo/ratio_max"] > 1.0 or metrics["flow_grpo/ratio_min"] < 1.0    # the 2nd epoch moved
+    assert metrics["kl"] > 0 and metrics["invalid_episodes"] == 0
+
+
+def test_invalid_episodes_are_counted_and_left_out_of_the_loss(sft_dir):
+    algo = _algorithm(sft_dir, learning_rate=1e-2)
+    before = {k: v.clone() for k, v in algo.lm.model.state_dict().items()}
+    chunks = algo.generate(1, "train")
+    # each group has one valid member: no advantage; the invalid ones would have +-1 if counted as 0
+    p = algo.prepare(_scored_with(algo, chunks, [1.0, 0.0, 0.0, 1.0], ["", "timeout", "browser_crash", ""]))
+    assert torch.equal(p["advantages"], torch.zeros(4))
+    metrics = algo.update(p)
+    assert metrics["invalid_episodes"] == 2 and metrics["invalid/timeout"] == 1
+    assert metrics["invalid/browser_crash"] == 1 and metrics["invalid/page_error"] == 0
+    after = algo.lm.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)       # A = 0 and k3 = 0 at theta = ref
+
+
+def test_minibatch_and_fraction_mistakes_name_the_key(sft_dir):
+    for algo, key in (({"prompts_per_iteration": 4, "minibatch_groups": 3}, "algo.minibatch_groups"),
+                      ({"prompts_per_iteration": 2, "minibatch_groups": 4}, "algo.minibatch_groups"),
+                      ({"timestep_fraction": 0.0}, "timestep_fraction"),
+                      ({"timestep_fraction": 1.5}, "timestep_fraction"),
+                      ({"epochs": 0}, "epochs")):
+        with pytest.raises(ConfigError, match=key):
+            config_from_dict(_config(None, sft_dir, **algo))
+
+
+def test_a_non_finite_loss_skips_and_counts_the_minibatch_step(sft_dir):
+    algo = _algorithm(sft_dir, learning_rate=1e-2, epochs=2)
+    before = {k: v.clone() for k, v in algo.lm.model.state_dict().items()}
+    chunks = algo.generate(1, "train")
+    p = algo.prepare(_scored(algo, chunks, [1.0, 0.0, 0.0, 1.0]))
+    p["advantages"][0] = float("nan")
+    metrics = algo.update(p)
+    assert metrics["flow_grpo/skipped_updates"] == 2 == metrics["flow_grpo/optimizer_steps"]   # 1 minibatch x 2 epochs
+    after = algo.lm.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)

@@ -168,12 +168,13 @@ def test_scorer_contract(catalog):
         scorer.close()
     d = batch.data
     assert set(d) == {"ids", "rewards", "task_completion", "field_accuracy", "execution_completeness",
-                      "unparseable_lines", "reason"}
+                      "unparseable_lines", "reason", "valid"}
     assert all(len(v) == 4 for v in d.values())
     np.testing.assert_array_equal(d["ids"], [10, 11, 12, 13])
     assert d["rewards"].dtype == np.float32 and d["unparseable_lines"].dtype.kind == "i"
     assert d["rewards"][0] == 1.0 and d["field_accuracy"][0] == 1.0
     assert list(d["reason"]) == ["", "no_actions", "", "unknown_task"]
+    assert d["valid"].dtype == bool and d["valid"].all()      # no crash or timeout here
     assert d["rewards"][1] == 0.0 and d["unparseable_lines"][1] == 1
     assert d["task_completion"][2] == 0.0 and d["execution_completeness"][2] == 0.0
     m = batch.meta

@@ -70,19 +70,30 @@ def group_normalize(values: torch.Tensor, group_index: torch.Tensor, eps: float 
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, adv_clip_max: float | None = None,
-                     eps: float = 1e-8) -> torch.Tensor:
+                     eps: float = 1e-8, valid: torch.Tensor | None = None) -> torch.Tensor:
     """Group-relative advantages (GRPO): rewards [N] in consecutive groups of `group_size`
     (the samples of one prompt), each normalised within its group with the population std:
 
         A_i = (r_i - mean_g) / (std_g + eps),   then clipped to [-adv_clip_max, adv_clip_max]
 
-    A group whose rewards are all equal gets zeros. Returns [N].
+    ``valid`` [N] bool (None: all valid): mean and std are taken over the valid members of each
+    group only, and an invalid member (a crashed or timed-out episode, whose reward says nothing
+    about the sample) gets A = 0; the caller also leaves it out of the loss. A group whose valid
+    rewards are all equal (or that has fewer than two valid members) gets zeros. Returns [N].
     """
     if rewards.ndim != 1 or rewards.numel() % group_size:
         raise ValueError(f"rewards must be [N] with N a multiple of group_size={group_size}, "
                          f"got shape {tuple(rewards.shape)}")
     group_index = torch.arange(rewards.numel(), device=rewards.device) // group_size
-    adv = group_normalize(rewards, group_index, eps)
+    if valid is None:
+        adv = group_normalize(rewards, group_index, eps)
+    else:
+        valid = torch.as_tensor(valid, device=rewards.device).bool()
+        if valid.shape != rewards.shape:
+            raise ValueError(f"valid must be [N] like rewards, got {tuple(valid.shape)} for {tuple(rewards.shape)}")
+        adv = torch.zeros_like(rewards)
+        if valid.any():
+            adv[valid] = group_normalize(rewards[valid], group_index[valid], eps)
     if adv_clip_max is not None:
         adv = adv.clamp(-adv_clip_max, adv_clip_max)
     return adv

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from abc import ABC, abstractmethod
 from typing import Any
@@ -126,6 +127,24 @@ def clip_and_step(optimizers: list[torch.optim.Optimizer], max_grad_norm: float 
     for o in optimizers:
         o.step()
     return norms, True
+
+
+@contextlib.contextmanager
+def dropout_off(module: nn.Module):
+    """Within the block every dropout module of ``module`` (``nn.Dropout`` and its kin, peft's
+    LoRA dropout included) is in eval mode, whatever the module's own mode; on exit each gets
+    back the mode it had. The rest of the module keeps its mode. Log-probs of a ratio are
+    computed under it, so the recorded and the recomputed quantity see the same (no) dropout:
+    every ratio is exactly 1 before the first step of an update."""
+    drops = [m for m in module.modules() if isinstance(m, nn.modules.dropout._DropoutNd)]
+    modes = [m.training for m in drops]
+    try:
+        for m in drops:
+            m.eval()
+        yield module
+    finally:
+        for m, mode in zip(drops, modes):
+            m.train(mode)
 
 
 def frozen_copy(module: nn.Module) -> nn.Module:

@@ -7,20 +7,39 @@ its own generation trajectory.
                          S unmasking steps; per step s the trajectory keeps the masked state x_s,
                          the newly unmasked positions U_s and their tokens, and the behaviour
                          log-prob  logp_old_s = sum_{j in U_s} log p_theta_old(tok_j | x_s)
-                         recorded *at generation time* (so epochs > 1 give real ratios)
+                         as the sampler computed it (the update recomputes it, see below, and
+                         reports the largest gap as flow_grpo/sampler_logp_gap)
     score (workers):     the completion runs as actions in headless Chromium -> reward r
     prepare:             A = clip((r - mean_g) / (std_g + 1e-8), +-adv_clip_max)
-                         (population std within the group of G)
-    update:              per step  rho_s = exp(logp_s - logp_old_s)
-                         L = mean_{s, rollouts} [ -min(rho_s A, clip(rho_s, 1 +- eps) A)
-                                                  + kl_coeff * k3(logp_s, logp_ref_s) ]
+                         (population std over the *valid* members of the group of G; an
+                         episode whose browser crashed or timed out is invalid: A = 0, left
+                         out of the loss, counted per reason in the metrics)
+    update:              the G*P rollouts are split into minibatches of ``minibatch_groups``
+                         whole groups (a random partition per update); for ``epochs`` epochs,
+                         each minibatch in a random order takes one optimiser step over a
+                         random subset T of K = ceil(timestep_fraction * S) of its S steps:
+                         per step  rho_s = exp(logp_s - logp_old_s)
+                         L = 1/K sum_{s in T} mean_{valid rollouts} [ -min(rho_s A, clip(rho_s, 1 +- eps) A)
+                                                                     + kl_coeff * k3(logp_s, logp_ref_s) ]
                          k3 = exp(ref - logp) - (ref - logp) - 1, ref = the frozen SFT model
-                         gradients accumulated step by step (one graph per step), one
-                         optimiser step per epoch, grad-norm clip.
+                         gradients accumulated step by step (one graph per step), grad-norm clip,
+                         a non-finite loss or gradient skips (and counts) the step.
+
+Step subsampling (Flow-GRPO's ``timestep_fraction``): T is drawn uniformly without replacement,
+so the 1/K mean over T is an unbiased estimate of the 1/S mean over all S steps (of the loss and
+its gradient) at K/S of the cost; fraction 1 is the full mean. The draws (partition, order, T)
+come from ``update_generator`` (seed + 1), saved in the state_dict: a resumed run picks the same.
+
+Log-probs of a ratio: at the start of an update the old log-probs (the weights that generated)
+are recomputed for every (minibatch, step) the update will use (the first minibatch's from its
+own first forward pass, which comes before any step), the reference's on first use (cached for
+the later epochs), and the new ones in the loss, all with dropout off (:func:`dropout_off`, LoRA dropout included) and the sums
+over a step's tokens in float64: every ratio is exactly 1 before the first optimiser step.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -29,7 +48,7 @@ import numpy as np
 import torch
 
 from flowrl_ray.algorithms.advantages import group_advantages
-from flowrl_ray.algorithms.base import Algorithm, clip_and_step, frozen_copy
+from flowrl_ray.algorithms.base import Algorithm, clip_and_step, dropout_off, frozen_copy
 from flowrl_ray.algorithms.losses import ppo_clip_objective
 from flowrl_ray.batch import Batch
 from flowrl_ray.config import Config, ConfigError, check
@@ -62,7 +81,11 @@ class FlowGRPOConfig:
     prompts_per_iteration: int = field(default=8, metadata=check(gt=0))
     group_size: int = field(default=2, metadata=check(gt=1))
     learning_rate: float = field(default=1e-5, metadata=check(gt=0))
-    epochs: int = field(default=1, metadata=check(gt=0))               # inner epochs per batch
+    epochs: int = field(default=2, metadata=check(gt=0))               # passes over each batch (2-4)
+    minibatch_groups: Optional[int] = field(default=None, metadata=check(gt=0))   # whole groups per
+    #                                          optimiser step; None: all prompts_per_iteration groups
+    timestep_fraction: float = field(default=1.0, metadata=check(gt=0, le=1))      # of the unmasking
+    #                                          steps in each minibatch's loss (Flow-GRPO's name)
     kl_coeff: float = field(default=0.04, metadata=check(ge=0))
     clip_range: float = field(default=0.2, metadata=check(gt=0))
     adv_clip_max: float = field(default=5.0, metadata=check(gt=0))
@@ -112,6 +135,10 @@ class FlowGRPO(Algorithm):
         if c.model.max_len < c.max_prompt_len + c.gen_length:
             raise ConfigError(f"config key 'algo.model.max_len': {c.model.max_len} is shorter than "
                               f"algo.max_prompt_len + algo.gen_length ({c.max_prompt_len + c.gen_length})")
+        if c.minibatch_groups is not None and c.prompts_per_iteration % c.minibatch_groups:
+            raise ConfigError(f"config key 'algo.minibatch_groups': {c.minibatch_groups} groups per minibatch "
+                              f"must divide algo.prompts_per_iteration ({c.prompts_per_iteration} groups per "
+                              f"iteration)" + (" (it is larger)" if c.minibatch_groups > c.prompts_per_iteration else ""))
         if c.num_generation_steps > c.gen_length:
             raise ConfigError(f"config key 'algo.num_generation_steps': {c.num_generation_steps} steps "
                               f"for {c.gen_length} tokens (algo.gen_length)")
@@ -139,6 +166,9 @@ class FlowGRPO(Algorithm):
         for name, tasks in (("training", self.train_tasks), ("held-out", heldout)):
             warn_if_cut(self.lm, tasks, self.catalog, self.c.max_prompt_len, self.c.gen_length, name)
         self.generator = torch.Generator().manual_seed(cfg.seed)       # prompts and sampling
+        # minibatch partition and order, step subsets: apart from sampling, so that changing
+        # epochs / timestep_fraction leaves the generated episodes as they were
+        self.update_generator = torch.Generator().manual_seed(cfg.seed + 1)
         self.pending: dict = {}
         self.iteration = 0
         self.skipped_updates = 0
@@ -188,82 +218,167 @@ class FlowGRPO(Algorithm):
         n = self.pending["n"]
         keys = ("rewards", "task_completion", "field_accuracy", "execution_completeness", "unparseable_lines")
         out = {k: torch.zeros(n) for k in keys}
+        out["valid"] = torch.ones(n, dtype=torch.bool)
+        reasons = [""] * n
         for b in batches:
             ids = torch.as_tensor(np.array(b["ids"]), dtype=torch.long)
             for k in keys:
                 out[k][ids] = torch.tensor(np.asarray(b[k], dtype=np.float32))    # a copy: Ray arrays are read-only
+            if "valid" in b.data:
+                out["valid"][ids] = torch.tensor(np.asarray(b["valid"], dtype=bool))
+            if "reason" in b.data:
+                for i, r in zip(ids.tolist(), b["reason"]):
+                    reasons[i] = str(r)
+        out["reasons"] = reasons
         return out
 
     def prepare(self, batches: list[Batch]) -> dict:
         scores = self._rewards(batches)
-        adv = group_advantages(scores["rewards"], self.c.group_size, self.c.adv_clip_max)   # [P*G]
+        adv = group_advantages(scores["rewards"], self.c.group_size, self.c.adv_clip_max,
+                               valid=scores["valid"])                                   # [P*G]
         return {"trajectory": self.pending["trajectory"], "advantages": adv.to(self.device), **scores}
 
     # ------------------------------------------------------------------ update
-    def update(self, p: dict) -> dict[str, float]:
-        from flowrl_ray.models.masked_diffusion import step_log_prob
-        c, traj = self.c, p["trajectory"]
-        adv = p["advantages"]                                                   # [B]
-        temp = c.generation_temperature or 1.0
-        states, unmasked, tokens = traj["states"], traj["unmasked"], traj["tokens"]   # [S, B, L]
-        attn, logp_old = traj["attention_mask"], traj["logp"]                  # [B, L], [S, B]
-        steps = states.shape[0]
-        stats: dict[str, list[float]] = {}
-        self.lm.model.train()
+    def _update_plan(self, groups: int, steps: int) -> tuple[list[torch.Tensor], list[list[tuple[int, list[int]]]]]:
+        """The update's random draws, all from ``update_generator``: the minibatches (whole groups,
+        a random partition) and, per epoch, the minibatch order with each minibatch's K steps.
+        -> (rows of each minibatch [G * minibatch_groups] long, per epoch [(minibatch, steps)])."""
+        c, g = self.c, self.update_generator
+        per = c.minibatch_groups or groups
+        if groups % per:
+            raise ValueError(f"algo.minibatch_groups={per} does not divide the {groups} groups of this batch")
+        order = torch.randperm(groups, generator=g)
+        minibatches = [(order[i:i + per, None] * c.group_size + torch.arange(c.group_size)).flatten()
+                       for i in range(0, groups, per)]
+        k = math.ceil(c.timestep_fraction * steps)
+        epochs = []
         for _ in range(c.epochs):
-            self.opt.zero_grad(set_to_none=True)
-            total, finite = 0.0, True
-            for s in range(steps):
-                active = unmasked[s].any(-1).float()                            # rows that unmasked at s
-                if active.sum() == 0:
-                    continue
-                logp = step_log_prob(self.lm.model, states[s], attn, unmasked[s], tokens[s], temp)   # [B]
-                with torch.no_grad():
-                    ref = step_log_prob(self.reference, states[s], attn, unmasked[s], tokens[s], temp)
-                ratio = torch.exp(logp - logp_old[s])
-                pg = -ppo_clip_objective(ratio, adv, c.clip_range)              # [B]
-                kl = k3_kl(logp, ref)                                           # [B]
-                # mean over rollouts, then over the S steps: each step's graph is freed at once
-                loss = ((pg + c.kl_coeff * kl) * active).sum() / active.sum() / steps
-                if not torch.isfinite(loss):
-                    finite = False
-                    break
-                loss.backward()
-                total += float(loss.detach())
-                with torch.no_grad():
-                    w = active / active.sum()
-                    for k, v in {"pg_loss": (pg * w).sum(), "kl": (kl * w).sum(),
-                                 "clipfrac": (((ratio - 1).abs() > c.clip_range).float() * w).sum(),
-                                 "ratio_mean": (ratio * w).sum(), "ratio_max": ratio[active.bool()].max()}.items():
-                        stats.setdefault(k, []).append(float(v))
-            if not finite:
+            epochs.append([(int(m), sorted(torch.randperm(steps, generator=g)[:k].tolist()))
+                           for m in torch.randperm(len(minibatches), generator=g)])
+        return minibatches, epochs
+
+    def _step_log_prob(self, model: torch.nn.Module, traj: dict, s: int, rows: torch.Tensor) -> torch.Tensor:
+        """log pi(step s) of ``rows`` under ``model`` (float64 [len(rows)]), dropout off."""
+        from flowrl_ray.models.masked_diffusion import step_log_prob64
+        temp = self.c.generation_temperature or 1.0
+        with dropout_off(model):
+            return step_log_prob64(model, traj["states"][s][rows], traj["attention_mask"][rows],
+                                   traj["unmasked"][s][rows], traj["tokens"][s][rows], temp)
+
+    def update(self, p: dict) -> dict[str, float]:
+        c, traj = self.c, p["trajectory"]
+        adv = p["advantages"].double()                                        # [B]
+        valid = p.get("valid", torch.ones(adv.shape[0], dtype=torch.bool)).to(adv.device)
+        unmasked = traj["unmasked"]                                            # [S, B, L]
+        steps, batch = unmasked.shape[0], unmasked.shape[1]
+        minibatches, epochs = self._update_plan(batch // c.group_size, steps)
+        model = self.lm.model
+        model.train()
+        # Old log-probs of every (minibatch, step) the update uses, computed before any step on
+        # exactly the rows the loss will see (so rho = 1 holds to the last bit). The first
+        # minibatch of the first epoch comes before any step: its own forward pass gives them.
+        first_mb, first_steps = epochs[0][0]
+        old: dict[tuple[int, int], torch.Tensor] = {}
+        ref: dict[tuple[int, int], torch.Tensor] = {}         # the frozen reference: on first use
+        with torch.no_grad():
+            for key in sorted({(m, s) for plan in epochs for m, ss in plan for s in ss}):
+                if key[0] != first_mb or key[1] not in first_steps:
+                    old[key] = self._step_log_prob(model, traj, key[1], minibatches[key[0]])
+        sampler_gap = 0.0                  # |recomputed - sampler's| old log-prob: numerics only
+        ratios: list[torch.Tensor] = []
+        stats: dict[str, list[float]] = {}
+        for plan in epochs:
+            for mb, picked in plan:
+                rows = minibatches[mb]
+                a, keep = adv[rows], valid[rows]
                 self.opt.zero_grad(set_to_none=True)
-                self.skipped_updates += 1
-                continue
-            (norm,), stepped = clip_and_step([self.opt], c.grad_clip)           # one optimiser: one norm
-            if stepped:
-                stats.setdefault("grad_norm", []).append(norm)
-            else:
-                self.skipped_updates += 1
-            stats.setdefault("loss", []).append(total)
+                total, finite = 0.0, True
+                for s in picked:
+                    weight = (unmasked[s][rows].any(-1) & keep).double()      # valid rows that unmasked at s
+                    if weight.sum() == 0:
+                        continue
+                    weight = weight / weight.sum() / len(picked)              # mean over rows, 1/K over steps
+                    logp = self._step_log_prob(model, traj, s, rows)         # [mb] with gradients
+                    if (mb, s) not in old:                                     # no step taken yet
+                        old[mb, s] = logp.detach()
+                    if plan is epochs[0]:
+                        gap = (old[mb, s] - traj["logp"][s][rows].double()).abs()[unmasked[s][rows].any(-1)]
+                        sampler_gap = max(sampler_gap, float(gap.max()) if gap.numel() else 0.0)
+                    log_ratio = logp - old[mb, s]
+                    ratio = torch.exp(log_ratio)
+                    pg = -ppo_clip_objective(ratio, a, c.clip_range)
+                    if c.kl_coeff > 0 and (mb, s) not in ref:
+                        with torch.no_grad():
+                            ref[mb, s] = self._step_log_prob(self.reference, traj, s, rows)
+                    kl = k3_kl(logp, ref[mb, s]) if c.kl_coeff > 0 else torch.zeros_like(logp)
+                    loss = ((pg + c.kl_coeff * kl) * weight).sum()
+                    if not torch.isfinite(loss):
+                        finite = False
+                        break
+                    loss.backward()
+                    total += float(loss.detach())
+                    with torch.no_grad():
+                        w = weight * len(picked)
+                        r = ratio.detach()[w > 0]
+                        ratios.append(r)
+                        for k, v in {"pg_loss": (pg * w).sum(), "kl": (kl * w).sum(),
+                                     "approx_kl": (((ratio - 1) - log_ratio) * w).sum(),
+                                     "clipfrac": (((ratio - 1).abs() > c.clip_range).double() * w).sum()}.items():
+                            stats.setdefault(k, []).append(float(v))
+                if not finite:
+                    self.opt.zero_grad(set_to_none=True)
+                    self.skipped_updates += 1
+                    with torch.no_grad():          # still before any step: the old log-probs it left out
+                        for key in [(mb, t) for t in picked if (mb, t) not in old and plan is epochs[0]]:
+                            old[key] = self._step_log_prob(model, traj, key[1], rows)
+                    continue
+                (norm,), stepped = clip_and_step([self.opt], c.grad_clip)       # one optimiser: one norm
+                if stepped:
+                    stats.setdefault("grad_norm", []).append(norm)
+                else:
+                    self.skipped_updates += 1
+                stats.setdefault("loss", []).append(total)
         self.iteration += 1
-        r = p["rewards"]
         out = {f"flow_grpo/{k}": float(np.mean(v)) for k, v in stats.items()}
-        out.update({"reward_mean": float(r.mean()), "nonzero_reward_count": float((r > 0).sum()),
-                    "field_accuracy": float(p["field_accuracy"].mean()),
-                    "task_completion": float(p["task_completion"].mean()),
-                    "execution_completeness": float(p["execution_completeness"].mean()),
-                    "unparseable_lines_mean": float(p["unparseable_lines"].mean()),
-                    "kl": out.get("flow_grpo/kl", float("nan")), "clipfrac": out.get("flow_grpo/clipfrac", float("nan")),
+        if ratios:
+            r = torch.cat(ratios)
+            out.update({"flow_grpo/ratio_mean": float(r.mean()), "flow_grpo/ratio_min": float(r.min()),
+                        "flow_grpo/ratio_max": float(r.max())})
+        out.update(self._episode_metrics(p))
+        out.update({"kl": out.get("flow_grpo/kl", float("nan")), "clipfrac": out.get("flow_grpo/clipfrac", float("nan")),
+                    "approx_kl": out.get("flow_grpo/approx_kl", float("nan")),
                     "flow_grpo/advantage_abs_mean": float(p["advantages"].abs().mean()),
-                    "flow_grpo/steps": float(steps), "flow_grpo/skipped_updates": float(self.skipped_updates)})
+                    "flow_grpo/steps": float(steps), "flow_grpo/steps_per_minibatch": float(len(epochs[0][0][1])),
+                    "flow_grpo/optimizer_steps": float(sum(len(e) for e in epochs)),
+                    "flow_grpo/sampler_logp_gap": sampler_gap,
+                    "flow_grpo/skipped_updates": float(self.skipped_updates)})
+        return out
+
+    @staticmethod
+    def _episode_metrics(p: dict) -> dict[str, float]:
+        """The reward and its three components (means over all episodes, an invalid one scoring
+        0), and the invalid episodes: their number and their number per reason."""
+        from flowrl_ray.envs.forms.reward import INVALID_REASONS
+        r = p["rewards"]
+        valid = p.get("valid", torch.ones(len(r), dtype=torch.bool))
+        reasons = p.get("reasons", [""] * len(r))
+        out = {"reward_mean": float(r.mean()), "nonzero_reward_count": float((r > 0).sum()),
+               "field_accuracy": float(p["field_accuracy"].mean()),
+               "task_completion": float(p["task_completion"].mean()),
+               "execution_completeness": float(p["execution_completeness"].mean()),
+               "unparseable_lines_mean": float(p["unparseable_lines"].mean()),
+               "invalid_episodes": float((~valid).sum())}
+        for reason in INVALID_REASONS:
+            out[f"invalid/{reason}"] = float(sum(1 for ok, why in zip(valid.tolist(), reasons)
+                                                 if not ok and why == reason))
         return out
 
     def eval_metrics(self, batches: list[Batch]) -> dict[str, float]:
         """Greedy generations on held-out tasks: overall and per held-out kind (new values on
         training forms, forms never seen in training)."""
         s = self._rewards(batches)
-        out = {"eval/return_mean": float(s["rewards"].mean()), "eval/episodes": len(s["rewards"])}
+        out = {"eval/return_mean": float(s["rewards"].mean()), "eval/episodes": len(s["rewards"]),
+               "eval/invalid_episodes": float((~s["valid"]).sum())}       # crashed / timed out: scored 0
         splits = np.array(self.pending["splits"])
         for kind in ("", *sorted(set(splits))):
             rows = torch.as_tensor(splits == kind) if kind else torch.ones(len(splits), dtype=torch.bool)
@@ -280,6 +395,7 @@ class FlowGRPO(Algorithm):
         # frozen base of an 8B model comes back from algo.model / algo.sft_checkpoint.
         trainable = {n: p.detach().clone() for n, p in self.lm.model.named_parameters() if p.requires_grad}
         return {"model": trainable, "opt": self.opt.state_dict(), "generator": self.generator.get_state(),
+                "update_generator": self.update_generator.get_state(),
                 "iteration": self.iteration, "skipped_updates": self.skipped_updates}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -288,6 +404,8 @@ class FlowGRPO(Algorithm):
             raise ValueError(f"checkpoint weights the model does not have: {unexpected[:5]}")
         self.opt.load_state_dict(state["opt"])
         self.generator.set_state(state["generator"])
+        if "update_generator" in state:            # checkpoints from before step subsampling lack it
+            self.update_generator.set_state(state["update_generator"])
         self.iteration, self.skipped_updates = state["iteration"], state["skipped_updates"]
 
 

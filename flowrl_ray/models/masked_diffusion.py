@@ -703,6 +703,19 @@ def step_log_prob(model: nn.Module, state: torch.Tensor, attention_mask: torch.T
     return torch.where(unmasked[:, start:], lp, 0.0).sum(-1)                  # [B]
 
 
+def step_log_prob64(model: nn.Module, state: torch.Tensor, attention_mask: torch.Tensor,
+                    unmasked: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0
+                    ) -> torch.Tensor:
+    """:func:`step_log_prob` with the sum over the step's tokens taken in float64 -> [B] float64
+    (the per-token log-probs stay float32): ratios ``exp(logp - logp_old)`` of long steps lose no
+    precision to the sum's rounding."""
+    cols = unmasked.any(dim=0).nonzero()
+    start = int(cols[0, 0]) if cols.numel() else state.shape[1] - 1
+    logits = masked_lm_logits(model, state, attention_mask, start=start)     # [B, L - start, V]
+    lp = _token_log_probs(logits, tokens[:, start:], temperature).double()    # [B, L - start]
+    return torch.where(unmasked[:, start:], lp, 0.0).sum(-1)                  # [B]
+
+
 def trajectory_log_probs(model: nn.Module, trajectory: Mapping, temperature: float,
                          grad: bool = False) -> torch.Tensor:
     """:func:`step_log_prob` of every recorded step -> [S, B] (with gradients if `grad`)."""

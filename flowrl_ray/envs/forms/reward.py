@@ -16,7 +16,13 @@ Gating: an episode that could not be judged — no action at all (``no_actions``
 died under it (``browser_crash``), it ran past ``rollout_timeout_s`` (``timeout``), the task or
 form is unknown (``unknown_task``), the page did not load (``load_error``), the browser threw
 something unexpected (``page_error``) — scores 0 with that
-``reason`` recorded. The default weights (0.4, 0.4, 0.2) are the issue's; any non-negative weights
+``reason`` recorded.
+
+Validity: the reasons in ``INVALID_REASONS`` (the browser crashed or threw, the page did not load,
+the episode timed out) say nothing about the policy's text, so such an episode is *invalid*
+(``EpisodeResult.valid`` False): a group algorithm leaves it out of its group's advantage
+statistics and out of the loss, and counts it per reason, instead of treating it as a failure.
+``no_actions`` and ``unknown_task`` stay valid zero-reward episodes. The default weights (0.4, 0.4, 0.2) are the issue's; any non-negative weights
 may be configured (``env.kwargs.reward_weights``).
 """
 
@@ -32,6 +38,8 @@ from flowrl_ray.envs.forms.spec import FormSpec, normalize_label
 COMPONENTS = ("task_completion", "field_accuracy", "execution_completeness")
 #: reasons an episode is gated to reward 0
 GATE_REASONS = ("no_actions", "browser_crash", "timeout", "unknown_task", "load_error", "page_error")
+#: gated reasons that make an episode invalid (the infrastructure failed, not the policy)
+INVALID_REASONS = ("browser_crash", "timeout", "load_error", "page_error")
 
 
 @dataclass(frozen=True)
@@ -83,6 +91,12 @@ class EpisodeResult:
     duration_s: float = 0.0             # in the browser (waiting for a free page not counted)
     # PNG of the filled page, only for episodes run with a screenshot asked for (not in to_dict)
     screenshot: bytes | None = field(default=None, repr=False)
+
+    @property
+    def valid(self) -> bool:
+        """False when the episode was gated for a reason in ``INVALID_REASONS`` (crash, timeout,
+        load or page error): its reward says nothing about the policy."""
+        return self.reason not in INVALID_REASONS
 
     @property
     def success(self) -> bool:

@@ -109,7 +109,8 @@ class FormsScorer:
     ``score(samples)`` takes ``{"ids": int [K], "task_ids": list[str] (K), "texts": list[str] (K)}``
     and returns a :class:`Batch` with, all ``[K]``: ``ids``, ``rewards`` (float32),
     ``task_completion``, ``field_accuracy``, ``execution_completeness`` (float32),
-    ``unparseable_lines`` (int64) and ``reason`` (str, '' when the episode was judged normally);
+    ``unparseable_lines`` (int64), ``reason`` (str, '' when the episode was judged normally) and
+    ``valid`` (bool: False for a crash, timeout, load or page error, ``reward.INVALID_REASONS``);
     ``meta.episode_returns`` are the rewards, ``meta.episode_lengths`` the parsed actions per episode,
     ``meta.extra`` holds ``reasons`` (reason -> count), ``successes`` (accepted with every field
     right, per episode: the trainer's success rate), ``accepted`` and ``unparseable_lines`` (totals).
@@ -169,7 +170,8 @@ class FormsScorer:
         data = {"ids": ids, "rewards": rewards, "task_completion": col("task_completion"),
                 "field_accuracy": col("field_accuracy"), "execution_completeness": col("execution_completeness"),
                 "unparseable_lines": np.array([r.unparseable_lines for r in results], dtype=np.int64),
-                "reason": np.array([r.reason for r in results], dtype=str)}
+                "reason": np.array([r.reason for r in results], dtype=str),
+                "valid": np.array([r.valid for r in results], dtype=bool)}
         reasons = Counter(r.reason for r in results if r.reason)
         meta = BatchMeta(policy_version=-1, worker_id=self.worker_id, env_steps=len(results),
                          episode_returns=rewards.tolist(), episode_lengths=[r.actions for r in results],
