@@ -36,7 +36,8 @@ def prompt_text(task, catalog) -> str:
 
 
 def sft_pairs(env_cfg, tasks_per_form: int | None = None) -> list[tuple[str, str]]:
-    """(prompt, gold action script) of every task of the config's split (``env.id``).
+    """(prompt, gold action script) of every task of the config's split (``env.id``; the
+    training split ``train``/``rl`` maps to its SFT twin ``sft``: the same forms, other tasks).
 
     ``tasks_per_form`` draws that many tasks per form instead of the split's default. Tasks are
     drawn by index, so a larger count keeps the split's own tasks and adds new records from the
@@ -44,7 +45,8 @@ def sft_pairs(env_cfg, tasks_per_form: int | None = None) -> list[tuple[str, str
     from flowrl_ray.envs.forms import FormCatalog, FormsSettings, gold_actions, load_tasks
     forms = FormsSettings.from_env_cfg(env_cfg)
     catalog = FormCatalog.load(forms.forms_dir)
-    tasks = load_tasks(env_cfg.id, seed=forms.task_seed, catalog=catalog, per_form=tasks_per_form)
+    split = "sft" if env_cfg.id in ("train", "rl") else env_cfg.id    # SFT never sees the RL tasks
+    tasks = load_tasks(split, seed=forms.task_seed, catalog=catalog, per_form=tasks_per_form)
     return [(prompt_text(t, catalog), gold_actions(t, catalog)) for t in tasks]
 
 

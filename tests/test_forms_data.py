@@ -1,0 +1,118 @@
+"""Forms data: fresh values per task, disjoint SFT / RL / evaluation sets, identical token spans."""
+
+import random
+
+import pytest
+
+from flowrl_ray.envs.forms.spec import FormCatalog
+from flowrl_ray.envs.forms.tasks import (FRESH, PARTS, SPLITS, format_value, fresh_value, gold_actions, load_tasks,
+                                         make_task, part)
+
+
+@pytest.fixture(scope="module")
+def catalog():
+    return FormCatalog.load()
+
+
+def _free_text(task, catalog):
+    """The composed free-text values of a task (names, companies, emails, sentences, ...)."""
+    form = catalog[task.form_id]
+    out = set()
+    for name, value in task.ground_truth_fields.items():
+        f = form.field(name)
+        if f.type in ("text", "textarea", "email") and not isinstance(f.sample, tuple) \
+                and (f.sample in FRESH or f.sample in (None, "email", "full_name", "first_name", "last_name",
+                                                         "company", "city")):
+            out.add(value)
+    return out
+
+
+def test_word_parts_are_cut_into_disjoint_thirds():
+    for name, items in PARTS.items():
+        thirds = [set(part(name, k)) for k in ("train", "sft", "heldout_values")]
+        assert set().union(*thirds) == set(items), name
+        assert not (thirds[0] & thirds[1]) and not (thirds[0] & thirds[2]) and not (thirds[1] & thirds[2]), name
+
+
+def test_values_are_fresh_per_task(catalog):
+    rng = random.Random(0)
+    names = [fresh_value("first_name", rng, "train") for _ in range(500)]
+    assert len(set(names)) > 400                 # composed, not drawn from a short list
+    sentences = [fresh_value("sentence", rng, "train") for _ in range(200)]
+    assert len(set(sentences)) > 150
+    companies = [fresh_value("company", rng, "sft") for _ in range(200)]
+    assert len(set(companies)) > 180
+    tasks = load_tasks("rl", per_form=4, catalog=catalog)
+    emails = [v for t in tasks for k, v in t.ground_truth_fields.items() if "@" in str(v)]
+    assert emails and len(set(emails)) == len(emails)
+
+
+def test_splits_are_aliases_and_forms_stay_held_out(catalog):
+    assert {"sft", "rl", "eval"} <= set(SPLITS)
+    rl = load_tasks("rl", per_form=2, catalog=catalog)
+    assert [t.task_id for t in rl] == [t.task_id for t in load_tasks("train", per_form=2, catalog=catalog)]
+    sft = load_tasks("sft", per_form=2, catalog=catalog)
+    ev = load_tasks("eval", per_form=2, catalog=catalog)
+    held = set(catalog.ids(heldout=True))
+    assert held and not held & {t.form_id for t in sft + rl}
+    assert held <= {t.form_id for t in ev}
+
+
+def test_sft_rl_eval_share_no_task_and_no_free_text_value(catalog):
+    sets = {s: load_tasks(s, per_form=24, catalog=catalog) for s in ("sft", "rl", "eval")}
+    ids = {s: {t.task_id for t in ts} for s, ts in sets.items()}
+    keys = {s: {(t.form_id, t.instruction) for t in ts} for s, ts in sets.items()}
+    values = {s: set().union(*(_free_text(t, catalog) for t in ts)) for s, ts in sets.items()}
+    for a, b in (("sft", "rl"), ("sft", "eval"), ("rl", "eval")):
+        assert not ids[a] & ids[b]
+        assert not keys[a] & keys[b]
+        assert values[a] and values[b]
+        assert not values[a] & values[b], (a, b, sorted(values[a] & values[b])[:5])
+
+
+def test_tasks_rebuild_from_seed_and_index(catalog):
+    form = catalog[catalog.ids(heldout=False)[0]]
+    assert make_task(form, "sft", 3, 7) == make_task(form, "sft", 3, 7)
+    assert make_task(form, "sft", 3, 7).ground_truth_fields != make_task(form, "train", 3, 7).ground_truth_fields
+
+
+def _contains(seq, sub):
+    n = len(sub)
+    return any(seq[i:i + n] == sub for i in range(len(seq) - n + 1))
+
+
+def test_copied_values_have_identical_token_ids_in_prompt_and_action(catalog, tmp_path):
+    from flowrl_ray.models.text_tokenizer import train_tokenizer
+    tasks = [t for s in ("sft", "rl", "eval") for t in load_tasks(s, per_form=6, catalog=catalog)]
+    texts = [t.instruction for t in tasks] + [gold_actions(t, catalog) for t in tasks]
+    tok = train_tokenizer(texts, vocab_size=800)
+    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]
+    seen_types = set()
+    for t in tasks:
+        form = catalog[t.form_id]
+        prompt, target = enc(t.instruction), enc(gold_actions(t, catalog))
+        for name, value in t.ground_truth_fields.items():
+            f = form.field(name)
+            if f.type == "checkbox" and not f.is_group:
+                copies = [f.label]
+            elif f.is_group:
+                copies = list(value)
+            else:
+                copies = [format_value(f, value), f.label]
+            for c in copies:
+                ids = enc(c)
+                assert tok.decode(ids) == c
+                assert _contains(prompt, ids), (t.task_id, c)
+                assert _contains(target, ids), (t.task_id, c)
+            seen_types.add(f.type)
+    assert {"text", "email", "number", "date", "select", "checkbox"} <= seen_types
+
+
+def test_isolating_pre_tokenizer_splits_context_off(tmp_path):
+    from flowrl_ray.models.text_tokenizer import train_tokenizer
+    tok = train_tokenizer(["Amara Zielinski. 2024-05-17, \"Amara\" amara@x.com"] * 20, vocab_size=300)
+    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]
+    assert _contains(enc('fill "Name" "Amara"'), enc("Amara"))
+    assert _contains(enc("The name is Amara."), enc("Amara"))
+    assert len(enc("2024")) == 4                 # one token per digit
+    assert tok.decode(enc('a  "b", 12.5')) == 'a  "b", 12.5'
