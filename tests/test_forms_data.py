@@ -116,3 +116,54 @@ def test_isolating_pre_tokenizer_splits_context_off(tmp_path):
     assert _contains(enc("The name is Amara."), enc("Amara"))
     assert len(enc("2024")) == 4                 # one token per digit
     assert tok.decode(enc('a  "b", 12.5')) == 'a  "b", 12.5'
+
+
+# --------------------------------------------------------------------------- the copy benchmark
+
+def _bench():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "forms_sft_copy.py"
+    spec = importlib.util.spec_from_file_location("forms_sft_copy", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_copy_benchmark_scores_gold_right_and_a_miscopied_value_wrong(catalog):
+    bench = _bench()
+    tasks = load_tasks("eval", per_form=2, catalog=catalog)
+    task = next(t for t in tasks if any(bench.is_free_text(catalog[t.form_id].field(n)) and "@" in str(v)
+                                        for n, v in t.ground_truth_fields.items()))
+    form = catalog[task.form_id]
+    gold = gold_actions(task, catalog)
+    scored = bench.score_task(task, form, gold, catalog)
+    assert all(r for _, r, _ in scored) and scored[-1][0] == "click"
+    email = next(v for v in task.ground_truth_fields.values() if "@" in str(v))
+    bad = bench.score_task(task, form, gold.replace(email, email.replace("@", "@x")), catalog)
+    assert [k for k, r, _ in bad if not r] == ["fill email"]
+    s = bench.summarize([scored, bad], n_boot=200)
+    assert s["task_completion"]["all"]["mean"] == 0.5
+    n_free = sum(ft for _, _, ft in scored)
+    assert s["copy_accuracy"]["mean"] == pytest.approx((2 * n_free - 1) / (2 * n_free))
+    assert s["field_accuracy"]["click"] == {"mean": 1.0, "ci_low": 1.0, "ci_high": 1.0, "n": 2}
+
+
+def test_copy_benchmark_runs_end_to_end_with_a_tiny_model(catalog, tmp_path):
+    import json
+
+    from flowrl_ray.models.masked_diffusion import build_masked_lm
+    from flowrl_ray.models.text_tokenizer import train_tokenizer
+    tasks = load_tasks("sft", per_form=1, catalog=catalog)
+    tok = train_tokenizer([t.instruction for t in tasks] + [gold_actions(t, catalog) for t in tasks], 400)
+    lm = build_masked_lm({"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64,
+                          "max_len": 160, "vocab_size": 400}, tokenizer=tok, seed=0)
+    lm.save(tmp_path / "ck")
+    res = _bench().main(["--checkpoint", str(tmp_path / "ck"), "--tasks", "12", "--n-boot", "200",
+                         "--results-dir", str(tmp_path), "--threads", "1",
+                         "algo.gen_length=32", "algo.max_prompt_len=128", "algo.num_generation_steps=4",
+                         "algo.model.max_len=160"])
+    saved = json.loads((tmp_path / "forms_sft_copy.json").read_text())
+    assert saved["tasks"] == res["tasks"] == 12 and "all" in saved["task_completion"]
+    assert (tmp_path / "forms_sft_copy.md").read_text().startswith("# Forms SFT model")
+    assert set(saved["field_accuracy"]) >= {"click", "all"}
