@@ -167,3 +167,21 @@ def test_copy_benchmark_runs_end_to_end_with_a_tiny_model(catalog, tmp_path):
     assert saved["tasks"] == res["tasks"] == 12 and "all" in saved["task_completion"]
     assert (tmp_path / "forms_sft_copy.md").read_text().startswith("# Forms SFT model")
     assert set(saved["field_accuracy"]) >= {"click", "all"}
+
+
+def test_sft_uses_its_own_tasks_and_copy_pairs_quote_their_answer(catalog):
+    from flowrl_ray.config import config_from_dict, read_yaml
+    from flowrl_ray.pretrain_text import copy_pairs, prompt_text, sft_pairs
+    from pathlib import Path
+    cfg = config_from_dict(read_yaml(Path(__file__).resolve().parent.parent / "configs/flow_grpo/forms_small.yaml"))
+    pairs = sft_pairs(cfg.env, tasks_per_form=2)
+    sft = {prompt_text(t, catalog) for t in load_tasks("sft", per_form=2, catalog=catalog)}
+    rl = {prompt_text(t, catalog) for t in load_tasks("rl", per_form=2, catalog=catalog)}
+    assert {p for p, _ in pairs} == sft and not sft & rl
+    more = sft_pairs(cfg.env, tasks_per_form=2, copy_aux=0.5)
+    assert more[:len(pairs)] == pairs and len(more) == len(pairs) + round(0.5 * len(pairs))
+    for prompt, answer in more[len(pairs):]:
+        assert f'"{answer}"' in prompt and answer
+    assert copy_pairs([], catalog, 5) == []
+    with pytest.raises(ValueError, match="copy_aux"):
+        sft_pairs(cfg.env, tasks_per_form=1, copy_aux=-1)
