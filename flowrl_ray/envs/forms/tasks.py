@@ -181,6 +181,8 @@ PARTS: dict[str, tuple[str, ...]] = {
              "confirm", "collect", "repair", "seal", "deliver", "clean"),
     "time": ("before noon", "on Monday", "after the visit", "by Friday", "this week", "in the morning",
              "next month", "on arrival", "at the front desk", "before the meeting", "after lunch", "in spring"),
+    "role": ("Analyst", "Manager", "Engineer", "Technician", "Designer", "Accountant", "Inspector", "Officer",
+             "Editor", "Coordinator", "Assistant", "Specialist", "Planner", "Consultant", "Administrator"),
     "discipline": ("Biology", "Engineering", "History", "Mathematics", "Science", "Psychology", "Planning",
                    "Literature", "Health", "Economics", "Ecology", "Physics", "Linguistics", "Design", "Chemistry",
                    "Management", "Geology", "Statistics"),
@@ -216,6 +218,8 @@ def fresh_value(src: str, rng: random.Random, kind: str) -> str:
         return f"{_word(rng, kind, (1, 2))} {rng.choice(part('discipline', kind))}"
     if src == "title":
         return f"The {rng.choice(part('adjective', kind)).capitalize()} {_word(rng, kind, (1, 2))} {rng.choice(part('noun', kind)).capitalize()}"
+    if src == "job_title":
+        return f"{_word(rng, kind, (1, 2))} {rng.choice(part('role', kind))}"
     if src == "phrase":
         return f"{rng.choice(part('adjective', kind))} {rng.choice(part('noun', kind))}"
     if src == "product":
@@ -227,7 +231,7 @@ def fresh_value(src: str, rng: random.Random, kind: str) -> str:
     raise KeyError(src)
 
 
-FRESH = ("first_name", "last_name", "city", "company", "street", "country", "university", "subject", "title",
+FRESH = ("first_name", "last_name", "city", "company", "street", "country", "university", "subject", "title", "job_title",
          "phrase", "product", "sentence")
 
 
