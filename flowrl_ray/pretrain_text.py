@@ -35,28 +35,50 @@ def prompt_text(task, catalog) -> str:
             f"Task: {task.instruction}\nActions:\n")
 
 
-def sft_pairs(env_cfg, tasks_per_form: int | None = None) -> list[tuple[str, str]]:
-    """(prompt, gold action script) of every task of the config's split (``env.id``).
+def copy_pairs(tasks, catalog, n: int, seed: int = 0) -> list[tuple[str, str]]:
+    """``n`` auxiliary "repeat the quoted value" pairs: a value typed into a field of one of
+    ``tasks`` (names, emails, sentences, numbers, dates, ...) quoted in the prompt, the same
+    value alone as the answer. They train the one skill every fill action needs: copying."""
+    import random
+
+    from flowrl_ray.envs.forms.tasks import format_value
+    rng = random.Random(seed)
+    values = sorted({format_value(catalog[t.form_id].field(k), v) for t in tasks
+                     for k, v in t.ground_truth_fields.items()
+                     if catalog[t.form_id].field(k).type in ("text", "textarea", "email", "tel", "number", "date")})
+    if n <= 0 or not values:
+        return []
+    return [(f'Repeat the quoted value.\nValue: "{v}"\nAnswer:\n', v) for v in (rng.choice(values) for _ in range(n))]
+
+
+def sft_pairs(env_cfg, tasks_per_form: int | None = None, copy_aux: float = 0.0) -> list[tuple[str, str]]:
+    """(prompt, gold action script) of every task of the config's split (``env.id``; the
+    training split ``train``/``rl`` maps to its SFT twin ``sft``: the same forms, other tasks).
 
     ``tasks_per_form`` draws that many tasks per form instead of the split's default. Tasks are
     drawn by index, so a larger count keeps the split's own tasks and adds new records from the
-    same value pools: more training data, with the held-out pools and forms still unseen."""
+    same value pools: more training data, with the held-out pools and forms still unseen.
+    ``copy_aux`` > 0 adds that fraction (of the task pairs) of :func:`copy_pairs`."""
     from flowrl_ray.envs.forms import FormCatalog, FormsSettings, gold_actions, load_tasks
     forms = FormsSettings.from_env_cfg(env_cfg)
     catalog = FormCatalog.load(forms.forms_dir)
-    tasks = load_tasks(env_cfg.id, seed=forms.task_seed, catalog=catalog, per_form=tasks_per_form)
-    return [(prompt_text(t, catalog), gold_actions(t, catalog)) for t in tasks]
+    split = "sft" if env_cfg.id in ("train", "rl") else env_cfg.id    # SFT never sees the RL tasks
+    tasks = load_tasks(split, seed=forms.task_seed, catalog=catalog, per_form=tasks_per_form)
+    if copy_aux < 0:
+        raise ValueError(f"copy_aux must be >= 0, got {copy_aux}")
+    pairs = [(prompt_text(t, catalog), gold_actions(t, catalog)) for t in tasks]
+    return pairs + copy_pairs(tasks, catalog, round(copy_aux * len(pairs)), seed=forms.task_seed)
 
 
 def pretrain_text(cfg: Config, out: str | Path | None = None, epochs: int | None = None,
                   steps: int | None = None, batch_size: int = 32, lr: float = 1e-3,
                   tasks_per_form: int | None = None, warmup_steps: int | None = None,
                   lr_schedule: str = "cosine", min_lr_ratio: float = 0.1, seed: int = 0,
-                  progress: bool = True, device: str | None = None) -> dict:
+                  progress: bool = True, device: str | None = None, copy_aux: float = 0.0) -> dict:
     """SFT budget: ``epochs`` passes or ``steps`` optimiser steps (one of them; see ``fit_sft``).
     The learning rate warms up over ``warmup_steps`` (default: 10 % of the steps, at most 200),
     then follows ``lr_schedule`` down to ``min_lr_ratio`` x ``lr``. ``device``: default the GPU
-    when there is one."""
+    when there is one. ``copy_aux``: auxiliary copy pairs per task pair (see :func:`sft_pairs`)."""
     from dataclasses import asdict
 
     from flowrl_ray.models.masked_diffusion import build_masked_lm, fit_sft
@@ -70,7 +92,7 @@ def pretrain_text(cfg: Config, out: str | Path | None = None, epochs: int | None
     if out is None:
         raise ConfigError("config key 'algo.sft_checkpoint': where should the SFT model go? (or --out)")
     out = Path(out)
-    pairs = sft_pairs(cfg.env, tasks_per_form)
+    pairs = sft_pairs(cfg.env, tasks_per_form, copy_aux=copy_aux)
     if warmup_steps is None:
         total = steps if steps is not None else epochs * math.ceil(len(pairs) / batch_size)
         warmup_steps = min(200, total // 10)

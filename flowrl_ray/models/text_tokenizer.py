@@ -1,7 +1,11 @@
 """A small text tokenizer trained locally with `tokenizers` (no hub download).
 
 Byte-level BPE: every string encodes without [UNK] and decodes back exactly (the byte-level
-alphabet is always in the vocabulary, so ``vocab_size >= 256 + 5``). Special tokens, with fixed
+alphabet is always in the vocabulary, so ``vocab_size >= 256 + 5``). Before the byte-level step the
+pre-tokenizer isolates every whitespace character, every punctuation mark and every digit, so a
+word is always tokenized the same way whatever surrounds it: a value quoted in a prompt has the
+same token ids as the same value in the target action (what a copying policy relies on).
+Special tokens, with fixed
 ids in this order:
 
     [PAD]=0  [MASK]=1  [BOS]=2  [EOS]=3  [UNK]=4
@@ -37,7 +41,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, path: str | os.PathLi
         raise ValueError(f"vocab_size must be at least {MIN_VOCAB_SIZE} (256 byte tokens + "
                          f"{len(SPECIAL_TOKENS)} special tokens), got {vocab_size}")
     tok = Tokenizer(models.BPE(unk_token=UNK))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = isolating_pre_tokenizer()
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
@@ -49,6 +53,18 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, path: str | os.PathLi
     if path is not None:
         save_tokenizer(tokenizer, path)
     return tokenizer
+
+
+#: one pre-token per whitespace character, punctuation mark or digit; letters group into words
+ISOLATE_PATTERN = r"\s|\d|[^\w\s]|_"
+
+
+def isolating_pre_tokenizer():
+    """Split off spaces, punctuation and digits one by one, then map bytes (no regex of its own)."""
+    from tokenizers import Regex, pre_tokenizers
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(ISOLATE_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
 
 def _wrap(tok):

@@ -4,19 +4,21 @@ A task is drawn from ``(kind, form_id, seed, index)`` alone — its id is that t
 ``"<kind>/<form_id>/<seed>/<index>"`` — so any process (a scoring actor on another node) can
 rebuild it from the id without shared state, and the same seed always gives the same tasks.
 
-Splits:
+Splits (task sets):
 
-- ``train``: the training forms (spec ``heldout: false``) with values from the training pools;
-- ``heldout_values``: the training forms with values from the held-out pools;
-- ``heldout_forms``: the held-out forms (spec ``heldout: true``) with held-out values;
-- ``heldout``: both held-out kinds.
+- ``sft`` (kind ``sft``): the training forms (spec ``heldout: false``), for supervised pretraining;
+- ``rl`` = ``train`` (kind ``train``): the training forms, the prompts RL draws;
+- ``eval`` = ``heldout``: ``heldout_values`` (the training forms) and ``heldout_forms`` (the
+  held-out forms, spec ``heldout: true``).
 
-Free-text values (names, companies, cities, titles, sentences, ...) come from pools split 3:1
-into disjoint training and held-out parts, and a person's email is made from their name, so a
-held-out record never repeats a training one. Numbers, dates, phone numbers, codes and option
-choices are drawn from the same ranges in both.
+The kinds are different seed streams (the kind is part of every task's seed), so the sets share
+no task. Free-text values (names, companies, cities, streets, titles, sentences, ...) are composed
+afresh per task from syllables, stems and word lists, and each kind only uses its own third of
+every list (``VALUE_PART``), so no SFT, RL or evaluation value repeats in another set and none can
+be predicted except by reading it; an email is made from its person's name. Numbers, dates, phone
+numbers, codes and option choices are drawn from the same ranges in all kinds.
 
-The instruction names every field by its label (so a policy can address it on a page it has
+The instruction names every field by its exact label (so a policy can address it on a page it has
 not seen) and states its value, in varied phrasing and field order, with the form's URL path
 (``/forms/<id>``: the server's port differs between runs) and the submit button's text.
 :func:`gold_actions` writes the action script that solves a task (for supervised pretraining).
@@ -34,9 +36,17 @@ from typing import Any
 from flowrl_ray.envs.forms.actions import format_action
 from flowrl_ray.envs.forms.spec import FieldSpec, FormCatalog, FormSpec
 
-SPLITS = ("train", "heldout", "heldout_values", "heldout_forms")
-KINDS = ("train", "heldout_values", "heldout_forms")
-DEFAULT_PER_FORM = {"train": 32, "heldout_values": 8, "heldout_forms": 8}
+SPLITS = ("train", "sft", "rl", "eval", "heldout", "heldout_values", "heldout_forms")
+KINDS = ("train", "sft", "heldout_values", "heldout_forms")
+#: split aliases: ``rl`` is the training kind RL draws from, ``eval`` both held-out kinds
+SPLIT_KINDS = {"train": ("train",), "rl": ("train",), "sft": ("sft",), "eval": ("heldout_values", "heldout_forms"),
+               "heldout": ("heldout_values", "heldout_forms"), "heldout_values": ("heldout_values",),
+               "heldout_forms": ("heldout_forms",)}
+DEFAULT_PER_FORM = {"train": 32, "sft": 32, "heldout_values": 8, "heldout_forms": 8}
+#: each kind composes free-text values from its own third of every word-part list, so SFT, RL and
+#: evaluation values are disjoint by construction
+VALUE_PART = {"train": 0, "sft": 1, "heldout_values": 2, "heldout_forms": 2}
+N_PARTS = 3
 OPTIONAL_FIELD_P = 0.7        # an optional field is part of the record with this probability
 HELDOUT_EVERY = 4             # every 4th pool entry is held out
 
@@ -142,19 +152,103 @@ def _stable_seed(*parts: object) -> int:
     return int.from_bytes(hashlib.sha256("\x1f".join(map(str, parts)).encode()).digest()[:8], "little")
 
 
+# --------------------------------------------------------------------------- fresh values
+#
+# Free-text values are composed per task from word parts (syllables, stems, suffixes, word lists),
+# so none can be predicted except by reading it from the instruction. Each list is cut into
+# N_PARTS interleaved thirds; a kind (see VALUE_PART) only uses its own third.
+
+PARTS: dict[str, tuple[str, ...]] = {
+    "onset": ("b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "gr", "tr",
+              "st", "sh", "ch", "kl", "pr", "th"),
+    "vowel": ("a", "e", "i", "o", "u", "ai", "ea", "io", "ou"),
+    "coda": ("", "n", "r", "l", "s", "m", "k", "x", "nd", "rt", "sk", "lm"),
+    "company_stem": ("Acorn", "Basalt", "Cobalt", "Delta", "Ember", "Falcon", "Garnet", "Harbor", "Indigo", "Jasper",
+                     "Kelp", "Lattice", "Marble", "Nectar", "Onyx", "Pylon", "Quartz", "Raven", "Sable", "Tundra",
+                     "Umber", "Vortex", "Walnut", "Yarrow", "Zephyr", "Birch", "Copper", "Dune", "Flint", "Gale"),
+    "company_suffix": ("Labs", "Works", "Logistics", "Analytics", "Foods", "Robotics", "Partners", "Media", "Tools",
+                       "Health", "Systems", "Studio", "Freight", "Software", "Energy", "Legal", "Pharma", "Marine",
+                       "Design", "Optics", "Textiles", "Farms", "Group", "Supply"),
+    "street_suffix": ("Street", "Road", "Lane", "Avenue", "Way", "Close", "Drive", "Row", "Court", "Terrace",
+                      "Walk", "Crescent"),
+    "adjective": ("quiet", "rapid", "early", "second", "open", "final", "north", "spare", "blue", "narrow", "warm",
+                  "bright", "short", "heavy", "small", "late", "fresh", "plain", "round", "steady", "dry", "deep",
+                  "soft", "clear"),
+    "noun": ("folder", "batch", "wing", "draft", "desk", "shift", "branch", "run", "annex", "review", "call",
+             "proof", "slot", "gate", "kit", "lot", "parcel", "invoice", "meeting", "sample", "ledger", "bridge",
+             "lamp", "valve", "engine", "garden", "window", "ticket", "report", "cabinet"),
+    "verb": ("call", "send", "keep", "check", "bring", "store", "print", "ship", "review", "label", "pack", "move",
+             "confirm", "collect", "repair", "seal", "deliver", "clean"),
+    "time": ("before noon", "on Monday", "after the visit", "by Friday", "this week", "in the morning",
+             "next month", "on arrival", "at the front desk", "before the meeting", "after lunch", "in spring"),
+    "role": ("Analyst", "Manager", "Engineer", "Technician", "Designer", "Accountant", "Inspector", "Officer",
+             "Editor", "Coordinator", "Assistant", "Specialist", "Planner", "Consultant", "Administrator"),
+    "discipline": ("Biology", "Engineering", "History", "Mathematics", "Science", "Psychology", "Planning",
+                   "Literature", "Health", "Economics", "Ecology", "Physics", "Linguistics", "Design", "Chemistry",
+                   "Management", "Geology", "Statistics"),
+}
+
+
+def part(name: str, kind: str) -> tuple[str, ...]:
+    """The third of a word-part list that ``kind`` composes its values from."""
+    k = VALUE_PART[kind]
+    return tuple(x for i, x in enumerate(PARTS[name]) if i % N_PARTS == k)
+
+
+def _word(rng: random.Random, kind: str, syllables: tuple[int, int] = (2, 3)) -> str:
+    """A pronounceable made-up word, capitalised: 2-3 syllables onset+vowel, the last with a coda."""
+    n = rng.randint(*syllables)
+    out = "".join(rng.choice(part("onset", kind)) + rng.choice(part("vowel", kind)) for _ in range(n))
+    return (out + rng.choice(part("coda", kind))).capitalize()
+
+
+def fresh_value(src: str, rng: random.Random, kind: str) -> str:
+    """A value of the sample type ``src`` composed afresh (never drawn whole from a fixed list)."""
+    if src in ("first_name", "last_name", "city"):
+        return _word(rng, kind)
+    if src == "company":
+        return f"{_word(rng, kind, (1, 2))} {rng.choice(part('company_stem', kind))} {rng.choice(part('company_suffix', kind))}"
+    if src == "street":
+        return f"{rng.randint(1, 250)} {_word(rng, kind)} {rng.choice(part('street_suffix', kind))}"
+    if src == "country":
+        return _word(rng, kind) + rng.choice(("ia", "land", "stan", "a"))
+    if src == "university":
+        return f"{_word(rng, kind)} {rng.choice(('University', 'College', 'Institute'))}"
+    if src == "subject":
+        return f"{_word(rng, kind, (1, 2))} {rng.choice(part('discipline', kind))}"
+    if src == "title":
+        return f"The {rng.choice(part('adjective', kind)).capitalize()} {_word(rng, kind, (1, 2))} {rng.choice(part('noun', kind)).capitalize()}"
+    if src == "job_title":
+        return f"{_word(rng, kind, (1, 2))} {rng.choice(part('role', kind))}"
+    if src == "phrase":
+        return f"{rng.choice(part('adjective', kind))} {rng.choice(part('noun', kind))}"
+    if src == "product":
+        return f"{_word(rng, kind, (1, 2))} {rng.choice(part('noun', kind))} {rng.choice('ABCDEFGHKLMPRSTX')}{rng.randint(2, 990)}"
+    if src == "sentence":
+        n = 2 if rng.random() < 0.4 else 1
+        return " ".join(f"Please {rng.choice(part('verb', kind))} the {rng.choice(part('adjective', kind))} "
+                        f"{rng.choice(part('noun', kind))} {rng.choice(part('time', kind))}." for _ in range(n))
+    raise KeyError(src)
+
+
+FRESH = ("first_name", "last_name", "city", "company", "street", "country", "university", "subject", "title", "job_title",
+         "phrase", "product", "sentence")
+
+
 # --------------------------------------------------------------------------- records
 
-def _persona(rng: random.Random, heldout: bool) -> dict[str, str]:
+def _persona(rng: random.Random, kind: str) -> dict[str, str]:
     """One coherent person per record: the name, email and company fields agree."""
-    first, last = rng.choice(pool("first_name", heldout)), rng.choice(pool("last_name", heldout))
-    company = rng.choice(pool("company", heldout))
+    first, last = fresh_value("first_name", rng, kind), fresh_value("last_name", rng, kind)
+    company = fresh_value("company", rng, kind)
     return {"first_name": first, "last_name": last, "full_name": f"{first} {last}", "company": company,
-            "email": f"{first.lower()}.{last.lower()}@{rng.choice(EMAIL_DOMAINS)}",
-            "city": rng.choice(pool("city", heldout))}
+            "email": f"{first.lower()}.{last.lower()}{rng.randint(1, 99)}@{rng.choice(EMAIL_DOMAINS)}",
+            "city": fresh_value("city", rng, kind)}
 
 
-def _sample_text(f: FieldSpec, rng: random.Random, heldout: bool, persona: dict[str, str]) -> str:
+def _sample_text(f: FieldSpec, rng: random.Random, kind: str, persona: dict[str, str]) -> str:
     src = f.sample
+    heldout = kind in ("heldout_values", "heldout_forms")
     if isinstance(src, tuple):
         return rng.choice(_split_list(src, heldout))
     if src is None:
@@ -169,22 +263,16 @@ def _sample_text(f: FieldSpec, rng: random.Random, heldout: bool, persona: dict[
         letters = "".join(rng.choice("ABCDEFGHJKLMNPRSTUVWXYZ") for _ in range(3))
         return f"{letters}-{rng.randint(1000, 9999)}"
     if src == "url":
-        slug = persona["company"].split()[0].lower().replace("&", "and")
+        slug = persona["company"].split()[0].lower()
         return f"https://{slug}{rng.choice(URL_SUFFIXES)}"
-    if src == "street":
-        return f"{rng.randint(1, 250)} {rng.choice(pool('street', heldout))}"
-    if src == "sentence":
-        first = rng.choice(pool("sentence", heldout))
-        if rng.random() < 0.4:
-            second = rng.choice([s for s in pool("sentence", heldout) if s != first])
-            return f"{first} {second}"
-        return first
+    if src in FRESH:
+        return fresh_value(src, rng, kind)
     return rng.choice(pool(src, heldout))
 
 
-def _sample_value(f: FieldSpec, rng: random.Random, heldout: bool, persona: dict[str, str]) -> Any:
+def _sample_value(f: FieldSpec, rng: random.Random, kind: str, persona: dict[str, str]) -> Any:
     if f.type in ("text", "textarea", "email", "tel"):
-        return _sample_text(f, rng, heldout, persona)
+        return _sample_text(f, rng, kind, persona)
     if f.type == "number":
         if f.min is not None:
             lo = f.min
@@ -207,15 +295,17 @@ def _sample_value(f: FieldSpec, rng: random.Random, heldout: bool, persona: dict
     return True                                       # a yes/no box in the record is ticked
 
 
-def draw_record(form: FormSpec, rng: random.Random, heldout: bool) -> dict[str, Any]:
-    """A gold record: every required field, each optional one with probability 0.7 (an optional
-    yes/no box only when ticked). Keys follow the form's field order."""
-    persona = _persona(rng, heldout)
+def draw_record(form: FormSpec, rng: random.Random, kind: str | bool) -> dict[str, Any]:
+    """A gold record of a task kind: every required field, each optional one with probability
+    0.7 (an optional yes/no box only when ticked). Keys follow the form's field order."""
+    if isinstance(kind, bool):                        # held-out flag (older callers)
+        kind = "heldout_values" if kind else "train"
+    persona = _persona(rng, kind)
     record = {}
     for f in form.fields:
         if not f.required and rng.random() > OPTIONAL_FIELD_P:
             continue
-        record[f.name] = _sample_value(f, rng, heldout, persona)
+        record[f.name] = _sample_value(f, rng, kind, persona)
     return record
 
 
@@ -248,7 +338,7 @@ GROUP_TEMPLATES = ("{label}: {values}.", "Under {label}, tick {values}.", "For {
 
 
 def _statement(f: FieldSpec, value: Any, rng: random.Random) -> str:
-    label = f.label if rng.random() < 0.7 else f.label.lower()
+    label = f.label                                   # the surface form the action quotes
     if f.type == "checkbox" and not f.is_group:
         return rng.choice(TICK_TEMPLATES).format(label=f.label)
     if f.is_group:
@@ -305,7 +395,7 @@ def make_task(form: FormSpec, kind: str, seed: int, index: int) -> FormTask:
     if kind not in KINDS:
         raise ValueError(f"unknown task kind {kind!r} (one of {', '.join(KINDS)})")
     rng = random.Random(_stable_seed("flowrl-forms", kind, form.id, seed, index))
-    record = draw_record(form, rng, heldout=kind != "train")
+    record = draw_record(form, rng, kind)
     return FormTask(task_id=task_id(kind, form.id, seed, index), form_id=form.id, url=form.path,
                     instruction=write_instruction(form, record, rng), ground_truth_fields=record, split=kind)
 
@@ -328,7 +418,7 @@ def load_tasks(split: str, forms_dir: str | Path | None = None, seed: int = 0, p
     if per_form is not None and per_form < 1:
         raise ValueError(f"per_form must be >= 1, got {per_form}")
     catalog = catalog if catalog is not None else FormCatalog.load(forms_dir)
-    kinds = ("heldout_values", "heldout_forms") if split == "heldout" else (split,)
+    kinds = SPLIT_KINDS[split]
     tasks = []
     for kind in kinds:
         n = per_form or DEFAULT_PER_FORM[kind]
