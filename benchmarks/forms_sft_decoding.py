@@ -9,7 +9,7 @@ Run from the repository root after `flowrl-ray pretrain configs/flow_grpo/forms_
     .venv/bin/python benchmarks/forms_sft_decoding.py
     .venv/bin/python benchmarks/forms_sft_decoding.py --steps 12 48 192 --tasks 48 algo.sft_checkpoint=DIR
 
-Per split (train, held-out values, held-out forms; ``--tasks`` tasks drawn evenly from each) and
+Per task kind (RL train, SFT, held-out values, held-out forms; ``--tasks`` tasks drawn evenly from each) and
 step count: gold actions found, scripts entirely right, lines that do not parse, and the seconds
 the generation took. It also counts prompts longer than ``algo.max_prompt_len`` and gold
 scripts that do not fit ``algo.gen_length``: those tasks cannot be solved at all.
@@ -59,7 +59,7 @@ def main() -> None:
     from flowrl_ray.algorithms.flow_grpo import warn_if_cut
     from flowrl_ray.config import apply_overrides, config_from_dict, read_yaml
     from flowrl_ray.envs.forms import FormCatalog, FormsSettings, gold_actions, load_tasks
-    from flowrl_ray.envs.forms.tasks import KINDS             # train, held-out values, held-out forms
+    from flowrl_ray.envs.forms.tasks import KINDS             # rl (train), sft, held-out values, held-out forms
     from flowrl_ray.models.masked_diffusion import load_sft_checkpoint
     from flowrl_ray.pretrain_text import prompt_text
 

@@ -293,8 +293,8 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     data = apply_overrides(read_yaml(args.config), args.overrides)
     if data.get("algorithm") == "flow_grpo":
         return _pretrain_text(args, data)
-    if args.tasks_per_form is not None:
-        raise UserError("--tasks-per-form is for Flow-GRPO configs (the forms SFT)")
+    if args.tasks_per_form is not None or args.copy_aux:
+        raise UserError("--tasks-per-form and --copy-aux are for Flow-GRPO configs (the forms SFT)")
     if data.get("algorithm") == "fed_grpo":
         return _pretrain_edm(args, data)
     from flowrl_ray.pretrain import pretrain
@@ -322,6 +322,8 @@ def _pretrain_text(args: argparse.Namespace, data: dict) -> int:
                         "forms train split (then `flowrl-ray train` evaluates on held-out tasks)")
     if args.epochs is not None and args.steps is not None:
         raise UserError("--epochs and --steps: give one SFT budget, not both")
+    if args.copy_aux < 0:
+        raise UserError(f"--copy-aux must be >= 0, got {args.copy_aux}")
     if args.tasks_per_form is not None and args.tasks_per_form < 1:
         raise UserError(f"--tasks-per-form must be >= 1, got {args.tasks_per_form}")
     cfg = config_from_dict(data)
@@ -331,7 +333,7 @@ def _pretrain_text(args: argparse.Namespace, data: dict) -> int:
                             lr=1e-3 if args.lr is None else args.lr,
                             tasks_per_form=200 if args.tasks_per_form is None else args.tasks_per_form,
                             seed=cfg.seed if args.seed is None else args.seed,
-                            progress=True)
+                            copy_aux=args.copy_aux, progress=True)
     print(json.dumps(summary), flush=True)
     return 0
 
@@ -588,8 +590,11 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--steps", type=int, help="optimiser steps, default 2000 (EDM for FED-GRPO configs, the "
                     "language model of Flow-GRPO configs)")
     pr.add_argument("--tasks-per-form", type=int,
-                    help="language model: train-split tasks drawn per form for SFT, default 200 "
-                         "(the split's first 32 plus new records from the training value pools)")
+                    help="language model: tasks drawn per training form for SFT, default 200 "
+                         "(the sft task set: its own values, disjoint from the RL and evaluation tasks)")
+    pr.add_argument("--copy-aux", type=float, default=0.0, metavar="F",
+                    help="language model: add F auxiliary 'repeat the quoted value' pairs per task pair "
+                         "(default 0)")
     pr.add_argument("--eval-samples", type=int, default=0,
                     help="EDM: then sample N molecules and report stability, validity, uniqueness")
     pr.add_argument("--seed", type=int, help="default: the config's seed")
@@ -619,7 +624,7 @@ def build_parser() -> argparse.ArgumentParser:
     ft = fsub.add_parser("tasks", help="print a split's tasks as JSON lines",
                          description="Print the tasks of a split, one JSON object per line: task_id, form_id, url, "
                                      "instruction, ground_truth_fields, split. The same seed gives the same tasks.")
-    ft.add_argument("--split", required=True, choices=["train", "heldout", "heldout_values", "heldout_forms"])
+    ft.add_argument("--split", required=True, choices=["train", "sft", "rl", "eval", "heldout", "heldout_values", "heldout_forms"])
     ft.add_argument("--seed", type=int, default=0)
     ft.add_argument("--per-form", type=int, help="tasks per form (default 32 train, 8 per held-out kind)")
     ft.add_argument("--forms-dir", help="a directory of extra form spec files (*.json)")

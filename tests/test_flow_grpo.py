@@ -186,6 +186,7 @@ def test_pretrain_cli_refuses_two_budgets_and_a_bad_task_count(tmp_path):
     config.write_text(yaml.safe_dump(_config(tmp_path, str(tmp_path / "sft"))))
     assert main(["pretrain", str(config), "--epochs", "1", "--steps", "3"]) == 2
     assert main(["pretrain", str(config), "--tasks-per-form", "0"]) == 2
+    assert main(["pretrain", str(config), "--copy-aux", "-0.5"]) == 2
     assert not (tmp_path / "sft").exists()
 
 
