@@ -146,7 +146,7 @@ def main(argv=None) -> dict:
     outs = []
     for i in range(0, len(tasks), args.batch):
         outs += lm.generate_text([prompt_text(t, catalog) for t in tasks[i:i + args.batch]], c.gen_length,
-                                 steps=steps, temperature=0.0, max_prompt_len=c.max_prompt_len)
+                                 steps=steps, temperature=0.0, max_prompt_len=c.max_prompt_len, sampler=c.sampler)
     seconds = time.perf_counter() - t0
     scored = [score_task(t, catalog[t.form_id], o, catalog) for t, o in zip(tasks, outs)]
     summary = summarize(scored, args.n_boot)

@@ -87,7 +87,7 @@ def main() -> None:
         for steps in args.steps:
             t0 = time.perf_counter()
             outs = lm.generate_text(prompts, c.gen_length, steps=steps, temperature=0.0,
-                                    max_prompt_len=c.max_prompt_len)
+                                    max_prompt_len=c.max_prompt_len, sampler=c.sampler)
             seconds = time.perf_counter() - t0
             found = total = bad = whole = 0
             for out, gold in zip(outs, golds):

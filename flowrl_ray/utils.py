@@ -1,4 +1,4 @@
-"""Small shared helpers: atomic file writes, seeding, device choice, formatting."""
+"""Small shared helpers: atomic file writes, seeding, device choice, frozen copies, formatting."""
 
 from __future__ import annotations
 
@@ -42,6 +42,16 @@ def seed_everything(seed: int) -> None:
 def default_device() -> torch.device:
     """The one place that picks the device: CUDA when present, else CPU."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def frozen_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A frozen copy (eval mode, no gradients) of ``module``: the KL reference of GRPO-style
+    algorithms, i.e. the model they started from."""
+    import copy
+    ref = copy.deepcopy(module).eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref
 
 
 def format_duration(seconds: float) -> str:

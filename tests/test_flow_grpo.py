@@ -103,7 +103,10 @@ def test_tied_rewards_leave_the_model_unchanged(sft_dir):
 
 def test_update_raises_the_log_prob_of_the_better_rollout_and_moves_away_from_the_reference(sft_dir):
     from flowrl_ray.models.masked_diffusion import trajectory_log_probs
+    from flowrl_ray.utils import frozen_copy
     algo = _algorithm(sft_dir, learning_rate=3e-3, epochs=1, kl_coeff=0.0)
+    assert algo.reference is None                     # no KL term: no reference kept
+    start = frozen_copy(algo.lm.model)
     chunks = algo.generate(1, "train")
     traj = algo.pending["trajectory"]
     old = traj["logp"].sum(0)                                           # [4] log pi_old(completion)
@@ -113,10 +116,10 @@ def test_update_raises_the_log_prob_of_the_better_rollout_and_moves_away_from_th
     with torch.no_grad():
         algo.lm.model.eval()
         new = trajectory_log_probs(algo.lm.model, traj, algo.c.generation_temperature).sum(0)
-        ref = trajectory_log_probs(algo.reference, traj, algo.c.generation_temperature).sum(0)
+        ref = trajectory_log_probs(start, traj, algo.c.generation_temperature).sum(0)
     change = new - old
     assert change[0] > 0 and change[2] > 0 and change[1] < 0 and change[3] < 0
-    assert torch.allclose(ref, old, atol=1e-5)                          # the reference stays frozen
+    assert torch.allclose(ref, old, atol=1e-5)                          # the start policy
     assert (k3_kl(new, ref) > 0).all()
 
 

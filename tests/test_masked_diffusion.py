@@ -349,10 +349,18 @@ def test_lora_switch_trains_only_adapters_and_round_trips(tok_dir, tmp_path):
         "lora_" in n for n, p in again.model.named_parameters() if p.requires_grad)
 
 
-def test_4bit_switch_errors_clearly_without_cuda(tok_dir, monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+def test_4bit_switch_errors_clearly_without_bitsandbytes(tok_dir, monkeypatch):
+    import builtins
+    real_import = builtins.__import__
+
+    def no_bitsandbytes(name, *args, **kwargs):
+        if name == "bitsandbytes":
+            raise ImportError("No module named 'bitsandbytes'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_bitsandbytes)
     cfg = {**TINY, "tokenizer_path": tok_dir, "load_in_4bit": True, "lora": {"r": 4}}
-    with pytest.raises(ConfigError, match=r"'algo.model.load_in_4bit'.*CUDA"):
+    with pytest.raises(ConfigError, match=r"'algo.model.load_in_4bit'.*bitsandbytes"):
         md.build_masked_lm(cfg)
     with pytest.raises(ConfigError, match=r"'algo.model.load_in_4bit'.*lora"):
         md.build_masked_lm({**cfg, "lora": None})

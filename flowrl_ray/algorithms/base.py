@@ -147,16 +147,6 @@ def dropout_off(module: nn.Module):
             m.train(mode)
 
 
-def frozen_copy(module: nn.Module) -> nn.Module:
-    """A frozen copy (eval mode, no gradients) of ``module``: the KL reference of GRPO-style
-    algorithms, i.e. the model they started from."""
-    import copy
-    ref = copy.deepcopy(module).eval()
-    for p in ref.parameters():
-        p.requires_grad_(False)
-    return ref
-
-
 class LRSchedule:
     """The learning-rate multiplier of a ``LambdaLR``, over steps (iterations or optimiser steps):
     a linear warm-up over ``warmup`` steps, ``(step + 1) / warmup``, then ``kind`` over the

@@ -33,7 +33,8 @@ come from ``update_generator`` (seed + 1), saved in the state_dict: a resumed ru
 Log-probs of a ratio: at the start of an update the old log-probs (the weights that generated)
 are recomputed for every (minibatch, step) the update will use (the first minibatch's from its
 own first forward pass, which comes before any step), the reference's on first use (cached for
-the later epochs), and the new ones in the loss, all with dropout off (:func:`dropout_off`, LoRA dropout included) and the sums
+the later epochs; :class:`~flowrl_ray.models.masked_diffusion.KLReference`: a LoRA model's base
+with adapters off, or a frozen copy of its SFT adapter, never a second base), and the new ones in the loss, all with dropout off (:func:`dropout_off`, LoRA dropout included) and the sums
 over a step's tokens in float64: every ratio is exactly 1 before the first optimiser step.
 """
 
@@ -48,7 +49,7 @@ import numpy as np
 import torch
 
 from flowrl_ray.algorithms.advantages import group_advantages
-from flowrl_ray.algorithms.base import Algorithm, clip_and_step, dropout_off, frozen_copy
+from flowrl_ray.algorithms.base import Algorithm, clip_and_step, dropout_off
 from flowrl_ray.algorithms.losses import ppo_clip_objective
 from flowrl_ray.batch import Batch
 from flowrl_ray.config import Config, ConfigError, check
@@ -71,7 +72,7 @@ class MaskedLMConfig:
     max_len: int = field(default=384, metadata=check(gt=0))
     vocab_size: int = field(default=2048, metadata=check(gt=0))     # the offline tokenizer's
     lora: Optional[dict] = None                # {r, alpha, dropout, target_modules}: peft LoRA
-    load_in_4bit: bool = False                 # QLoRA (bitsandbytes, CUDA only)
+    load_in_4bit: bool = False                 # QLoRA (bitsandbytes NF4; GPU, or CPU in float32)
 
 
 @dataclass
@@ -91,6 +92,8 @@ class FlowGRPOConfig:
     adv_clip_max: float = field(default=5.0, metadata=check(gt=0))
     grad_clip: float = field(default=1.0, metadata=check(gt=0))
     num_generation_steps: int = field(default=10, metadata=check(gt=0))
+    sampler: str = "gumbel_topk"               # which positions a step unmasks: gumbel_topk |
+    #                                          confidence_topk (the ReFusion reference generate)
     generation_temperature: float = field(default=0.7, metadata=check(ge=0))
     gen_length: int = field(default=96, metadata=check(gt=0))         # completion tokens
     max_prompt_len: int = field(default=192, metadata=check(gt=0))
@@ -139,6 +142,9 @@ class FlowGRPO(Algorithm):
             raise ConfigError(f"config key 'algo.minibatch_groups': {c.minibatch_groups} groups per minibatch "
                               f"must divide algo.prompts_per_iteration ({c.prompts_per_iteration} groups per "
                               f"iteration)" + (" (it is larger)" if c.minibatch_groups > c.prompts_per_iteration else ""))
+        from flowrl_ray.models.masked_diffusion import SAMPLERS
+        if c.sampler not in SAMPLERS:
+            raise ConfigError(f"config key 'algo.sampler': {c.sampler!r} is not one of {', '.join(SAMPLERS)}")
         if c.num_generation_steps > c.gen_length:
             raise ConfigError(f"config key 'algo.num_generation_steps': {c.num_generation_steps} steps "
                               f"for {c.gen_length} tokens (algo.gen_length)")
@@ -152,8 +158,11 @@ class FlowGRPO(Algorithm):
         super().__init__(cfg, spec, device)
         from flowrl_ray.envs.forms import FormCatalog, FormsSettings, load_tasks
         self.c: FlowGRPOConfig = cfg.algo
+        from flowrl_ray.models.masked_diffusion import KLReference
         self.lm = load_policy_lm(cfg, device)                          # theta (trainable)
-        self.reference = frozen_copy(self.lm.model)                    # the SFT model, for k3
+        # pi_ref of k3, the SFT model: a LoRA model's base with adapters off (or a frozen copy
+        # of its SFT adapter), never a second copy of an 8B base
+        self.reference = KLReference(self.lm.model) if self.c.kl_coeff > 0 else None
         params = [p for p in self.lm.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=self.c.learning_rate, weight_decay=0.0)
         forms = FormsSettings.from_env_cfg(cfg.env)
@@ -206,7 +215,7 @@ class FlowGRPO(Algorithm):
         self.lm.model.eval()
         sequences, traj = generate_with_trajectory(
             self.lm.model, prompt_ids.to(self.device), prompt_mask.to(self.device), c.gen_length,
-            c.num_generation_steps, temperature, self.lm.mask_token_id, self.generator)
+            c.num_generation_steps, temperature, self.lm.mask_token_id, self.generator, sampler=c.sampler)
         texts = self.lm.decode(sequences, prompt_ids.shape[1])
         self.pending = {"mode": mode, "trajectory": traj, "n": len(rows), "texts": texts,
                         "splits": [t.split for t in rows]}
@@ -265,6 +274,12 @@ class FlowGRPO(Algorithm):
             return step_log_prob64(model, traj["states"][s][rows], traj["attention_mask"][rows],
                                    traj["unmasked"][s][rows], traj["tokens"][s][rows], temp)
 
+    @torch.no_grad()
+    def _reference_log_prob(self, traj: dict, s: int, rows: torch.Tensor) -> torch.Tensor:
+        """log pi_ref(step s) of ``rows`` (float64 [len(rows)]): the KL reference's forward."""
+        with self.reference.model() as ref:
+            return self._step_log_prob(ref, traj, s, rows)
+
     def update(self, p: dict) -> dict[str, float]:
         c, traj = self.c, p["trajectory"]
         adv = p["advantages"].double()                                        # [B]
@@ -298,6 +313,8 @@ class FlowGRPO(Algorithm):
                     if weight.sum() == 0:
                         continue
                     weight = weight / weight.sum() / len(picked)              # mean over rows, 1/K over steps
+                    if c.kl_coeff > 0 and (mb, s) not in ref:              # before the graph is built:
+                        ref[mb, s] = self._reference_log_prob(traj, s, rows)   # (adapters switch)
                     logp = self._step_log_prob(model, traj, s, rows)         # [mb] with gradients
                     if (mb, s) not in old:                                     # no step taken yet
                         old[mb, s] = logp.detach()
@@ -307,9 +324,6 @@ class FlowGRPO(Algorithm):
                     log_ratio = logp - old[mb, s]
                     ratio = torch.exp(log_ratio)
                     pg = -ppo_clip_objective(ratio, a, c.clip_range)
-                    if c.kl_coeff > 0 and (mb, s) not in ref:
-                        with torch.no_grad():
-                            ref[mb, s] = self._step_log_prob(self.reference, traj, s, rows)
                     kl = k3_kl(logp, ref[mb, s]) if c.kl_coeff > 0 else torch.zeros_like(logp)
                     loss = ((pg + c.kl_coeff * kl) * weight).sum()
                     if not torch.isfinite(loss):

@@ -26,7 +26,12 @@ position, the clean token (no shift: position i's logits are for token i, as in 
   :meth:`MaskedDiffusionLM.save` writes a checkpoint (after :func:`fit_sft`) that
   :func:`load_sft_checkpoint` reads back with the config's switches.
 * ``lora``: peft LoRA adapters (only they are trainable). ``load_in_4bit``: QLoRA, bitsandbytes
-  NF4 weights + ``prepare_model_for_kbit_training``; needs CUDA (a clear error otherwise) and LoRA.
+  NF4 weights + ``prepare_model_for_kbit_training``; needs LoRA and bitsandbytes (a clear error
+  otherwise). On a GPU the compute dtype is bfloat16 (float16 without bf16); without one the
+  weights stay on the CPU in float32 compute (slow; dimensions that are multiples of 32).
+* :class:`KLReference`: the frozen reference policy of the KL penalty without a second copy of
+  a LoRA model's base weights (the base with adapters disabled, or a frozen named copy of the
+  adapter); a model without adapters gets a frozen deep copy.
 
 The mask token is never proposed: :func:`masked_lm_logits` sets its logit to ``-inf`` (the id is
 kept on ``model.config.mask_token_id``), so the sampler, the log-probs and the SFT loss all use the
@@ -48,11 +53,20 @@ positions. With z = logits / tau (tau = temperature; 1 when temperature = 0) at 
 and the k_s still-masked positions with the largest score are unmasked (their tokens placed).
 At temperature 0 there is no noise: tokens are the argmax, positions the k_s most confident.
 The Gumbel-top-k on log-confidence draws positions without replacement with probability
-proportional to the (tempered) confidence of their sampled token. A final pass fills whatever is
+proportional to the (tempered) confidence of their sampled token. This is ``sampler:
+gumbel_topk`` (the default).
+
+``sampler: confidence_topk`` is the ReFusion reference ``generate``: the same Gumbel-max tokens,
+but positions chosen deterministically, the k_s largest untempered probabilities
+``softmax(logits)_i[a_i]`` of the sampled tokens, with the reference's schedule
+``k_s = floor((s + 1) Lg / T) - floor(s Lg / T)``. (Unlike the reference, [MASK] is never
+proposed here, with either sampler.) A model fine-tuned with that ``generate`` is decoded as it
+was trained. A final pass fills whatever is
 still masked (with the schedule above nothing is left; the pass is a guard, recorded only when it
 unmasks something, never as an empty step).
 
-Flow-GRPO log-prob of step s (only tokens count; which positions were chosen does not):
+Flow-GRPO log-prob of step s, either sampler (only tokens count; which positions were chosen
+does not):
 
     log pi_theta(step s) = sum_{i in U_s} log softmax(logits_theta(x_s) / tau)_i [a_i]
 
@@ -73,6 +87,7 @@ region, and :meth:`MaskedDiffusionLM.decode` stops at the first [EOS]/[PAD].
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -88,6 +103,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flowrl_ray.config import ConfigError, check_known_keys
+from flowrl_ray.utils import frozen_copy
 
 SFT_T_EPS = 1e-3
 
@@ -107,7 +123,7 @@ DEFAULT_MODEL_CFG: dict[str, Any] = {
     "vocab_size": 2048,         # the offline tokenizer's (for train_tokenizer; the model's
                                 # vocabulary is len(tokenizer))
     "lora": None,               # {r, alpha, dropout, target_modules} or None
-    "load_in_4bit": False,      # QLoRA (bitsandbytes NF4, CUDA only); needs lora
+    "load_in_4bit": False,      # QLoRA (bitsandbytes NF4; CUDA, or CPU in float32); needs lora
     "dtype": "auto",            # HF checkpoints: auto | float32 | bfloat16 | float16
 }
 DEFAULT_LORA_CFG: dict[str, Any] = {"r": 8, "alpha": 16, "dropout": 0.05, "target_modules": None}
@@ -227,14 +243,13 @@ def check_model_config(model_cfg: Mapping | Any, sft_checkpoint: str | None = No
 
 
 def _check_4bit_available(prefix: str) -> None:
-    if not torch.cuda.is_available():
-        raise _err(prefix, "load_in_4bit", "4-bit QLoRA (bitsandbytes) needs a CUDA GPU and none "
-                   f"is available here; set {prefix}.load_in_4bit=false (LoRA alone runs on CPU)")
+    """bitsandbytes is installed (the ``text`` extra). It runs NF4 on a CUDA GPU and, slowly, on
+    the CPU (float32 compute); without a GPU the weights stay on the CPU."""
     try:
         import bitsandbytes  # noqa: F401
     except ImportError as e:
-        raise _err(prefix, "load_in_4bit", "4-bit QLoRA needs bitsandbytes: "
-                   f"`pip install bitsandbytes` on the CUDA machine ({e})") from e
+        raise _err(prefix, "load_in_4bit", "4-bit QLoRA needs bitsandbytes: `pip install "
+                   f"'flowrl-ray[text]'` (or set {prefix}.load_in_4bit=false) ({e})") from e
 
 
 # --------------------------------------------------------------------------- holder
@@ -310,11 +325,11 @@ class MaskedDiffusionLM:
     @torch.no_grad()
     def generate_text(self, texts: Sequence[str], gen_length: int, steps: int,
                       temperature: float = 0.0, generator: torch.Generator | None = None,
-                      max_prompt_len: int | None = None) -> list[str]:
+                      max_prompt_len: int | None = None, sampler: str = "gumbel_topk") -> list[str]:
         """Prompts in, completions out (encode -> :func:`generate` -> decode)."""
         ids, mask = self.encode_prompts(texts, max_prompt_len)
         seqs = generate(self.model, ids, mask, gen_length, steps, temperature,
-                        self.mask_token_id, generator)
+                        self.mask_token_id, generator, sampler=sampler)
         return self.decode(seqs, ids.shape[1])
 
     def save(self, path: str | os.PathLike) -> None:
@@ -339,8 +354,86 @@ class MaskedDiffusionLM:
                 self.tokenizer.save_pretrained(base_dir)
                 for cfg in model.peft_config.values():
                     cfg.base_model_name_or_path = base_dir
-        model.save_pretrained(path)
+            # the KL reference's frozen adapter copy is not part of the policy
+            names = [n for n in model.peft_config if n != REFERENCE_ADAPTER]
+            model.save_pretrained(path, selected_adapters=names)
+        else:
+            model.save_pretrained(path)
         self.tokenizer.save_pretrained(path)
+
+
+# --------------------------------------------------------------------------- KL reference
+
+#: the name of the frozen adapter copy that :class:`KLReference` adds to a trained loaded adapter
+REFERENCE_ADAPTER = "kl_reference"
+
+
+class KLReference:
+    """The reference policy pi_ref of the KL penalty: ``model`` as it is when this is made (the
+    SFT model), frozen. ``with ref.model() as m:`` gives a module whose forward is pi_ref's; run it
+    under ``no_grad``. Three cases, chosen by what ``model`` is:
+
+    * ``"adapters_disabled"``: a peft LoRA model whose adapter is still a no-op (every
+      ``lora_B`` is zero: a fresh RL adapter on the SFT weights). pi_ref is the base with the
+      adapters switched off (peft's ``disable_adapter``, as TRL and verl do): no extra memory.
+    * ``"adapter_copy"``: a peft LoRA model that trains a loaded (SFT) adapter. The adapter is
+      copied, frozen, as a second named adapter (:data:`REFERENCE_ADAPTER`) on the same base and
+      switched in for the reference's forward (``set_adapter``): one more adapter, not a base.
+    * ``"copy"``: no adapters (the small offline model, full fine-tuning): a frozen deep copy.
+
+    Switching adapters leaves every parameter's ``requires_grad`` as it was.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.policy = model
+        self._copy: nn.Module | None = None
+        if not hasattr(model, "peft_config"):
+            self.kind, self._copy = "copy", frozen_copy(model)
+            return
+        name = model.active_adapter
+        if model.peft_config[name].peft_type != "LORA":               # (a str enum)
+            self.kind, self._copy = "copy", frozen_copy(model)         # other peft methods
+            return
+        self.adapter = name
+        lora_b = [p for n, p in model.named_parameters() if f".lora_B.{name}." in n]
+        if lora_b and not any(bool(p.detach().any()) for p in lora_b):
+            self.kind = "adapters_disabled"
+            return
+        import copy
+
+        from peft import get_peft_model_state_dict, set_peft_model_state_dict
+        flags = {n: p.requires_grad for n, p in model.named_parameters()}
+        model.add_adapter(REFERENCE_ADAPTER, copy.deepcopy(model.peft_config[name]))
+        set_peft_model_state_dict(model, get_peft_model_state_dict(model, adapter_name=name),
+                                  adapter_name=REFERENCE_ADAPTER)
+        model.set_adapter(name)
+        for n, p in model.named_parameters():
+            p.requires_grad_(flags.get(n, False))                    # the copy: frozen
+        self.kind = "adapter_copy"
+
+    @contextlib.contextmanager
+    def model(self):
+        """The module to run pi_ref with (under ``no_grad``)."""
+        if self._copy is not None:
+            yield self._copy
+        elif self.kind == "adapters_disabled":
+            with self.policy.disable_adapter():
+                yield self.policy
+        else:
+            flags = [(p, p.requires_grad) for p in self.policy.parameters()]
+            self.policy.set_adapter(REFERENCE_ADAPTER)
+            try:
+                yield self.policy
+            finally:
+                self.policy.set_adapter(self.adapter)
+                for p, flag in flags:
+                    p.requires_grad_(flag)
+
+    def extra_parameters(self) -> int:
+        """Parameters pi_ref holds beyond the policy's own (the memory it costs)."""
+        if self._copy is not None:
+            return sum(p.numel() for p in self._copy.parameters())
+        return sum(p.numel() for n, p in self.policy.named_parameters() if f".{REFERENCE_ADAPTER}." in n)
 
 
 # --------------------------------------------------------------------------- building
@@ -377,6 +470,13 @@ def build_masked_lm(model_cfg: Mapping | Any, tokenizer: Any = None, seed: int |
     if hasattr(model.config, "use_cache"):
         model.config.use_cache = False
 
+    if cfg["load_in_4bit"] and not torch.cuda.is_available():
+        # bitsandbytes repacks a CPU layer's weights for speed on its first eval-mode forward
+        # without gradients (sampling), into a layout whose matmul has no backward: the update
+        # after it would get zero gradients. Keep the layout that trains.
+        for m in model.modules():
+            if hasattr(m, "support_avx512bf16_for_cpu"):
+                m.support_avx512bf16_for_cpu = False
     if cfg["load_in_4bit"] and not hasattr(model, "peft_config"):   # (adapters: done on the base)
         from peft import prepare_model_for_kbit_training
         model = prepare_model_for_kbit_training(
@@ -461,8 +561,12 @@ def _load_pretrained(path: str, cfg: dict, prefix: str) -> nn.Module:
         kwargs["dtype"] = torch.float32
     if cfg["load_in_4bit"]:
         from transformers import BitsAndBytesConfig
-        compute = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-        kwargs.update(dtype=compute, device_map={"": torch.cuda.current_device()},
+        if torch.cuda.is_available():
+            compute = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+            place: Any = torch.cuda.current_device()
+        else:                                  # bitsandbytes' CPU path: float32 compute
+            compute, place = torch.float32, "cpu"
+        kwargs.update(dtype=compute, device_map={"": place},
                       quantization_config=BitsAndBytesConfig(
                           load_in_4bit=True, bnb_4bit_quant_type="nf4",
                           bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute))
@@ -565,12 +669,26 @@ def _tau(temperature: float) -> float:
 
 # --------------------------------------------------------------------------- sampling
 
-def unmask_schedule(gen_length: int, steps: int) -> list[int]:
-    """k_s = floor(Lg / T) + 1[s < Lg mod T], zero entries dropped: sums to gen_length."""
+#: the samplers: which positions a step unmasks (see the module docstring)
+SAMPLERS = ("gumbel_topk", "confidence_topk")
+
+
+def unmask_schedule(gen_length: int, steps: int, sampler: str = "gumbel_topk") -> list[int]:
+    """Positions unmasked per step, zero entries dropped; sums to gen_length.
+
+    gumbel_topk:      k_s = floor(Lg / T) + 1[s < Lg mod T]
+    confidence_topk:  k_s = floor((s + 1) Lg / T) - floor(s Lg / T)     (the reference generate)
+    """
     if gen_length <= 0 or steps <= 0:
         raise ValueError(f"gen_length and steps must be positive, got {gen_length}, {steps}")
-    base, rem = divmod(gen_length, steps)
-    return [k for k in (base + (s < rem) for s in range(steps)) if k > 0]
+    if sampler == "confidence_topk":
+        ks = [(s + 1) * gen_length // steps - s * gen_length // steps for s in range(steps)]
+    elif sampler == "gumbel_topk":
+        base, rem = divmod(gen_length, steps)
+        ks = [base + (s < rem) for s in range(steps)]
+    else:
+        raise ValueError(f"unknown sampler {sampler!r} (one of {', '.join(SAMPLERS)})")
+    return [k for k in ks if k > 0]
 
 
 def _uniform(shape: tuple, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
@@ -594,8 +712,9 @@ def _check_mask_id(model: nn.Module, mask_token_id: int) -> None:
 @torch.no_grad()
 def _sample(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
             gen_length: int, steps: int, temperature: float, mask_token_id: int,
-            generator: torch.Generator | None, record: bool):
+            generator: torch.Generator | None, record: bool, sampler: str = "gumbel_topk"):
     _check_mask_id(model, mask_token_id)
+    schedule = unmask_schedule(gen_length, steps, sampler)          # (checks the sampler's name)
     b, lp = prompt_ids.shape
     device = prompt_ids.device
     x = torch.cat([prompt_ids, prompt_ids.new_full((b, gen_length), mask_token_id)], dim=1)  # [B, L]
@@ -614,8 +733,12 @@ def _sample(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tenso
         if k is None:                                                         # final fill
             new = masked.clone()
         else:
-            score = cand_logp + _gumbel(cand_logp.shape, generator, device) if temperature > 0 \
-                else cand_logp.clone()
+            if sampler == "confidence_topk":                  # untempered p(a_i), no noise
+                score = _token_log_probs(logits, cand, 0.0)
+            elif temperature > 0:
+                score = cand_logp + _gumbel(cand_logp.shape, generator, device)
+            else:
+                score = cand_logp.clone()
             score = score.masked_fill(~masked, float("-inf"))
             top = score.topk(k, dim=-1).indices                               # [B, k]
             new = torch.zeros_like(masked).scatter_(1, top, True)             # [B, Lg]
@@ -630,7 +753,7 @@ def _sample(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tenso
             unmasked.append(full_new)
             tokens.append(x.clone())
 
-    for k in unmask_schedule(gen_length, steps):
+    for k in schedule:
         step(k)
     if masked.any():                                  # guard: never taken with the schedule
         step(None)
@@ -645,13 +768,14 @@ def _sample(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tenso
         "prompt_len": lp,
         "temperature": float(temperature),
         "mask_token_id": mask_token_id,
+        "sampler": sampler,
     }
     return x, trajectory
 
 
 def generate_with_trajectory(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                              gen_length: int, steps: int, temperature: float, mask_token_id: int,
-                             generator: torch.Generator | None = None
+                             generator: torch.Generator | None = None, sampler: str = "gumbel_topk"
                              ) -> tuple[torch.Tensor, dict]:
     """Iterative unmasking (see the module docstring), recording the trajectory.
 
@@ -666,21 +790,22 @@ def generate_with_trajectory(model: nn.Module, prompt_ids: torch.Tensor, prompt_
                                         tokens at ``unmasked[s]``)
         logp           [S, B]    float  sum of log softmax(logits / tau) at unmasked[s], from
                                         the forward pass that chose the tokens (no grad)
-        prompt_len int, temperature float, mask_token_id int
+        prompt_len int, temperature float, mask_token_id int, sampler str
 
-    Each completion position is unmasked exactly once; step s unmasks ``k_s`` per row.
-    Runs under ``no_grad``; call with the model in eval mode for reproducible log-probs.
+    Each completion position is unmasked exactly once; step s unmasks ``k_s`` per row
+    (:func:`unmask_schedule` of the sampler). Runs under ``no_grad``; call with the model in eval
+    mode for reproducible log-probs.
     """
     return _sample(model, prompt_ids, prompt_mask, gen_length, steps, temperature,
-                   mask_token_id, generator, record=True)
+                   mask_token_id, generator, record=True, sampler=sampler)
 
 
 def generate(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
              gen_length: int, steps: int, temperature: float, mask_token_id: int,
-             generator: torch.Generator | None = None) -> torch.Tensor:
+             generator: torch.Generator | None = None, sampler: str = "gumbel_topk") -> torch.Tensor:
     """:func:`generate_with_trajectory` without recording: -> sequences [B, Lp + gen_length]."""
     return _sample(model, prompt_ids, prompt_mask, gen_length, steps, temperature,
-                   mask_token_id, generator, record=False)[0]
+                   mask_token_id, generator, record=False, sampler=sampler)[0]
 
 
 def step_log_prob(model: nn.Module, state: torch.Tensor, attention_mask: torch.Tensor,
