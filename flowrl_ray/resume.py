@@ -6,7 +6,7 @@ overrides. It may differ from the run's config only in keys that do not change w
 trained:
 
     train.iterations                 extend (or shorten) the run; the algorithm's schedules go
-                                     on from where they stand (``algorithms.base.LRSchedule``)
+                                     on from where they stand (``flowrl_ray.optim.LRSchedule``)
     eval.*                           when, how often and how the policy is evaluated
     logging.*                        where metrics go
     runtime.<where it runs>          checkpoint_interval, keep_checkpoints, sample_timeout_s,

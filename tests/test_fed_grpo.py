@@ -244,7 +244,7 @@ def test_pretrain_train_eval_through_the_cli(tmp_path, capsys):
 
 
 def test_lr_multiplier_warms_up_then_follows_the_cosine_to_its_floor():
-    from flowrl_ray.algorithms.base import lr_multiplier
+    from flowrl_ray.optim import lr_multiplier
     f = lr_multiplier("cosine", total_steps=12, warmup_steps=2, min_ratio=0.3)
     assert [f(0), f(1)] == [0.5, 1.0]                            # linear warm-up over 2 steps
     assert f(2) == pytest.approx(1.0)                            # cosine starts at 1 ...

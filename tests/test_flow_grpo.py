@@ -262,7 +262,7 @@ def test_episode_validity_is_a_closed_set_of_infrastructure_reasons():
 
 
 def test_dropout_off_sets_every_dropout_to_eval_and_restores_the_modes():
-    from flowrl_ray.algorithms.base import dropout_off
+    from flowrl_ray.optim import dropout_off
     net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Dropout(0.5), torch.nn.Dropout1d(0.5))
     net.train()
     net[2].eval()                                      # a mixed state comes back as it was

@@ -16,7 +16,7 @@ from torch import nn
 import flowrl_ray.algorithms.cma_ppo as cma_ppo_module
 import flowrl_ray.algorithms.flowsar as flowsar_module
 import flowrl_ray.algorithms.ppo as ppo_module
-from flowrl_ray.algorithms.base import optimizer_step
+from flowrl_ray.optim import optimizer_step
 from flowrl_ray.algorithms.cma_ppo import CMAPPO
 from flowrl_ray.algorithms.flowsar import FlowSAR
 from flowrl_ray.algorithms.fpopp import FPOPP

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.distributions import Normal
 
-from flowrl_ray.algorithms.base import optimizer_step
+from flowrl_ray.optim import optimizer_step
 from flowrl_ray.algorithms.losses import approx_kl, ppo_clip_objective, value_loss
 from flowrl_ray.algorithms.ppo import PPO
 from flowrl_ray.batch import Batch, BatchMeta

@@ -16,7 +16,7 @@ import warnings
 import pytest
 import torch
 
-from flowrl_ray.algorithms.base import LRSchedule, load_scheduler
+from flowrl_ray.optim import LRSchedule, load_scheduler
 from flowrl_ray.config import ConfigError, config_from_dict, load_config
 from flowrl_ray.envs import EnvSpec
 from flowrl_ray.runtime.metrics import read_metrics

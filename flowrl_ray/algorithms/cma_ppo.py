@@ -22,7 +22,8 @@ from typing import Any, Literal
 
 import torch
 
-from flowrl_ray.algorithms.base import Algorithm, optimizer_step, weight_metrics
+from flowrl_ray.algorithms.base import Algorithm, weight_metrics
+from flowrl_ray.optim import optimizer_step
 from flowrl_ray.algorithms.onpolicy import advantages_from_rollouts
 from flowrl_ray.batch import Batch
 from flowrl_ray.config import Config, check, check_layer_sizes

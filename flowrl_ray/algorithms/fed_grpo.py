@@ -40,7 +40,8 @@ import numpy as np
 import torch
 
 from flowrl_ray.algorithms.advantages import group_normalize
-from flowrl_ray.algorithms.base import Algorithm, clip_and_step, load_scheduler, lr_multiplier
+from flowrl_ray.algorithms.base import Algorithm
+from flowrl_ray.optim import clip_and_step, load_scheduler, lr_multiplier
 from flowrl_ray.utils import frozen_copy
 from flowrl_ray.algorithms.losses import ppo_clip_objective
 from flowrl_ray.batch import Batch

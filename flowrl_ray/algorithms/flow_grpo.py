@@ -49,7 +49,8 @@ import numpy as np
 import torch
 
 from flowrl_ray.algorithms.advantages import group_advantages
-from flowrl_ray.algorithms.base import Algorithm, clip_and_step, dropout_off
+from flowrl_ray.algorithms.base import Algorithm
+from flowrl_ray.optim import clip_and_step, dropout_off
 from flowrl_ray.algorithms.losses import ppo_clip_objective
 from flowrl_ray.batch import Batch
 from flowrl_ray.config import Config, ConfigError, check

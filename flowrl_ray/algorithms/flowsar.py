@@ -37,7 +37,8 @@ import torch
 import torch.nn.functional as F
 
 from flowrl_ray.algorithms.advantages import gae
-from flowrl_ray.algorithms.base import Algorithm, optimizer_step
+from flowrl_ray.algorithms.base import Algorithm
+from flowrl_ray.optim import optimizer_step
 from flowrl_ray.algorithms.episodes import EpisodeAssembler
 from flowrl_ray.algorithms.fpopp import check_base_policy, image_shape, load_base_policy, make_flow_policy
 from flowrl_ray.algorithms.losses import value_loss

@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from flowrl_ray.algorithms.advantages import explained_variance, normalize
-from flowrl_ray.algorithms.base import Algorithm, load_scheduler, lr_multiplier, optimizer_step
+from flowrl_ray.algorithms.base import Algorithm
+from flowrl_ray.optim import load_scheduler, lr_multiplier, optimizer_step
 from flowrl_ray.algorithms.losses import approx_kl, ppo_clip_objective, value_loss
 from flowrl_ray.algorithms.onpolicy import advantages_from_rollouts
 from flowrl_ray.batch import Batch

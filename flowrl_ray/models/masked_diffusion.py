@@ -896,7 +896,7 @@ def fit_sft(policy: MaskedDiffusionLM, pairs: Sequence[tuple[str, str]], epochs:
     same value); default: the longest answer + 1. Returns the loss of every optimiser step
     (NaN where a non-finite loss or gradient skipped the update). Leaves the model in eval mode.
     """
-    from flowrl_ray.algorithms.base import lr_multiplier   # the schedule the RL updates use
+    from flowrl_ray.optim import lr_multiplier, optimizer_step   # as in the RL updates
 
     if not pairs:
         raise ValueError("fit_sft needs at least one (prompt, answer) pair")
@@ -930,14 +930,7 @@ def fit_sft(policy: MaskedDiffusionLM, pairs: Sequence[tuple[str, str]], epochs:
                 keep = pmask[idx].any(dim=0)                                  # drop all-pad columns
                 loss = sft_loss(policy.model, ids[idx][:, keep], pmask[idx][:, keep], ans[idx],
                                 amask[idx], policy.mask_token_id, gen)
-                opt.zero_grad(set_to_none=True)
-                ok = bool(torch.isfinite(loss))
-                if ok:
-                    loss.backward()
-                    if grad_clip is not None:
-                        ok = bool(torch.isfinite(torch.nn.utils.clip_grad_norm_(params, grad_clip)))
-                if ok:
-                    opt.step()
+                _, ok = optimizer_step(loss, opt, grad_clip)       # a non-finite one: skipped
                 skipped += not ok
                 losses.append(loss.item() if ok else float("nan"))
                 sched.step()

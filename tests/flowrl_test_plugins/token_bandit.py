@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from flowrl_ray.algorithms.advantages import group_advantages
-from flowrl_ray.algorithms.base import Algorithm, optimizer_step
+from flowrl_ray.algorithms.base import Algorithm
+from flowrl_ray.optim import optimizer_step
 from flowrl_ray.algorithms.losses import ppo_clip_objective
 from flowrl_ray.batch import Batch, BatchMeta
 from flowrl_ray.config import check

@@ -1,0 +1,170 @@
+"""The optimiser step every update shares and the learning-rate schedules: pure PyTorch, used by
+the algorithms and by pretraining alike.
+
+- :func:`optimizer_step` / :func:`clip_and_step`: backward, clip (each optimiser by its own norm),
+  step; a non-finite loss or gradient skips the step (the caller counts it).
+- :func:`dropout_off`: the log-probs of a ratio are computed with every dropout off.
+- :class:`LRSchedule` / :func:`lr_multiplier` / :func:`load_scheduler`: warm-up then constant,
+  linear or cosine decay, resumable and extendable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+from torch import nn
+
+
+def optimizer_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer],
+                   max_grad_norm: float | None, joint: bool = False) -> tuple[list[float], bool]:
+    """Backward, clip, step (one optimiser or several, e.g. actor and critic with their own
+    learning rates). A non-finite loss or gradient skips the step (the caller counts it).
+
+    Each optimiser's parameters are clipped to ``max_grad_norm`` by their own norm (``joint``:
+    all of them by one norm), see :func:`clip_and_step`.
+    Returns (grad norms before clipping, one per optimiser or one if ``joint``; whether the
+    step was taken).
+    """
+    optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    for o in optimizers:
+        o.zero_grad(set_to_none=True)
+    if not torch.isfinite(loss):
+        return [float("nan")] * (1 if joint else len(optimizers)), False
+    loss.backward()
+    return clip_and_step(optimizers, max_grad_norm, joint)
+
+
+def clip_and_step(optimizers: list[torch.optim.Optimizer], max_grad_norm: float | None,
+                  joint: bool = False) -> tuple[list[float], bool]:
+    """Clip the gradients already in the optimisers' parameters, then step them all.
+
+    Each optimiser's parameters (its param groups) are clipped by their own L2 norm to
+    ``max_grad_norm`` (None: no clipping), so that a large critic gradient does not shrink the
+    actor's step; ``joint=True`` clips all of them together by one norm (the old behaviour).
+    A non-finite norm in any of them skips the whole step: no optimiser steps, the gradients
+    are cleared and the caller counts the skip.
+
+    Returns (norms before clipping: one per optimiser, or one if ``joint``; whether stepped).
+    """
+    limit = max_grad_norm if max_grad_norm else float("inf")   # an inf limit scales by exactly 1
+    groups = [[p for g in o.param_groups for p in g["params"]] for o in optimizers]
+    if joint:
+        groups = [[p for params in groups for p in params]]
+    norms = [float(torch.nn.utils.clip_grad_norm_(params, limit)) for params in groups]
+    if not all(math.isfinite(n) for n in norms):
+        for o in optimizers:
+            o.zero_grad(set_to_none=True)
+        return norms, False
+    for o in optimizers:
+        o.step()
+    return norms, True
+
+
+@contextlib.contextmanager
+def dropout_off(module: nn.Module):
+    """Within the block every dropout module of ``module`` (``nn.Dropout`` and its kin, peft's
+    LoRA dropout included) is in eval mode, whatever the module's own mode; on exit each gets
+    back the mode it had. The rest of the module keeps its mode. Log-probs of a ratio are
+    computed under it, so the recorded and the recomputed quantity see the same (no) dropout:
+    every ratio is exactly 1 before the first step of an update."""
+    drops = [m for m in module.modules() if isinstance(m, nn.modules.dropout._DropoutNd)]
+    modes = [m.training for m in drops]
+    try:
+        for m in drops:
+            m.eval()
+        yield module
+    finally:
+        for m, mode in zip(drops, modes):
+            m.train(mode)
+
+
+class LRSchedule:
+    """The learning-rate multiplier of a ``LambdaLR``, over steps (iterations or optimiser steps):
+    a linear warm-up over ``warmup`` steps, ``(step + 1) / warmup``, then ``kind`` over the
+    progress p in [0, 1] of the rest, down to ``end`` at ``total`` (held after):
+        constant  1          linear  end + (1 - end) (1 - p)
+        cosine    end + (1 - end) (1 + cos(pi p)) / 2
+
+    p runs linearly from an anchor (step a, progress p_a) to 1 at ``total``:
+        p(step) = p_a + min(step - a, span) / span * (1 - p_a),   span = max(1, total - a)
+    A new schedule is anchored at (warmup, 0). ``extend`` re-anchors it to a new total (a
+    resumed run with another ``train.iterations``) from where it stands: see there.
+
+    A callable object, not a closure, so that ``LambdaLR.state_dict`` saves its attributes
+    (kind, total, anchor) and ``load_state_dict`` restores them: a checkpoint knows the total
+    its schedule ran to. Use :func:`load_scheduler` to load one.
+    """
+
+    def __init__(self, kind: str, total: int, warmup: int = 0, end: float = 0.0):
+        if kind not in ("constant", "linear", "cosine"):
+            raise ValueError(f"lr schedule must be 'constant', 'linear' or 'cosine', got {kind!r}")
+        self.kind, self.total, self.warmup, self.end = kind, total, warmup, end
+        self.anchor_step, self.anchor_progress = warmup, 0.0
+
+    def progress(self, step: int) -> float:
+        """p in [0, 1] of a step at or after the anchor."""
+        span = max(1, self.total - self.anchor_step)
+        return self.anchor_progress + min(step - self.anchor_step, span) / span * (1.0 - self.anchor_progress)
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        if self.kind == "constant":
+            return 1.0
+        p = self.progress(step)
+        if self.kind == "linear":
+            return self.end + (1.0 - self.end) * (1.0 - p)
+        return self.end + (1.0 - self.end) * 0.5 * (1.0 + math.cos(math.pi * p))
+
+    def extend(self, total: int, next_step: int) -> None:
+        """Run the rest of the schedule to ``total`` instead, ``next_step`` steps having been taken.
+
+        The last step taken (``next_step - 1``) becomes the anchor with the progress it had:
+        its value is kept, and the remaining progress (and so the rest of the shape) is
+        stretched, or squeezed, over the steps up to the new total. The schedule goes on
+        continuously from where it stood and reaches ``end`` only at ``total``. A warm-up
+        counted in steps is kept as it is; a schedule still warming up only gets the new total.
+        With an unchanged total this changes nothing (the old and the new p agree)."""
+        last = next_step - 1
+        if last >= max(self.warmup, self.anchor_step):
+            self.anchor_progress = self.progress(last)
+            self.anchor_step = last
+        self.total = total
+
+
+def lr_multiplier(kind: str, total_steps: int, warmup_steps: int = 0, min_ratio: float = 0.0) -> LRSchedule:
+    """The :class:`LRSchedule` every algorithm's ``LambdaLR`` uses: warm-up over ``warmup_steps``,
+    then ``kind`` from 1 down to ``min_ratio`` at ``total_steps``."""
+    return LRSchedule(kind, total_steps, warmup_steps, min_ratio)
+
+
+def load_scheduler(scheduler: torch.optim.lr_scheduler.LambdaLR, state: dict, name: str,
+                   unit: str = "iteration") -> list[str]:
+    """Load a ``LambdaLR``'s state into a scheduler built from the current config.
+
+    Where the config's total (``train.iterations``) differs from the one the checkpoint's
+    schedule ran to, the schedule is extended (:meth:`LRSchedule.extend`) and the optimiser's
+    learning rate set to the extended schedule's value at the next step; with the same total
+    nothing changes (an exact resume stays bit-for-bit). ``name`` and ``unit`` (what a step
+    counts) word the returned lines, one per schedule whose values changed.
+    Checkpoints written before schedules were objects hold no total: they keep the config's.
+    """
+    totals = [getattr(f, "total", None) for f in scheduler.lr_lambdas]     # the config's
+    scheduler.load_state_dict(state)
+    step, notes = scheduler.last_epoch, []
+    for i, (f, total) in enumerate(zip(scheduler.lr_lambdas, totals)):
+        if not isinstance(f, LRSchedule) or f.total == total:
+            continue
+        old_total, before = f.total, f(step)
+        f.extend(total, step)
+        base = scheduler.base_lrs[i]
+        scheduler.optimizer.param_groups[i]["lr"] = base * f(step)
+        scheduler._last_lr[i] = base * f(step)
+        if f.kind != "constant" and step > 0 and step >= f.warmup:
+            notes.append(f"{name} schedule ({unit}s {old_total} -> {total}) re-anchored after {unit} {step} "
+                         f"(lr {base * f(step - 1):.3g}): lr {base * f(step):.3g} at {unit} {step + 1} "
+                         f"(was {base * before:.3g}), down to {base * f.end:.3g} over the remaining "
+                         f"{total - step} {unit}s")
+    return notes
