@@ -190,3 +190,36 @@ def test_protocol_end_to_end_on_a_tiny_lift_run(tmp_path, capsys):
     again = json.loads((results / "again.json").read_text())
     assert list(again["bases"].values())[0]["outcomes"] == base_entry["outcomes"]
     assert [r["outcomes"] for r in again["variants"]["tiny-lift"]["runs"]] == [r["outcomes"] for r in v["runs"]]
+
+
+# --------------------------------------------------------------------------- the forms protocol
+
+def test_forms_protocol_summary_splits_the_task_kinds_by_hand():
+    import forms_protocol as fp
+    kinds = ["heldout_values", "heldout_values", "heldout_forms", "heldout_forms"]
+    base = {"kinds": kinds, "field_accuracy": [0.5, 0.0, 1.0, 0.0], "task_completion": [0, 0, 1, 0],
+            "rewards": [0.2, 0.0, 1.0, 0.0]}
+    runs = [{"outcomes": {"field_accuracy": [1.0, 0.5, 1.0, 0.0], "task_completion": [1, 0, 1, 0],
+                          "rewards": [0.8, 0.2, 1.0, 0.0]}},
+            {"outcomes": {"field_accuracy": [0.5, 0.5, 0.5, 0.5], "task_completion": [0, 0, 0, 0],
+                          "rewards": [0.2, 0.2, 0.5, 0.5]}}]
+    s = fp.summarise(base, runs, n_boot=200)
+    assert s["all"]["tasks"] == 4 and s["heldout_values"]["tasks"] == 2 and s["heldout_forms"]["tasks"] == 2
+    fa = s["heldout_values"]["field_accuracy"]
+    # base 0.25; seeds 0.75 and 0.5: gain = mean over seeds of (policy - base) = +0.375
+    assert fa["base"] == 0.25 and fa["per_seed"] == [0.75, 0.5] and fa["gain"]["gain"] == pytest.approx(0.375)
+    forms = s["heldout_forms"]["field_accuracy"]
+    assert forms["base"] == 0.5 and forms["gain"]["gain"] == pytest.approx(0.0)     # 0.5 - 0.5, 0.5 - 0.5
+    assert s["all"]["task_completion"]["gain"]["gain"] == pytest.approx((0.25 + -0.25) / 2)
+
+
+def test_forms_protocol_refuses_a_robot_config_and_a_missing_sft_base(tmp_path, capsys):
+    import forms_protocol as fp
+    assert fp.main(["--config", str(REPO / "configs/fpopp/lift_state_quickstart.yaml"), "--seeds", "0"]) == 2
+    assert "forms protocol is for Flow-GRPO" in capsys.readouterr().err
+    cfg = yaml.safe_load((REPO / "configs/flow_grpo/forms_small.yaml").read_text())
+    cfg["algo"]["sft_checkpoint"] = str(tmp_path / "missing")
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    assert fp.main(["--config", str(tmp_path / "c.yaml"), "--seeds", "0", "1", "2"]) == 2
+    assert "algo.sft_checkpoint" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()

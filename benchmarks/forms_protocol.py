@@ -1,0 +1,267 @@
+"""The forms evaluation protocol: does Flow-GRPO improve its SFT base on tasks it never saw?
+Several training seeds, the base and every final policy evaluated in one process on the same
+held-out tasks in the browser, the gain with a 95 % paired bootstrap CI, curves as mean +- std.
+
+Run from the repository root (after `flowrl-ray pretrain configs/flow_grpo/forms_small.yaml`):
+
+    # launch the runs (one at a time: the learner and the browsers share the cores), then evaluate
+    .venv/bin/python benchmarks/forms_protocol.py --config configs/flow_grpo/forms_small.yaml \\
+        --seeds 0 1 2 --output forms_protocol
+    # evaluate finished `flowrl-ray train` runs of one variant
+    .venv/bin/python benchmarks/forms_protocol.py --variant small=runs/a,runs/b,runs/c --tasks 96
+
+Launched runs are `flowrl-ray train CONFIG --run-dir runs/protocol-<variant>-s<seed>-<time>
+seed=<seed> [overrides]` (the launcher of ``robot_protocol.py``).
+
+Evaluation: ``--tasks`` (>= 96) tasks of the evaluation split (new values on the training forms
+and the held-out forms; neither SFT nor RL ever saw them), the same tasks for every policy (they
+depend on ``env.kwargs.task_seed`` only, checked), greedy decoding with the config's sampler and
+steps, each completion executed in headless Chromium and scored by the env's reward. The base
+is the runs' SFT checkpoint (``algo.sft_checkpoint``); a run's policy is its last checkpoint.
+Task pairs: task t of a policy and task t of the base. Crashed or timed-out episodes (invalid)
+are counted and scored 0 on both sides.
+
+Reported (``<results-dir>/<output>.{json,md}``, ``<output>_eval.png``): per variant and task
+kind (all, held-out values, held-out forms) field accuracy, task completion and reward of the
+base and of each seed, the mean gain over seeds with a 95 % percentile-bootstrap CI over tasks
+(:func:`flowrl_ray.stats.paired_bootstrap_gain`), training wall-clock per run, and the
+periodic held-out reward (the config's ``eval``) vs episodes as mean +- std over seeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import RESULTS_DIR, command_line, git_revision, machine_info, md_table, write_results  # noqa: E402
+from _robot import run_config, write_json  # noqa: E402
+from robot_protocol import (LEVEL, MIN_SEEDS, UsageError, check_run_dir, launch, log,  # noqa: E402
+                            parse_variant, split_overrides)
+
+METRICS = ("field_accuracy", "task_completion", "rewards")
+KINDS = ("all", "heldout_values", "heldout_forms")
+MIN_TASKS = 96
+
+
+# --------------------------------------------------------------------------- evaluation
+
+def evaluate_policy(run_dir: Path, tasks: int, label: str, base: bool = False) -> dict:
+    """Greedy completions of the evaluation tasks by the run's last checkpoint (``base``: by the
+    SFT model it started from), scored in the browser -> per task: ids, kinds and the METRICS."""
+    import torch
+
+    from flowrl_ray.algorithms import get_algorithm
+    from flowrl_ray.checkpoint import latest_checkpoint, load_checkpoint
+    from flowrl_ray.config import load_config
+    from flowrl_ray.envs import env_family
+
+    cfg = load_config(Path(run_dir) / "config.yaml", [f"eval.episodes={tasks}"])
+    family = env_family(cfg.env.family)
+    algo = get_algorithm(cfg.algorithm)(cfg, family.spec(cfg.env), torch.device("cpu"))
+    if not base:
+        algo.load_state_dict(load_checkpoint(latest_checkpoint(run_dir))["learner"]["algorithm"])
+    t0 = time.perf_counter()
+    chunks = algo.generate(1, "eval")
+    scorer = family.make_scorer(cfg.env, cfg.seed, 0)
+    try:
+        batches = [scorer.score(chunk) for chunk in chunks]
+    finally:
+        scorer.close()
+    s = algo._rewards(batches)
+    out = {"task_ids": [t.task_id for t in algo.eval_tasks[:tasks]],
+           "kinds": list(algo.pending["splits"]), "invalid": int((~s["valid"]).sum()),
+           "seconds": round(time.perf_counter() - t0, 1)}
+    for k in METRICS:
+        out[k] = [float(x) for x in s[k]]
+    log(f"evaluated {label}: field accuracy {sum(out['field_accuracy']) / len(out['field_accuracy']):.3f}, "
+        f"{out['invalid']} invalid, {out['seconds']:.0f} s")
+    return out
+
+
+def summarise(base: dict, runs: list[dict], n_boot: int) -> dict:
+    """Per task kind and metric: base, per seed, mean and the paired gain with its CI."""
+    import numpy as np
+
+    from flowrl_ray.stats import paired_bootstrap_gain
+    kinds = np.array(base["kinds"])
+    out = {}
+    for kind in KINDS:
+        rows = np.ones(len(kinds), bool) if kind == "all" else kinds == kind
+        if not rows.any():
+            continue
+        out[kind] = {"tasks": int(rows.sum())}
+        for m in METRICS:
+            b = np.asarray(base[m])[rows]
+            per_seed = [np.asarray(r["outcomes"][m])[rows] for r in runs]
+            out[kind][m] = {"base": float(b.mean()), "per_seed": [float(x.mean()) for x in per_seed],
+                            "mean": float(np.mean([x.mean() for x in per_seed])),
+                            "gain": paired_bootstrap_gain(per_seed, b, n_boot=n_boot, level=LEVEL)}
+    return out
+
+
+def run_curve(run_dir: Path) -> dict:
+    """The run's periodic held-out evaluation ([episodes, value]) and its training wall-clock."""
+    from flowrl_ray.runtime.metrics import read_metrics
+    rows = read_metrics(run_dir)
+    curve = [(r["env_steps"], r["eval/return_mean"]) for r in rows if r.get("eval/return_mean") is not None]
+    field = [(r["env_steps"], r["eval/field_accuracy"]) for r in rows if r.get("eval/field_accuracy") is not None]
+    last = rows[-1]
+    return {"eval_curve": curve, "eval_field_curve": field, "episodes": last.get("env_steps"),
+            "iterations": last.get("iteration"), "time_s": last.get("time_s")}
+
+
+# --------------------------------------------------------------------------- output
+
+def plot(variants: dict, results_dir: Path, output: str) -> list[str]:
+    import numpy as np
+
+    from flowrl_ray.plotting import plot_curves
+    data = {name: [(np.array([x for x, _ in r["eval_curve"]], float), np.array([y for _, y in r["eval_curve"]], float))
+                   for r in v["runs"] if r["eval_curve"]]
+            for name, v in variants.items()}
+    data = {k: runs for k, runs in data.items() if runs}
+    if not data:
+        log("no periodic evaluation in the runs' metrics: plot skipped")
+        return []
+    path = results_dir / f"{output}_eval.png"
+    plot_curves(data, path, "episodes", "held-out reward (greedy)",
+                "Flow-GRPO periodic held-out evaluation: mean +- std over seeds")
+    return [str(path)]
+
+
+def report(results: dict, results_dir: Path, output: str) -> None:
+    pts = lambda v: f"{100 * v:+.1f}"                                          # noqa: E731
+    rows, runs = [], []
+    for name, v in results["variants"].items():
+        for kind, s in v["summary"].items():
+            for m in METRICS:
+                e = s[m]
+                g = e["gain"]
+                rows.append([name, kind, s["tasks"], m, f"{e['base']:.3f}", ", ".join(f"{x:.3f}" for x in e["per_seed"]),
+                             f"{e['mean']:.3f}", f"{pts(g['gain'])} [{pts(g['ci_low'])}, {pts(g['ci_high'])}]"])
+        for r in v["runs"]:
+            t = "-" if r["time_s"] is None else f"{r['time_s'] / 60:.1f} min"
+            wall = "-" if r.get("launch_wall_s") is None else f"{r['launch_wall_s'] / 60:.1f} min"
+            runs.append([name, r["seed"], r["run_dir"], r["iterations"], r["episodes"], t, wall, r["outcomes"]["invalid"]])
+    p = results["protocol"]
+    body = (f"Protocol: the SFT base and every final policy evaluated in one process on the same {p['tasks']} "
+            f"held-out tasks (evaluation split: new values on the training forms and the held-out forms), greedy "
+            f"decoding, scored in Chromium by the env's reward; gain = mean over seeds of (policy - base), in points, "
+            f"with a {100 * LEVEL:.0f} % percentile bootstrap CI over tasks ({p['n_boot']:,} resamples, paired by "
+            f"task). Curve: periodic held-out reward, mean +- one std across seeds (`{output}_eval.png`)."
+            + (f"\n\n{results['note']}" if results.get("note") else "") + "\n\n"
+            + md_table(["variant", "tasks", "n", "metric", "base", "per seed", "mean", "gain [95 % CI], points"], rows)
+            + "\n\nRuns (episodes = scored completions; training = the iterations' time; launch = the whole "
+              "`flowrl-ray train` process):\n\n"
+            + md_table(["variant", "seed", "run", "iterations", "episodes", "training", "launch", "invalid at eval"], runs)
+            + f"\n\nEvaluation time: {results['eval_time_s'] / 60:.1f} min.\n")
+    write_results(output, "Forms evaluation protocol", body, results_dir=results_dir)
+
+
+# --------------------------------------------------------------------------- main
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--variant", action="append", metavar="NAME=RUN,RUN,...",
+                   help="finished run directories of one variant (repeatable)")
+    p.add_argument("--config", help="launch one run of CONFIG per --seeds value, then evaluate them")
+    p.add_argument("--seeds", nargs="+", type=int, help="with --config: the seeds (>= 3 for a result)")
+    p.add_argument("--name", help="with --config: the variant's name (default: the config's name)")
+    p.add_argument("--parallel", type=int, default=1, help="with --config: runs trained at a time")
+    p.add_argument("--runs-dir", default="runs", help="with --config: where the run directories go")
+    p.add_argument("--tasks", type=int, default=MIN_TASKS, help=f"held-out evaluation tasks (>= {MIN_TASKS} for a result)")
+    p.add_argument("--n-boot", type=int, default=10_000, help="bootstrap resamples")
+    p.add_argument("--output", default="forms_protocol", help="results name: <results-dir>/<output>.{json,md,png}")
+    p.add_argument("--results-dir", default=str(RESULTS_DIR))
+    p.add_argument("--note", help="a line printed with the results (e.g. 'smoke run: 2 iterations')")
+    p.add_argument("overrides", nargs="*", help="with --config: config overrides (key.sub=value) for every run")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    flags, overrides = split_overrides(parser, sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(flags)
+    args.overrides = [*args.overrides, *overrides]
+    from flowrl_ray.config import ConfigError, load_config
+    try:
+        if args.config is None and (args.seeds or args.overrides or args.name):
+            raise UsageError("--seeds, --name and config overrides need --config")
+        if args.config is not None and not args.seeds:
+            raise UsageError("--config needs --seeds (e.g. --seeds 0 1 2)")
+        if args.seeds and len(set(args.seeds)) != len(args.seeds):
+            raise UsageError(f"--seeds: repeated seed in {args.seeds}")
+        if args.tasks < 1 or args.n_boot < 1 or args.parallel < 1:
+            raise UsageError("--tasks, --n-boot and --parallel must be >= 1")
+        if not (args.config or args.variant):
+            raise UsageError("nothing to evaluate: give --config CONFIG --seeds ... or --variant NAME=RUN,...")
+        variants: dict[str, list[Path]] = {}
+        for text in args.variant or []:
+            name, dirs = parse_variant(text)
+            for d in dirs:
+                check_run_dir(f"--variant {name}", d)
+            variants[name] = dirs
+        cfg = None
+        if args.config is not None:
+            cfg = load_config(args.config, [*args.overrides, f"seed={args.seeds[0]}"])   # bad keys stop here
+            name = args.name or cfg.name
+            if name in variants:
+                raise UsageError(f"--name {name}: also the name of a --variant")
+        checked = [run_config(d) for dirs in variants.values() for d in dirs] + ([cfg] if cfg else [])
+        for c in checked:
+            if c.algorithm != "flow_grpo":
+                raise UsageError(f"a {c.algorithm} run or config: the forms protocol is for Flow-GRPO")
+            if not c.algo.sft_checkpoint or not Path(c.algo.sft_checkpoint).is_dir():
+                raise UsageError(f"algo.sft_checkpoint {c.algo.sft_checkpoint!r} is not a directory: "
+                                 "the base is the SFT model (`flowrl-ray pretrain CONFIG` makes it)")
+        if len({(c.algo.sft_checkpoint, str(c.env.kwargs)) for c in checked}) > 1:
+            raise UsageError("the runs differ in SFT checkpoint or env settings: one base per protocol")
+    except (UsageError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    launch_wall = {}
+    if cfg is not None:
+        launched = launch(args, cfg, name, time.strftime("%Y%m%d-%H%M%S"))
+        variants[name] = [r["run_dir"] for r in launched]
+        launch_wall = {str(r["run_dir"]): r["wall_s"] for r in launched}
+    for name, dirs in variants.items():
+        if len(dirs) < MIN_SEEDS:
+            log(f"variant {name} has {len(dirs)} seed(s); a protocol result needs >= {MIN_SEEDS}")
+    if args.tasks < MIN_TASKS:
+        log(f"{args.tasks} evaluation tasks; a protocol result needs >= {MIN_TASKS}")
+
+    t0 = time.perf_counter()
+    first = next(iter(variants.values()))[0]
+    base = evaluate_policy(first, args.tasks, "the SFT base", base=True)
+    evaluated = {}
+    for name, dirs in variants.items():
+        runs = []
+        for d in dirs:
+            rc = run_config(d)
+            outcomes = evaluate_policy(d, args.tasks, f"{name} seed {rc.seed}")
+            if outcomes["task_ids"] != base["task_ids"]:
+                print(f"error: {d} was evaluated on other tasks than the base (env.kwargs.task_seed?)", file=sys.stderr)
+                return 2
+            runs.append({"run_dir": str(d), "seed": rc.seed, "launch_wall_s": launch_wall.get(str(d)),
+                         "outcomes": outcomes, **run_curve(d)})
+        evaluated[name] = {"runs": runs, "summary": summarise(base, runs, args.n_boot)}
+    results = {"revision": git_revision(), "command": command_line(), "machine": machine_info(), "note": args.note,
+               "protocol": {"tasks": args.tasks, "n_boot": args.n_boot, "level": LEVEL, "band": "std across seeds",
+                            "gain": "mean over seeds of (policy - base), CI: percentile bootstrap over tasks, paired"},
+               "launched": {"config": args.config, "overrides": args.overrides, "seeds": args.seeds}
+               if cfg is not None else None,
+               "base": {"sft_checkpoint": run_config(first).algo.sft_checkpoint, "outcomes": base},
+               "variants": evaluated, "eval_time_s": round(time.perf_counter() - t0, 1)}
+    results_dir = Path(args.results_dir)
+    results["plots"] = plot(evaluated, results_dir, args.output)
+    write_json(results_dir / f"{args.output}.json", results)
+    report(results, results_dir, args.output)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
