@@ -76,6 +76,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         run_dir = run_dir or _default_run_dir(cfg.name)
     from flowrl_ray.runtime.trainer import Trainer
     trainer = Trainer(cfg, run_dir, resume=resume, tensorboard=not args.no_tensorboard)
+    if args.dry_run:                 # every check has run (config, env spec, preflight): no Ray
+        print(_dry_run_summary(cfg, trainer, run_dir, resume), flush=True)
+        return 0
     try:
         trainer.setup()                  # its first line says which Ray the run uses
         print(f"[flowrl_ray] run directory: {run_dir}", flush=True)
@@ -86,6 +89,43 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(f"[flowrl_ray] learning result on {cfg.env.id}: {_learning_result(summary)}", flush=True)
     print(f"[flowrl_ray] learning curve: {run_dir / 'plots' / 'learning_curve.png'}", flush=True)
     return 0
+
+
+#: config keys that name a file, a directory or a hub id the run will read
+_INPUT_KEYS = ("dataset", "forms_dir", "task_file", "base_policy", "base_model", "sft_checkpoint", "path",
+               "tokenizer_path")
+
+
+def _dry_run_summary(cfg, trainer, run_dir: Path, resume: bool) -> str:
+    """What `train` would run: the algorithm, the env and its spec, the batch, the run directory
+    and every input the config names (there, missing, or a hub id to download)."""
+    import dataclasses
+
+    from flowrl_ray.models.masked_diffusion import looks_like_hub_id
+    rt, spec = cfg.runtime, trainer.spec
+    lines = [f"dry run: nothing started; the config and what it points at are valid",
+             f"  algorithm     {cfg.algorithm} ({cfg.name}, seed {cfg.seed})",
+             f"  env           {cfg.env.family}/{cfg.env.id}: observations {tuple(spec.obs_shape)}, "
+             f"actions {spec.action_dim}",
+             f"  iterations    {cfg.train.iterations}, each {rt.num_workers} workers x {rt.envs_per_worker} envs "
+             f"x {rt.rollout_length} steps = {rt.num_workers * rt.envs_per_worker * rt.rollout_length}",
+             f"  evaluation    every {cfg.eval.interval} iterations, {cfg.eval.episodes} episodes",
+             f"  run directory {run_dir} ({'resumed' if resume else 'new'}), checkpoints every "
+             f"{rt.checkpoint_interval} iterations"]
+
+    def walk(prefix: str, node) -> None:
+        for key, value in (dataclasses.asdict(node) if dataclasses.is_dataclass(node) else node).items():
+            name = f"{prefix}.{key}"
+            if isinstance(value, dict):
+                walk(name, value)
+            elif key in _INPUT_KEYS and isinstance(value, str) and value:
+                where = ("there" if Path(value).exists() else
+                         "a Hugging Face hub id" if key == "path" and looks_like_hub_id(value) else "missing")
+                lines.append(f"  input         {name} = {value} ({where})")
+
+    walk("env", cfg.env)
+    walk("algo", cfg.algo)
+    return "\n".join(lines)
 
 
 def _learning_result(summary: dict) -> str:
@@ -480,6 +520,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --run-dir RUN: resume RUN when it exists (same config rule as --resume), else "
                         "start it; the same command starts a run and re-launches it after a preemption")
     t.add_argument("--no-tensorboard", action="store_true", help="skip TensorBoard event files")
+    t.add_argument("--dry-run", action="store_true",
+                   help="check the config and everything it points at, print what would run, start nothing")
     t.add_argument("--address", help=ADDRESS_HELP)
     t.set_defaults(func=cmd_train)
 

@@ -385,6 +385,19 @@ def test_the_refusion_config_names_the_hub_model_mask_and_sampler_and_validates_
         FlowGRPO.validate_config(config_from_dict({**data, "algo": {**data["algo"], "sampler": "nucleus"}}))
 
 
+def test_a_dry_run_of_the_refusion_config_checks_it_without_loading_8b(tmp_path, capsys):
+    from flowrl_ray.cli import main
+    config = str(ROOT / "configs" / "flow_grpo" / "forms_refusion.yaml")
+    assert main(["train", config, "--dry-run", f"algo.sft_checkpoint={tmp_path / 'none'}"]) == 2
+    assert "algo.sft_checkpoint" in capsys.readouterr().err          # pretrain it first
+    (tmp_path / "sft").mkdir()
+    assert main(["train", config, "--dry-run", f"algo.sft_checkpoint={tmp_path / 'sft'}",
+                 "--run-dir", str(tmp_path / "run")]) == 0
+    out = capsys.readouterr().out
+    assert "algo.model.path = GSAI-ML/ReFusion (a Hugging Face hub id)" in out
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("job", ["flow_grpo_forms_refusion_train.yaml", "flow_grpo_forms_refusion_eval.yaml"])
 def test_the_refusion_jobs_take_the_hugging_face_token_at_submission_and_cache_the_hub(job):
     text = (ROOT / "jobs" / job).read_text()

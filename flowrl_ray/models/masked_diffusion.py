@@ -216,7 +216,7 @@ def validate_model_cfg(model_cfg: Mapping | Any, prefix: str = "algo.model") -> 
     return cfg
 
 
-def _looks_like_hub_id(path: str) -> bool:
+def looks_like_hub_id(path: str) -> bool:
     parts = str(path).split("/")
     return len(parts) == 2 and all(parts) and not str(path).startswith((".", "~"))
 
@@ -233,7 +233,7 @@ def check_model_config(model_cfg: Mapping | Any, sft_checkpoint: str | None = No
         return cfg
     for key in ("path", "tokenizer_path"):
         value = cfg[key]
-        if value is not None and not os.path.isdir(value) and not _looks_like_hub_id(value):
+        if value is not None and not os.path.isdir(value) and not looks_like_hub_id(value):
             raise _err(prefix, key, f"no directory at {str(value)!r}")
     if cfg["path"] is None and cfg["tokenizer_path"] is None:
         raise _err(prefix, "tokenizer_path", "the offline default model needs a tokenizer "
