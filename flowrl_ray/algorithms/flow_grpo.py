@@ -168,7 +168,9 @@ class FlowGRPO(Algorithm):
         self.opt = torch.optim.AdamW(params, lr=self.c.learning_rate, weight_decay=0.0)
         forms = FormsSettings.from_env_cfg(cfg.env)
         self.catalog = FormCatalog.load(forms.forms_dir)
-        self.train_tasks = load_tasks(cfg.env.id, seed=forms.task_seed, catalog=self.catalog)
+        # the RL prompts: a task file's tasks (env.kwargs.task_file) or the config's split
+        self.train_tasks = forms.file_tasks(self.catalog) or load_tasks(cfg.env.id, seed=forms.task_seed,
+                                                                        catalog=self.catalog)
         heldout = load_tasks("heldout", seed=forms.task_seed, catalog=self.catalog)
         # eval.episodes tasks spread evenly over the held-out values and the held-out forms
         pick = np.linspace(0, len(heldout) - 1, min(cfg.eval.episodes, len(heldout))).round().astype(int)

@@ -13,7 +13,8 @@ The family contract (``flowrl_ray.envs``):
 - :func:`spec` validates the config (before any actor starts) and returns ``EnvSpec((1,), 1)``;
 - :func:`make_scorer` gives a scoring actor its :class:`FormsScorer` (``score(samples) -> Batch``,
   ``close()``);
-- :func:`load_tasks` is what the algorithm draws prompts from;
+- :func:`load_tasks` is what the algorithm draws prompts from (``env.kwargs.task_file``: the
+  training tasks of a file in FormFactory's layout instead, :mod:`~flowrl_ray.envs.forms.task_file`);
 - :func:`save_snapshots` writes the pictures a scorer made of the episodes it was asked for
   (``score(samples, snapshots=N)``) to ``media/forms/``.
 
@@ -46,7 +47,8 @@ __all__ = ["Action", "BrowserPool", "BrowserUnavailable", "EpisodeResult", "Fiel
 def spec(env_cfg) -> EnvSpec:
     """Validate the family's settings and forms (ConfigError naming the key) and return the
     (trivial) env spec: the policy's input and output are text, not arrays."""
-    FormsSettings.from_env_cfg(env_cfg).catalog()
+    settings = FormsSettings.from_env_cfg(env_cfg)
+    settings.file_tasks(settings.catalog())          # a bad task file stops here, naming its line
     return EnvSpec(obs_shape=(1,), action_dim=1)
 
 

@@ -50,6 +50,7 @@ class FormsSettings:
     reward_weights: RewardWeights = field(default_factory=RewardWeights)
     task_seed: int = 0
     chromium: str | None = None
+    task_file: str | None = None          # training tasks in FormFactory's layout (task_file.py)
 
     @classmethod
     def from_env_cfg(cls, env_cfg) -> "FormsSettings":
@@ -89,7 +90,8 @@ class FormsSettings:
         settings = cls(forms_dir=path("forms_dir"), pages=integer("pages", 1),
                        action_timeout_s=seconds("action_timeout_s"), rollout_timeout_s=seconds("rollout_timeout_s"),
                        restart_every=integer("restart_every", 0), reward_weights=weights,
-                       task_seed=integer("task_seed", 0), chromium=path("chromium"))
+                       task_seed=integer("task_seed", 0), chromium=path("chromium"),
+                       task_file=path("task_file"))
         if settings.rollout_timeout_s < settings.action_timeout_s:
             raise _config_error("kwargs.rollout_timeout_s", f"{settings.rollout_timeout_s} is shorter than "
                                 f"action_timeout_s ({settings.action_timeout_s})")
@@ -101,6 +103,17 @@ class FormsSettings:
             return FormCatalog.load(self.forms_dir)
         except FormSpecError as e:
             raise _config_error("kwargs.forms_dir", str(e)) from None
+
+    def file_tasks(self, catalog: FormCatalog) -> list[FormTask]:
+        """The tasks of ``task_file`` (none without one); a bad file is a ConfigError naming the
+        key, the file, the line and the task's key."""
+        if self.task_file is None:
+            return []
+        from flowrl_ray.envs.forms.task_file import TaskFileError, load_task_file
+        try:
+            return load_task_file(self.task_file, catalog)
+        except TaskFileError as e:
+            raise _config_error("kwargs.task_file", str(e)) from None
 
 
 class FormsScorer:
@@ -124,7 +137,8 @@ class FormsScorer:
         self.settings = settings
         self.worker_id = worker_id
         self.catalog = catalog if catalog is not None else settings.catalog()
-        self._tasks: dict[str, FormTask | None] = {}
+        # a task file's tasks cannot be rebuilt from their ids: read them here
+        self._tasks: dict[str, FormTask | None] = {t.task_id: t for t in settings.file_tasks(self.catalog)}
         self.server = FormServer(self.catalog).start()
         try:
             self.pool = BrowserPool(self.server, pages=settings.pages, action_timeout_s=settings.action_timeout_s,
