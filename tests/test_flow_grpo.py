@@ -318,6 +318,10 @@ def test_update_plan_uses_whole_groups_and_k_of_s_steps_and_resumes_the_same_pic
     for plan in epochs:
         assert sorted(m for m, _ in plan) == [0, 1]
         assert all(len(steps) == 4 and len(set(steps)) == 4 and max(steps) < 7 for _, steps in plan)   # ceil(0.5 * 7)
+        # a minibatch keeps its steps across epochs (old and reference log-probs once per step)
+        assert dict(plan) == dict(epochs[0])
+    assert [m for m, _ in epochs[0]] != [m for m, _ in epochs[1]] or [m for m, _ in epochs[1]] != \
+        [m for m, _ in epochs[2]]                                      # the order is reshuffled
     # resume: the update generator's state is in the state_dict
     state = algo.state_dict()
     nxt = algo._update_plan(4, 7)

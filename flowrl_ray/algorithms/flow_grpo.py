@@ -15,9 +15,10 @@ its own generation trajectory.
                          episode whose browser crashed or timed out is invalid: A = 0, left
                          out of the loss, counted per reason in the metrics)
     update:              the G*P rollouts are split into minibatches of ``minibatch_groups``
-                         whole groups (a random partition per update); for ``epochs`` epochs,
-                         each minibatch in a random order takes one optimiser step over a
-                         random subset T of K = ceil(timestep_fraction * S) of its S steps:
+                         whole groups (a random partition per update), each with a random
+                         subset T of K = ceil(timestep_fraction * S) of its S steps (drawn once
+                         per update); for ``epochs`` epochs, each minibatch in a random order
+                         takes one optimiser step over its T:
                          per step  rho_s = exp(logp_s - logp_old_s)
                          L = 1/K sum_{s in T} mean_{valid rollouts} [ -min(rho_s A, clip(rho_s, 1 +- eps) A)
                                                                      + kl_coeff * k3(logp_s, logp_ref_s) ]
@@ -27,7 +28,9 @@ its own generation trajectory.
 
 Step subsampling (Flow-GRPO's ``timestep_fraction``): T is drawn uniformly without replacement,
 so the 1/K mean over T is an unbiased estimate of the 1/S mean over all S steps (of the loss and
-its gradient) at K/S of the cost; fraction 1 is the full mean. The draws (partition, order, T)
+its gradient) at K/S of the cost; fraction 1 is the full mean. T is kept across the update's
+epochs (as Flow-GRPO keeps its training steps across inner epochs): every no-grad pass, old and
+reference log-probs, then also shrinks to K/S. The draws (partition, order, T)
 come from ``update_generator`` (seed + 1), saved in the state_dict: a resumed run picks the same.
 
 Log-probs of a ratio: at the start of an update the old log-probs (the weights that generated)
@@ -263,10 +266,12 @@ class FlowGRPO(Algorithm):
         minibatches = [(order[i:i + per, None] * c.group_size + torch.arange(c.group_size)).flatten()
                        for i in range(0, groups, per)]
         k = math.ceil(c.timestep_fraction * steps)
-        epochs = []
-        for _ in range(c.epochs):
-            epochs.append([(int(m), sorted(torch.randperm(steps, generator=g)[:k].tolist()))
-                           for m in torch.randperm(len(minibatches), generator=g)])
+        # each minibatch's K steps are drawn once per update and kept by every epoch: the
+        # reference and old log-probs of a step are then computed once (the first epoch's own
+        # forward pass gives the old ones), so the whole update costs K/S of the full one
+        picked = [sorted(torch.randperm(steps, generator=g)[:k].tolist()) for _ in minibatches]
+        epochs = [[(int(m), picked[int(m)]) for m in torch.randperm(len(minibatches), generator=g)]
+                  for _ in range(c.epochs)]
         return minibatches, epochs
 
     def _step_log_prob(self, model: torch.nn.Module, traj: dict, s: int, rows: torch.Tensor) -> torch.Tensor:
