@@ -134,8 +134,8 @@ def main() -> None:
                         "range s", "vs fraction 1.0"], rows)
             + "\n\nBesides the gradient passes (epochs x K steps per minibatch), an update runs no-grad "
               "forward passes: the reference's once per (minibatch, step) used, and the old log-probs of "
-              "the (minibatch, step) pairs not first met before any optimiser step. Those shrink less "
-              "than K: with 2 epochs a minibatch uses about 1 - (1 - f)^2 of its steps.\n")
+              "the (minibatch, step) pairs not first met before any optimiser step. A minibatch keeps its "
+              "K steps in every epoch, so those passes shrink with K as well.\n")
     write_results(args.output, "Flow-GRPO update time: step subsampling (timestep_fraction)", body)
     (RESULTS_DIR / f"{args.output}.json").write_text(json.dumps(results, indent=2, default=str))
 
