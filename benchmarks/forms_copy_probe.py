@@ -46,6 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--output", default="forms_copy_probe")
+    p.add_argument("overrides", nargs="*", help="key.sub=value config overrides, e.g. algo.model.tie_embeddings=false")
     return p.parse_args(argv)
 
 
@@ -53,7 +54,7 @@ def main(argv=None) -> dict:
     import numpy as np
     import torch
 
-    from flowrl_ray.config import config_from_dict, read_yaml
+    from flowrl_ray.config import apply_overrides, config_from_dict, read_yaml
     from flowrl_ray.envs.forms import FormCatalog, FormsSettings, load_tasks
     from flowrl_ray.models.masked_diffusion import build_masked_lm, fit_sft
     from flowrl_ray.models.text_tokenizer import train_tokenizer
@@ -62,7 +63,7 @@ def main(argv=None) -> dict:
 
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    cfg = config_from_dict(read_yaml(args.config))
+    cfg = config_from_dict(apply_overrides(read_yaml(args.config), args.overrides))
     forms = FormsSettings.from_env_cfg(cfg.env)
     catalog = FormCatalog.load(forms.forms_dir)
     texts = [t for pair in sft_pairs(cfg.env) for t in pair]          # the SFT's own tokenizer corpus
@@ -98,7 +99,7 @@ def main(argv=None) -> dict:
     for c in curve:
         rows.append([c["step"], f"{c['seconds'] / 60:.1f}", f"{c['copy_accuracy']:.3f} [{c['ci_low']:.3f}, {c['ci_high']:.3f}]",
                      f"`{c['examples'][0][0]}` -> `{c['examples'][0][1]}`"])
-    body = (f"Model of `{args.config}` ({sum(p.numel() for p in lm.model.parameters()):,} parameters), trained on "
+    body = (f"Model of `{args.config}`{' with ' + ' '.join(args.overrides) if args.overrides else ''} ({sum(p.numel() for p in lm.model.parameters()):,} parameters), trained on "
             f"{len(train):,} copy pairs of the SFT task set's values, {args.prompt_len} + {args.gen_len} tokens, "
             f"batch {args.batch_size}, lr {args.lr} (constant within each segment of {args.eval_every} steps); greedy "
             f"decoding of {len(held)} values of the evaluation task set with {args.gen_len // 2} unmasking steps; "

@@ -75,6 +75,7 @@ class MaskedLMConfig:
     intermediate_size: int = field(default=256, metadata=check(gt=0))
     max_len: int = field(default=384, metadata=check(gt=0))
     vocab_size: int = field(default=2048, metadata=check(gt=0))     # the offline tokenizer's
+    tie_embeddings: bool = True                # offline model: output layer = input embedding
     lora: Optional[dict] = None                # {r, alpha, dropout, target_modules}: peft LoRA
     load_in_4bit: bool = False                 # QLoRA (bitsandbytes NF4; GPU, or CPU in float32)
 

@@ -122,6 +122,9 @@ DEFAULT_MODEL_CFG: dict[str, Any] = {
     "max_len": 256,             # max prompt + completion tokens (default model's positions)
     "vocab_size": 2048,         # the offline tokenizer's (for train_tokenizer; the model's
                                 # vocabulary is len(tokenizer))
+    "tie_embeddings": True,     # offline default: the output layer is the input embedding, so a
+                                # token copied from the prompt can be written even if no answer
+                                # ever contained it (held-out values are made of such tokens)
     "lora": None,               # {r, alpha, dropout, target_modules} or None
     "load_in_4bit": False,      # QLoRA (bitsandbytes NF4; CUDA, or CPU in float32); needs lora
     "dtype": "auto",            # HF checkpoints: auto | float32 | bfloat16 | float16
@@ -161,7 +164,7 @@ def validate_model_cfg(model_cfg: Mapping | Any, prefix: str = "algo.model") -> 
         raise _err(prefix, "path", f"expected a checkpoint directory or null, got {cfg['path']!r}")
     if cfg["tokenizer_path"] is not None and not isinstance(cfg["tokenizer_path"], (str, os.PathLike)):
         raise _err(prefix, "tokenizer_path", f"expected a directory or null, got {cfg['tokenizer_path']!r}")
-    for key in ("trust_remote_code", "load_in_4bit"):
+    for key in ("trust_remote_code", "load_in_4bit", "tie_embeddings"):
         if not isinstance(cfg[key], bool):
             raise _err(prefix, key, f"expected true or false, got {cfg[key]!r}")
     mid = cfg["mask_token_id"]
@@ -542,7 +545,7 @@ def _build_default_model(cfg: dict, tokenizer, mask_id: int, seed: int | None) -
         vocab_size=len(tokenizer), hidden_size=cfg["hidden_size"],
         intermediate_size=cfg["intermediate_size"], num_hidden_layers=cfg["num_layers"],
         num_attention_heads=cfg["num_heads"], num_key_value_heads=cfg["num_heads"],
-        max_position_embeddings=cfg["max_len"], rms_norm_eps=1e-6, tie_word_embeddings=False,
+        max_position_embeddings=cfg["max_len"], rms_norm_eps=1e-6, tie_word_embeddings=cfg["tie_embeddings"],
         attention_dropout=0.0, use_cache=False, is_causal=False, mask_token_id=mask_id,
         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id)
