@@ -116,6 +116,25 @@ def summarize(scored: list[list[tuple[str, bool, bool]]], n_boot: int) -> dict:
             "copy_accuracy": interval(free, n_boot) if free else None}
 
 
+def token_coverage(lm, cfg, tasks, catalog) -> dict:
+    """How many tokens of the tasks' free-text values never occur in an SFT answer (the SFT pairs
+    of the config, with its default tasks per form)."""
+    from collections import Counter
+
+    from flowrl_ray.envs.forms.tasks import format_value
+    from flowrl_ray.pretrain_text import sft_pairs
+    tok = lm.tokenizer
+    seen = Counter(t for _, a in sft_pairs(cfg.env, 200) for t in tok(a, add_special_tokens=False)["input_ids"])
+    values = [format_value(f, t.ground_truth_fields[f.name]) for t in tasks for f in catalog[t.form_id].fields
+              if f.name in t.ground_truth_fields and is_free_text(f)]
+    ids = [tok(v, add_special_tokens=False)["input_ids"] for v in values]
+    out_emb, in_emb = lm.model.get_output_embeddings(), lm.model.get_input_embeddings()
+    return {"values": len(ids), "value_tokens": sum(map(len, ids)),
+            "unseen_tokens": sum(seen[t] == 0 for r in ids for t in r),
+            "values_with_unseen": sum(any(seen[t] == 0 for t in r) for r in ids),
+            "tied": bool(out_emb is not None and out_emb.weight is in_emb.weight)}
+
+
 def _fmt(e: dict | None) -> str:
     return "-" if e is None else f"{e['mean']:.3f} [{e['ci_low']:.3f}, {e['ci_high']:.3f}] (n={e['n']})"
 
@@ -148,11 +167,13 @@ def main(argv=None) -> dict:
         outs += lm.generate_text([prompt_text(t, catalog) for t in tasks[i:i + args.batch]], c.gen_length,
                                  steps=steps, temperature=0.0, max_prompt_len=c.max_prompt_len, sampler=c.sampler)
     seconds = time.perf_counter() - t0
+    coverage = token_coverage(lm, cfg, tasks, catalog)
     scored = [score_task(t, catalog[t.form_id], o, catalog) for t, o in zip(tasks, outs)]
     summary = summarize(scored, args.n_boot)
     results = {"args": vars(args), "machine": machine_info(), "git": git_revision(), "checkpoint": str(checkpoint),
                "tasks": len(tasks), "heldout_forms_tasks": sum(t.split == "heldout_forms" for t in tasks),
-               "steps": steps, "gen_length": c.gen_length, "generation_s": seconds, **summary,
+               "steps": steps, "gen_length": c.gen_length, "generation_s": seconds, "token_coverage": coverage,
+               **summary,
                "examples": [{"task_id": t.task_id, "completion": o} for t, o in list(zip(tasks, outs))[:3]]}
     rows = [[k, _fmt(summary["field_accuracy"][k]), _fmt(summary["task_completion"].get(k))]
             for k in summary["field_accuracy"]]
@@ -161,7 +182,11 @@ def main(argv=None) -> dict:
             f"evaluation tasks ({results['heldout_forms_tasks']} on held-out forms), {seconds:.0f} s of generation. "
             f"Means with 95 % bootstrap intervals over the items of each row.\n\n"
             + md_table(["field type", "field accuracy", "task completion"], rows)
-            + f"\n\nCopy accuracy (free-text values alone): {_fmt(summary['copy_accuracy'])}\n")
+            + f"\n\nCopy accuracy (free-text values alone): {_fmt(summary['copy_accuracy'])}\n"
+            + f"\nTokens of these tasks' free-text values that no SFT answer contains (an untied output layer never "
+              f"learned to write them): {coverage['unseen_tokens']} of {coverage['value_tokens']}; values with at least "
+              f"one: {coverage['values_with_unseen']} of {coverage['values']}. Output layer tied to the input "
+              f"embedding: {coverage['tied']}.\n")
     out = Path(args.results_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.output}.md").write_text(body)
