@@ -102,7 +102,7 @@ def test_train_dry_run_checks_everything_prints_the_plan_and_starts_nothing(tmp_
     # a config mistake stops with the key's name, as train itself does
     assert main(["train", str(REPO / "configs/ppo/pendulum.yaml"), "--dry-run", "algo.clip_rnge=0.1"]) == 2
     assert "algo.clip_rnge" in capsys.readouterr().err
-    # what the config points at is checked too: a missing base policy file
-    assert main(["train", str(REPO / "configs/fpopp/lift_state_quickstart.yaml"), "--dry-run",
-                 f"algo.base_policy={tmp_path / 'none.pt'}"]) == 2
-    assert "algo.base_policy" in capsys.readouterr().err
+    # what the config points at is checked too: a missing SFT checkpoint
+    assert main(["train", str(REPO / "configs/flow_grpo/forms_small.yaml"), "--dry-run",
+                 f"algo.sft_checkpoint={tmp_path / 'none'}"]) == 2
+    assert "algo.sft_checkpoint" in capsys.readouterr().err
