@@ -38,8 +38,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RESULTS_DIR, command_line, git_revision, machine_info, md_table, write_results  # noqa: E402
 from _robot import run_config, write_json  # noqa: E402
-from robot_protocol import (LEVEL, MIN_SEEDS, UsageError, check_run_dir, launch, log,  # noqa: E402
-                            parse_variant, split_overrides)
+from robot_protocol import (LEVEL, MIN_SEEDS, UsageError, check_launch_args, check_run_dir,  # noqa: E402
+                            launch, log, parse_variant, split_overrides)
 
 METRICS = ("field_accuracy", "task_completion", "rewards")
 KINDS = ("all", "heldout_values", "heldout_forms")
@@ -188,14 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     args.overrides = [*args.overrides, *overrides]
     from flowrl_ray.config import ConfigError, load_config
     try:
-        if args.config is None and (args.seeds or args.overrides or args.name):
-            raise UsageError("--seeds, --name and config overrides need --config")
-        if args.config is not None and not args.seeds:
-            raise UsageError("--config needs --seeds (e.g. --seeds 0 1 2)")
-        if args.seeds and len(set(args.seeds)) != len(args.seeds):
-            raise UsageError(f"--seeds: repeated seed in {args.seeds}")
-        if args.tasks < 1 or args.n_boot < 1 or args.parallel < 1:
-            raise UsageError("--tasks, --n-boot and --parallel must be >= 1")
+        check_launch_args(args)
+        if args.tasks < 1:
+            raise UsageError(f"--tasks must be >= 1, got {args.tasks}")
         if not (args.config or args.variant):
             raise UsageError("nothing to evaluate: give --config CONFIG --seeds ... or --variant NAME=RUN,...")
         variants: dict[str, list[Path]] = {}

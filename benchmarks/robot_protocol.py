@@ -75,6 +75,24 @@ def parse_variant(text: str) -> tuple[str, list[Path]]:
     return name.strip(), dirs
 
 
+def check_launch_args(args) -> None:
+    """The checks of the flags every protocol shares (--config, --seeds, --name, overrides,
+    --parallel, --n-boot); raises :class:`UsageError` naming the flag."""
+    if args.config is None and (args.seeds or args.overrides or args.name):
+        raise UsageError("--seeds, --name and config overrides need --config")
+    if args.config is not None and not args.seeds:
+        raise UsageError("--config needs --seeds (e.g. --seeds 0 1 2)")
+    if args.seeds and len(set(args.seeds)) != len(args.seeds):
+        raise UsageError(f"--seeds: repeated seed in {args.seeds}")
+    for o in args.overrides:
+        if o.split("=", 1)[0] in ("seed", "name"):
+            raise UsageError(f"override {o!r}: the runs' seed and name come from --seeds and --name")
+    if args.parallel < 1:
+        raise UsageError(f"--parallel must be >= 1, got {args.parallel}")
+    if args.n_boot < 1:
+        raise UsageError(f"--n-boot must be >= 1, got {args.n_boot}")
+
+
 def check_run_dir(flag: str, run_dir: Path) -> None:
     from flowrl_ray.checkpoint import latest_checkpoint
     if not (run_dir / "config.yaml").is_file():
@@ -345,21 +363,9 @@ def main(argv: list[str] | None = None) -> int:
     args.overrides = [*args.overrides, *overrides]
     from flowrl_ray.config import ConfigError, load_config
     try:
-        if args.config is None and (args.seeds or args.overrides or args.name):
-            raise UsageError("--seeds, --name and config overrides need --config")
-        if args.config is not None and not args.seeds:
-            raise UsageError("--config needs --seeds (e.g. --seeds 0 1 2)")
-        if args.seeds and len(set(args.seeds)) != len(args.seeds):
-            raise UsageError(f"--seeds: repeated seed in {args.seeds}")
-        for o in args.overrides:
-            if o.split("=", 1)[0] in ("seed", "name"):
-                raise UsageError(f"override {o!r}: the runs' seed and name come from --seeds and --name")
-        if args.parallel < 1:
-            raise UsageError(f"--parallel must be >= 1, got {args.parallel}")
+        check_launch_args(args)
         if args.episodes < 1:
             raise UsageError(f"--episodes must be >= 1, got {args.episodes}")
-        if args.n_boot < 1:
-            raise UsageError(f"--n-boot must be >= 1, got {args.n_boot}")
         if args.base is not None and not Path(args.base).is_file():
             raise UsageError(f"--base: no such file {args.base!r}")
         if not (args.config or args.variant or args.runs):

@@ -23,6 +23,18 @@ def tiny_config(*overrides: str):
 
 
 @pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread for a module of tiny networks (more only add contention: up to 10x
+    slower on a busy machine); the previous number is restored after the module.
+    Use: ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
 def local_ray():
     import ray
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")

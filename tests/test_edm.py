@@ -14,7 +14,7 @@ from flowrl_ray.config import ConfigError, _build
 from flowrl_ray.models.edm import (EDM, EDMModelConfig, NodeDistribution, NoiseSchedule, fit_edm,
                                    reference_kl, remove_mean, step_log_prob, transition_log_prob)
 
-torch.set_num_threads(1)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def tiny(**kw) -> EDMModelConfig:

@@ -193,6 +193,34 @@ def test_pretrain_cli_refuses_two_budgets_and_a_bad_task_count(tmp_path):
     assert not (tmp_path / "sft").exists()
 
 
+def test_pretrain_cli_copy_aux_adds_that_fraction_of_copy_pairs(tmp_path, capsys):
+    from flowrl_ray.cli import main
+    config = tmp_path / "fg.yaml"
+    config.write_text(yaml.safe_dump(_config(tmp_path, str(tmp_path / "sft"))))
+    n_forms = len(FormCatalog.load().ids(heldout=False))
+    assert main(["pretrain", str(config), "--steps", "1", "--tasks-per-form", "2", "--batch-size", "4",
+                 "--copy-aux", "0.5"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["pairs"] == 2 * n_forms + round(0.5 * 2 * n_forms)      # task pairs + half as many copy pairs
+    assert (tmp_path / "sft" / "config.json").is_file()
+
+
+def test_train_prompts_come_from_the_task_file_when_one_is_given(sft_dir, tmp_path):
+    from flowrl_ray.envs.forms.tasks import load_tasks
+    catalog = FormCatalog.load()
+    picked = load_tasks("rl", per_form=1, catalog=catalog)[:3]
+    path = tmp_path / "mine.jsonl"
+    path.write_text("".join(json.dumps({"instruction": t.instruction, "url": t.url,
+                                        "ground_truth_fields": t.ground_truth_fields}) + "\n" for t in picked))
+    raw = _config(None, sft_dir)
+    raw["env"]["kwargs"]["task_file"] = str(path)
+    algo = FlowGRPO(config_from_dict(raw), EnvSpec(obs_shape=(1,), action_dim=1), torch.device("cpu"))
+    assert [t.task_id for t in algo.train_tasks] == ["file/mine/1", "file/mine/2", "file/mine/3"]
+    assert [t.instruction for t in algo.train_tasks] == [t.instruction for t in picked]
+    drawn = {t.task_id for _ in range(10) for t in algo._draw_tasks("train")}
+    assert drawn <= {"file/mine/1", "file/mine/2", "file/mine/3"} and len(drawn) > 1
+
+
 @pytest.mark.slow
 def test_sft_then_flow_grpo_then_eval_through_the_cli(tmp_path, capsys):
     from flowrl_ray.cli import main

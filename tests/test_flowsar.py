@@ -22,14 +22,7 @@ from flowrl_ray.envs import EnvSpec
 SPEC = EnvSpec(obs_shape=(19,), action_dim=7, max_episode_steps=10)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    # The networks here are tiny: intra-op threads only add contention (10x slower on a busy
-    # machine). Restored afterwards so that other test modules are unaffected.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def tiny_cfg(seed: int = 0, **flowsar):

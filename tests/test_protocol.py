@@ -213,6 +213,21 @@ def test_forms_protocol_summary_splits_the_task_kinds_by_hand():
     assert s["all"]["task_completion"]["gain"]["gain"] == pytest.approx((0.25 + -0.25) / 2)
 
 
+def test_forms_protocol_checks_its_flags_as_the_robot_protocol_does(tmp_path, capsys):
+    import forms_protocol as fp
+    cfg = str(REPO / "configs" / "flow_grpo" / "forms_small.yaml")
+    for argv, named in ([["--seeds", "0", "1"], "need --config"],
+                        [["--config", cfg], "--config needs --seeds"],
+                        [["--config", cfg, "--seeds", "0", "0"], "repeated seed"],
+                        [["--config", cfg, "--seeds", "0", "seed=4"], "--seeds and --name"],
+                        [["--config", cfg, "--seeds", "0", "--parallel", "0"], "--parallel"],
+                        [["--config", cfg, "--seeds", "0", "--tasks", "0"], "--tasks"]):
+        assert fp.main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and named in err[0], (argv, err)
+    assert not (tmp_path / "runs").exists()
+
+
 def test_forms_protocol_refuses_a_robot_config_and_a_missing_sft_base(tmp_path, capsys):
     import forms_protocol as fp
     assert fp.main(["--config", str(REPO / "configs/fpopp/lift_state_quickstart.yaml"), "--seeds", "0"]) == 2

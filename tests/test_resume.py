@@ -139,9 +139,9 @@ def _fpopp(iterations: int):
     return FPOPP(cfg, EnvSpec((19,), 7), torch.device("cpu"))
 
 
+@pytest.mark.usefixtures("one_torch_thread")
 def test_fpopp_cosine_actor_and_critic_extended_from_6_to_10_iterations():
     from test_fpopp import _rollout_batch
-    torch.set_num_threads(1)
     a = _fpopp(6)
     rows = [a.update(a.prepare([_rollout_batch(a, seed=i)])) for i in range(6)]
     actor = [r["fpopp/actor_lr"] / 1e-3 for r in rows]
