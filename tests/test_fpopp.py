@@ -355,6 +355,18 @@ def test_the_summed_reduction_reaches_the_old_and_new_losses():
     assert abs(stats["ratio_min"] - 1) < 1e-6 and abs(stats["ratio_max"] - 1) < 1e-6
 
 
+def test_the_clamped_fraction_counts_the_pairs_past_the_loss_clamp():
+    algo = FPOPP(tiny_cfg(critic_warmup_iters=0), EnvSpec((19,), 7), torch.device("cpu"))
+    b = algo.prepare([_rollout_batch(algo)])
+    delta = float(b["cfm_old"].median())
+    algo.c = dataclasses.replace(algo.c, cfm_loss_clamp=delta)
+    _, stats = algo._losses(b, torch.arange(32), True)          # theta = theta_old: new = old losses
+    assert float(stats["cfm_clamped_frac"]) == pytest.approx(float((b["cfm_old"] > delta).float().mean()), abs=1e-6)
+    assert 0.3 < float(stats["cfm_clamped_frac"]) < 0.7        # the median splits them
+    algo.c = dataclasses.replace(algo.c, cfm_loss_clamp=0.0)
+    assert float(algo._losses(b, torch.arange(32), True)[1]["cfm_clamped_frac"]) == 0.0   # no clamp
+
+
 def test_update_freezes_the_actor_during_critic_warmup_then_moves_it():
     cfg = tiny_cfg(critic_warmup_iters=1, actor_lr=1e-3)
     algo = FPOPP(cfg, EnvSpec((19,), 7), torch.device("cpu"))
@@ -368,7 +380,7 @@ def test_update_freezes_the_actor_during_critic_warmup_then_moves_it():
     assert m["fpopp/actor_frozen"] == 0.0
     assert any(not torch.equal(v, algo.policy.state_dict()[k]) for k, v in actor0.items())
     for key in ("pg_loss", "v_loss", "ratio_mean", "ratio_std", "ratio_min", "ratio_max", "clipfrac",
-                "approx_kl", "cfm_loss_new_mean", "cfm_loss_old_mean"):
+                "approx_kl", "cfm_loss_new_mean", "cfm_loss_old_mean", "cfm_clamped_frac"):
         assert key in m and m[key] == m[key], key                     # present and not NaN
 
 

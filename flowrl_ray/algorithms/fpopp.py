@@ -317,7 +317,10 @@ class FPOPP(Algorithm):
                      "ratio_std": ratios.std(), "ratio_min": ratios.min(), "ratio_max": ratios.max(),
                      "clipfrac": ((ratios - 1.0).abs() > c.clip).float().mean(),
                      "approx_kl": approx_kl(log_ratio),
-                     "cfm_loss_new_mean": new.mean(), "cfm_loss_old_mean": old.mean()}
+                     "cfm_loss_new_mean": new.mean(), "cfm_loss_old_mean": old.mean(),
+                     # (tau, eps) pairs past the loss clamp: their ratio is constant, no gradient
+                     "cfm_clamped_frac": (new > c.cfm_loss_clamp).float().mean() if c.cfm_loss_clamp > 0
+                     else torch.zeros(())}
         return pg_loss + c.vf_coef * v_loss, stats
 
     def update(self, b: dict) -> dict[str, float]:
