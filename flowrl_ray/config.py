@@ -72,6 +72,11 @@ class EnvConfig:
     act_steps: int = field(default=1, metadata=check(gt=0))        # rows of it executed per step
     dataset: Optional[str] = None       # robomimic hdf5 whose min/max normalise obs and actions
     terminate_on_success: bool = True   # False: run to max_episode_steps, reward 1 per solved step
+    # "shaped": the sparse reward plus potential-based shaping, gamma * phi(s') - phi(s) per chunk,
+    # phi = robosuite's staged task progress (flowrl_ray.envs.robot.env); leaves the optimal policy
+    # of the sparse task unchanged when shaping_gamma is the algorithm's discount (None: algo.gamma).
+    reward: Literal["sparse", "shaped"] = "sparse"
+    shaping_gamma: Optional[float] = field(default=None, metadata=check(gt=0, le=1))
 
 
 @dataclass
@@ -323,12 +328,31 @@ def config_from_dict(data: dict) -> Config:
     cfg = _build(Config, data, "")
     cfg.algo = _build(algorithm_cls.config_class, algo_data, "algo.")
     check_logging(cfg.logging)
+    resolve_shaping_gamma(cfg)
     algorithm_cls.validate_config(cfg)
     check_snapshots(cfg, algorithm_cls.rollout_kind)
     if algorithm_cls.rollout_kind == "group" and cfg.runtime.mode != "sync":
         raise ConfigError("config key 'runtime.mode': group rollouts (the learner generates, workers "
                           "score) run in 'sync' mode only")
     return cfg
+
+
+def resolve_shaping_gamma(cfg: Config) -> None:
+    """A shaped robot reward discounts its potential with the algorithm's own gamma (what keeps
+    the sparse task's optimal policy): env.shaping_gamma None takes algo.gamma; an algorithm
+    without a gamma needs it set."""
+    env = cfg.env
+    if env.reward == "sparse":
+        return
+    if env.family != "robot":
+        raise ConfigError(f"config key 'env.reward': 'shaped' is a robot-family reward; env family "
+                          f"{env.family!r} has its own")
+    if env.shaping_gamma is None:
+        gamma = getattr(cfg.algo, "gamma", None)
+        if gamma is None:
+            raise ConfigError(f"config key 'env.shaping_gamma': algorithm {cfg.algorithm!r} has no "
+                              f"algo.gamma to take it from; set it")
+        env.shaping_gamma = float(gamma)
 
 
 def check_snapshots(cfg: Config, rollout_kind: str) -> None:

@@ -262,3 +262,66 @@ def test_bad_config_keys_name_the_key(key, value, match):
     with pytest.raises(ConfigError, match=match.replace(".", r"\.")):
         cfg = config_from_dict({"env": env})      # schema errors (types, bounds, unknown keys) ...
         robot.spec(cfg.env)                       # ... and the family's own checks
+
+
+def _lift_potential_by_hand(obs: np.ndarray, grasping: bool = False) -> float:
+    """Lift's phi off the lifted state: (1 - tanh(10 d) + 0.25 [grasp]) / 2.25, d the distance
+    from the grip site to the cube (the last three raw observation entries, eef - cube)."""
+    d = float(np.linalg.norm(obs[-3:]))
+    return (1.0 - np.tanh(10.0 * d) + 0.25 * grasping) / 2.25
+
+
+def test_shaped_reward_is_the_potential_difference_by_hand():
+    gamma = 0.9
+    env = robot.make_env(_cfg(horizon_steps=4, act_steps=4, reward="shaped", shaping_gamma=gamma))
+    obs0, _ = env.reset(seed=0)
+    phi0 = _lift_potential_by_hand(obs0)
+    assert env.potential() == pytest.approx(phi0, abs=1e-6)      # obs are float32
+    chunk = np.zeros((4, 7))
+    chunk[:, 2] = -0.6                                  # down towards the cube, gripper open
+    obs1, reward, terminated, _, info = env.step(chunk)
+    phi1 = _lift_potential_by_hand(obs1)
+    assert np.linalg.norm(obs1[-3:]) < np.linalg.norm(obs0[-3:])     # it did move closer
+    assert not terminated and info["sparse_reward"] == 0.0
+    assert reward == pytest.approx(gamma * phi1 - phi0, abs=1e-6)
+    assert reward > 0                                   # moving towards the cube is progress
+    env.close()
+
+
+def test_shaped_return_telescopes_to_the_sparse_return_minus_the_first_potential():
+    """Potential-based shaping with phi(terminal) = 0: the discounted shaped return of a whole
+    episode is the discounted sparse return minus phi(s_0), so the optimal policy is kept; a
+    scripted success ends the episode with reward 1 - phi(s_{T-1})."""
+    from flowrl_ray.envs.robot.experts import EXPERTS
+    gamma = 0.97
+    env = robot.make_env(_cfg(reward="shaped", shaping_gamma=gamma))
+    obs, _ = env.reset(seed=3)
+    phi0 = env.potential()
+    assert phi0 == pytest.approx(_lift_potential_by_hand(obs), abs=1e-6)
+    expert = EXPERTS["lift"](env, np.random.default_rng(0), noise=0.0)
+    expert.reset()
+    shaped, sparse, phis, terminated, t = 0.0, 0.0, [phi0], False, 0
+    while not terminated and env.steps < env.max_episode_steps:
+        _, reward, terminated, _, info = env.step(expert.act()[None])
+        shaped += gamma ** t * reward
+        sparse += gamma ** t * info["sparse_reward"]
+        phis.append(env.potential())
+        t += 1
+    assert terminated and sparse == pytest.approx(gamma ** (t - 1))   # solved at the last step
+    assert max(phis[:-1]) > phi0 + 0.2                  # the reach/grasp terms did rise on the way
+    assert reward == pytest.approx(1.0 - phis[-2], abs=1e-9)
+    assert shaped == pytest.approx(sparse - phi0, abs=1e-9)
+    env.close()
+
+
+def test_shaped_reward_takes_the_algorithms_gamma_and_names_its_keys():
+    cfg = config_from_dict({"algorithm": "fpopp", "algo": {"gamma": 0.95},
+                            "env": {"family": "robot", "id": "lift", "horizon_steps": 4,
+                                    "act_steps": 2, "reward": "shaped"}})
+    assert cfg.env.shaping_gamma == 0.95
+    with pytest.raises(ConfigError, match=r"env\.reward"):
+        config_from_dict({"env": {"family": "gym", "id": "Pendulum-v1", "reward": "shaped"}})
+    with pytest.raises(ConfigError, match=r"env\.reward"):
+        config_from_dict({"env": {"family": "robot", "id": "lift", "reward": "dense"}})
+    with pytest.raises(ConfigError, match=r"env\.shaping_gamma"):
+        robot.make_env(_cfg(reward="shaped"))           # built without a config file: no gamma

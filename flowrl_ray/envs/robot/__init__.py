@@ -46,6 +46,9 @@ def check_config(env_cfg: EnvConfig) -> Task:
     if env_cfg.act_steps > env_cfg.horizon_steps:
         raise ConfigError(f"config key 'env.act_steps': must be <= env.horizon_steps "
                           f"({env_cfg.horizon_steps}), got {env_cfg.act_steps}")
+    if env_cfg.reward == "shaped" and env_cfg.shaping_gamma is None:
+        raise ConfigError("config key 'env.shaping_gamma': the shaped reward needs the discount of "
+                          "its potential (a config file takes algo.gamma)")
     if env_cfg.obs_mode == "image":
         if not env_cfg.cameras:
             raise ConfigError("config key 'env.cameras': image mode needs at least one camera")

@@ -1,6 +1,6 @@
 """One robosuite manipulation env with robomimic's observation conventions and action chunks.
 
-Tasks (Panda, OSC_POSE arm controller + gripper, 20 Hz, sparse success reward):
+Tasks (Panda, OSC_POSE arm controller + gripper, 20 Hz, sparse success reward or shaped):
 
     lift    robosuite Lift               object [10]  state [19]  300 steps
     can     robosuite PickPlaceCan       object [14]  state [23]  300 steps
@@ -28,6 +28,20 @@ through the dataset's action min/max when a dataset is configured (else robosuit
 The chunk's reward is the sum of the per-step sparse rewards (1 while the task is solved); the
 episode terminates at the first successful step (``terminate_on_success``) or is truncated once
 ``max_episode_steps`` low-level steps have run, possibly in the middle of a chunk.
+
+Shaped reward (``env.reward: shaped``): the sparse chunk reward plus potential-based shaping (Ng,
+Harada and Russell, 1999) at the policy's decisions,
+
+    r'(s, chunk, s') = r_sparse + gamma * phi(s') - phi(s),      phi(terminal) = 0,
+
+with ``gamma = env.shaping_gamma`` (the algorithm's discount per chunk) and ``phi`` robosuite's
+own shaped reward of the task at the state (``reward_shaping=True``, ``reward_scale=1``): Lift's
+reaching term 1 - tanh(10 d) plus 0.25 while grasping, over 2.25 (1 once lifted); Can's and
+Square's largest staged term (reach, grasp, lift, hover: up to 0.7) plus 1 per placed object.
+Summed over an episode with that discount the shaping telescopes to -phi(s_0) (+ gamma^T phi(s_T)
+at a truncation, which the critic's bootstrap carries), so the sparse task's optimal policy is
+unchanged while every chunk carries a progress signal. ``info["sparse_reward"]`` keeps the
+chunk's sparse part.
 ``info["success"]`` says whether the episode has been solved at any step so far and
 ``info["substeps"]`` how many low-level steps the chunk ran.
 
@@ -284,6 +298,7 @@ class RobotEnv(gym.Env):
             raise ValueError(f"expected an action chunk [>= {self.act_steps}, {ACTION_DIM}], "
                              f"got shape {np.shape(action)}")
         reward, terminated, truncated, substeps = 0.0, False, False, 0
+        phi = self.potential() if self.env_cfg.reward == "shaped" else 0.0
         for row in chunk[:self.act_steps]:
             success = self.step_raw(rescale_action(row, self.action_low, self.action_high))
             self._record_frame()
@@ -294,7 +309,22 @@ class RobotEnv(gym.Env):
             if terminated or truncated:
                 break
         info = {"success": self.solved, "substeps": substeps}
+        if self.env_cfg.reward == "shaped":
+            info["sparse_reward"] = reward
+            phi_next = 0.0 if terminated else self.potential()
+            reward += self.env_cfg.shaping_gamma * phi_next - phi
         return self.observation(self.raw_obs()), reward, terminated, truncated, info
+
+    def potential(self) -> float:
+        """phi(s) of the shaped reward: robosuite's shaped task reward at the current state with
+        ``reward_scale`` 1 (see the module docstring); a function of the simulator state alone."""
+        raw = self.raw
+        shaping, scale = raw.reward_shaping, raw.reward_scale
+        raw.reward_shaping, raw.reward_scale = True, 1.0
+        try:
+            return float(raw.reward())
+        finally:
+            raw.reward_shaping, raw.reward_scale = shaping, scale
 
     def step_raw(self, env_action: np.ndarray) -> bool:
         """One 20 Hz control step with an action in robosuite's units; returns task success."""
