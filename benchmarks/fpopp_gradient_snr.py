@@ -122,7 +122,7 @@ def main() -> None:
                "episodes": len(successes), "success_rate": sum(successes) / max(len(successes), 1),
                "variants": {}}
     variants = [f"algo.gae_lambda={lam}" for lam in args.gae_lambdas or []] + args.variants
-    rows, explained_of = [], {}
+    rows, explained_of, fitted_of = [], {}, {}
     for variant in variants or ["(config)"]:
         # Every variant sees the same rollouts (a paired comparison), a fresh critic and seed.
         var_cfg = cfg if variant == "(config)" else load_config(
@@ -135,6 +135,9 @@ def main() -> None:
         fit_windows, grad_windows = batches[::2], batches[1::2]
         for _ in range(args.critic_updates):                  # actor frozen: the critic warm-up
             algo.update(algo.prepare(fit_windows))
+        b_fit = algo.prepare(fit_windows)                     # how well it fits what it saw
+        fitted_of[variant] = explained_variance(b_fit["returns"], b_fit["values_old"])
+        del b_fit
         b = algo.prepare(grad_windows)
         with torch.no_grad():     # the old losses under this variant's loss (the rollouts' are squared)
             b["cfm_old"] = algo.policy.cfm_losses(b["obs"], b["actions"], b["taus"], b["mc_eps"],
@@ -145,7 +148,9 @@ def main() -> None:
         cols = torch.randperm(n_cols, generator=g)
         rows_of = lambda c: (torch.arange(t_len)[:, None] * n_cols + c[None, :]).flatten()   # noqa: E731
         results["chunks"] = int(b["advantages"].shape[0])
-        per_var = results["variants"][variant] = {"critic_explained_variance_held_out": explained, "sizes": {}}
+        per_var = results["variants"][variant] = {"critic_explained_variance_held_out": explained,
+                                                  "critic_explained_variance_fitted": fitted_of[variant],
+                                                  "sizes": {}}
         for size in args.sizes:
             per = size // t_len
             k = n_cols // per
@@ -163,7 +168,9 @@ def main() -> None:
              f"{results['success_rate']:.2f}) collected in {collect_s:.0f} s by 2 plain processes",
              f"- gradients on {results['chunks']:,} chunks (every second window); the critic fitted on the other "
              f"half ({args.critic_updates} FPO++ critic-only updates), explained variance on the gradient half "
-             + ", ".join(f"{v:.2f} ({var})" for var, v in explained_of.items())]
+             + ", ".join(f"{v:.2f} ({var})" for var, v in explained_of.items())
+             + "; on the half it was fitted on "
+             + ", ".join(f"{v:.2f} ({var})" for var, v in fitted_of.items())]
     body = (f"Config `{args.config}`{' with ' + ' '.join(args.overrides) if args.overrides else ''}, base "
             f"`{cfg.algo.base_policy}`.\n\n"
             + md_table(["variant", "chunks per gradient B", "disjoint sets", "mean cosine between sets",
