@@ -44,7 +44,7 @@ FLOWRL := $(VENV)/bin/flowrl-ray
 QUICKSTART := configs/fpopp/lift_state_quickstart.yaml
 run: install
 	test -f demos/lift.hdf5 || $(FLOWRL) demos lift --episodes 50 --out demos/lift.hdf5
-	test -f pretrained/lift_state_quickstart.pt || $(FLOWRL) pretrain $(QUICKSTART) --epochs 10 --eval-episodes 20
+	test -f pretrained/lift_state_quickstart.pt || $(FLOWRL) pretrain $(QUICKSTART) --epochs 20 --eval-episodes 20
 	$(FLOWRL) train $(QUICKSTART) --run-dir $(RUN_DIR)-$$(date +%Y%m%d-%H%M%S)
 
 # The platform's smallest job: PPO on Pendulum-v1 (about a minute on 2 cores).

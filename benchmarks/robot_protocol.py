@@ -327,7 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--parallel", type=int, default=1, help="with --config: runs trained at a time")
     p.add_argument("--runs-dir", default="runs", help="with --config: where the run directories go")
     p.add_argument("--demos", type=int, default=50, help="with --config: demos made if env.dataset is missing")
-    p.add_argument("--pretrain-epochs", type=int, default=10,
+    p.add_argument("--pretrain-epochs", type=int, default=20,
                    help="with --config: epochs of the base made if algo.base_policy is missing")
     p.add_argument("--base", help="the base checkpoint (default: the runs' algo.base_policy)")
     p.add_argument("--episodes", type=int, default=100, help="evaluation episodes per sampling rule")
