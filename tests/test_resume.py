@@ -293,7 +293,11 @@ def test_extending_a_finished_ppo_run_goes_on_from_its_last_lr(tmp_path):
 @pytest.mark.slow
 def test_resume_if_exists_starts_resumes_and_refuses_another_config(tmp_path):
     run = tmp_path / "run"
-    launch = ["train", str(PENDULUM), *RUN, "train.iterations=8", "--run-dir", str(run), "--resume-if-exists"]
+    # enough iterations that the interrupt below lands before the run ends on its own (a tiny
+    # iteration takes a fraction of a second; 8 were once all done before SIGINT was handled)
+    total = 30
+    launch = ["train", str(PENDULUM), *RUN, f"train.iterations={total}", "--run-dir", str(run),
+              "--resume-if-exists"]
     # an earlier launch that died before its first checkpoint left its config and a metrics row
     run.mkdir()
     (run / "config.yaml").write_text((PENDULUM).read_text())
@@ -311,13 +315,13 @@ def test_resume_if_exists_starts_resumes_and_refuses_another_config(tmp_path):
         out, _ = proc.communicate(timeout=120)
     assert "has no checkpoint yet: starting the run afresh" in out
     done = max(r["iteration"] for r in read_metrics(run))
-    assert 3 <= done < 8
+    assert 3 <= done < total
     # re-launch: the same command resumes from the latest checkpoint and finishes
     proc = _cli(*launch)
     assert proc.returncode == 0, proc.stderr[-3000:]
     resumed = int(proc.stdout.split("resumed from iteration ")[1].split()[0])
     assert 3 <= resumed <= done
-    assert [r["iteration"] for r in read_metrics(run)] == list(range(1, 9))
+    assert [r["iteration"] for r in read_metrics(run)] == list(range(1, total + 1))
     # re-launch with another CONFIG: one line naming the differing keys, exit status 2
     other = REPO / "configs" / "cma_ppo" / "pendulum.yaml"
     line = _one_line_error(_cli("train", str(other), *[a for a in RUN if not a.startswith("algo.")],
