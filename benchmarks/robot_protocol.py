@@ -12,6 +12,9 @@ Run from the repository root:
     .venv/bin/python benchmarks/robot_protocol.py --variant per_sample=runs/a0,runs/a1,runs/a2 \\
         --variant averaged=runs/b0,runs/b1,runs/b2 --output protocol_lift_ratio
     .venv/bin/python benchmarks/robot_protocol.py --runs runs/x-* runs/y-*     # variant = config `name`
+    # an ablation: every variant's difference from one of them, paired by episode
+    .venv/bin/python benchmarks/robot_protocol.py --variant per_sample=... --variant averaged=... \\
+        --reference per_sample --output protocol_lift_ratio
 
 Launched runs are `flowrl-ray train CONFIG --run-dir runs/protocol-<variant>-s<seed>-<time>
 seed=<seed> [overrides]`, one private local Ray each; the demos (``env.dataset``) and the base
@@ -32,7 +35,10 @@ success per seed, the mean gain over the base with a 95 % bootstrap CI paired by
 (:func:`flowrl_ray.stats.paired_bootstrap_gain`), training success (last 100 training episodes,
 random sampling) and periodic-eval success vs env steps as the mean over seeds with a band of
 +- one standard deviation across seeds, env steps and wall-clock per run, the machine. "env steps"
-are chunk steps, each up to ``env.act_steps`` low-level 20 Hz robosuite steps.
+are chunk steps, each up to ``env.act_steps`` low-level 20 Hz robosuite steps. With
+``--reference NAME`` also each other variant's difference from that one: the mean over its seeds
+minus the mean over the reference's seeds, with the same episode-paired bootstrap CI (the
+reference's per-episode mean success takes the base's place); both must share a base setting.
 """
 
 from __future__ import annotations
@@ -245,8 +251,12 @@ def evaluate_all(variants: dict[str, list[Path]], base_override: str | None, epi
     return bases, out
 
 
-def summarise(bases: dict, variants: dict, n_boot: int) -> None:
-    """Adds per variant and sampling rule: base success, success per seed, mean and the gain."""
+def summarise(bases: dict, variants: dict, n_boot: int, reference: str | None = None) -> None:
+    """Adds per variant and sampling rule: base success, success per seed, mean and the gain;
+    with ``reference``, to every other variant also ``vs_reference``: its mean success minus the
+    reference's, per sampling rule, with the CI of :func:`paired_bootstrap_gain` (the reference's
+    per-episode success, averaged over its seeds, in the base's place)."""
+    import numpy as np
     from flowrl_ray.stats import paired_bootstrap_gain
     for v in variants.values():
         base = bases[v["base"]]["outcomes"]
@@ -257,6 +267,20 @@ def summarise(bases: dict, variants: dict, n_boot: int) -> None:
                                "per_seed": [_mean(x) for x in per_seed],
                                "mean": sum(_mean(x) for x in per_seed) / len(per_seed)}
             v["gain"][s] = paired_bootstrap_gain(per_seed, base[s]["successes"], n_boot=n_boot, level=LEVEL)
+    if reference is None:
+        return
+    ref = variants[reference]
+    for name, v in variants.items():
+        if name == reference:
+            continue
+        if v["base"] != ref["base"]:
+            raise UsageError(f"--reference {reference}: variant {name} has another base setting (base policy, "
+                             f"env section or flow steps), so their episodes do not pair")
+        v["vs_reference"] = {"reference": reference}
+        for s in SAMPLING_RULES:
+            ref_mean = np.mean([r["outcomes"][s]["successes"] for r in ref["runs"]], axis=0)   # [E]
+            v["vs_reference"][s] = paired_bootstrap_gain([r["outcomes"][s]["successes"] for r in v["runs"]],
+                                                         ref_mean, n_boot=n_boot, level=LEVEL)
 
 
 def _mean(xs) -> float:
@@ -285,6 +309,26 @@ def plot(variants: dict, results_dir: Path, output: str) -> list[str]:
     return written
 
 
+def reference_table(variants: dict, pct, pts) -> str:
+    """The --reference comparison as a markdown section ("" without one)."""
+    rows = []
+    for name, v in variants.items():
+        d = v.get("vs_reference")
+        if d is None:
+            continue
+        ref = variants[d["reference"]]
+        for s in SAMPLING_RULES:
+            g = d[s]
+            rows.append([name, d["reference"], s, pct(ref["success"][s]["mean"]), pct(v["success"][s]["mean"]),
+                         f"{pts(g['gain'])} [{pts(g['ci_low'])}, {pts(g['ci_high'])}]"])
+    if not rows:
+        return ""
+    return ("\n\nAgainst the reference (mean over its seeds minus the reference's, in points; CI: bootstrap over "
+            "episodes, paired; it does not resample the training seeds, whose spread is in the table above):\n\n"
+            + md_table(["variant", "reference", "sampling", "reference mean", "variant mean",
+                        "difference [95 % CI], points"], rows))
+
+
 def report(results: dict, results_dir: Path, output: str) -> None:
     pct = lambda v: "-" if v is None else f"{100 * v:.0f} %"                 # noqa: E731
     pts = lambda v: f"{100 * v:+.1f}"                                          # noqa: E731
@@ -310,6 +354,7 @@ def report(results: dict, results_dir: Path, output: str) -> None:
             + "\n\nRuns (env steps = chunk steps, each up to `env.act_steps` robosuite steps; training = the "
               "iterations' time; launch = the whole `flowrl-ray train` process, Ray's start included):\n\n"
             + md_table(["variant", "seed", "run", "iterations", "env steps", "training", "launch"], runs)
+            + reference_table(results["variants"], pct, pts)
             + f"\n\nEvaluation time: {results['eval_time_s'] / 60:.1f} min.\n")
     write_results(output, "Robot evaluation protocol", body, results_dir=results_dir)
 
@@ -334,6 +379,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-boot", type=int, default=10_000, help="bootstrap resamples")
     p.add_argument("--output", default="robot_protocol", help="results name: <results-dir>/<output>.{json,md,png}")
     p.add_argument("--results-dir", default=str(RESULTS_DIR))
+    p.add_argument("--reference", metavar="NAME",
+                   help="also report every other variant's difference from this one (an ablation)")
     p.add_argument("--note", help="a line printed with the results (e.g. 'smoke run: 2 iterations')")
     p.add_argument("overrides", nargs="*", help="with --config: config overrides (key.sub=value) for every run")
     return p
@@ -379,6 +426,9 @@ def main(argv: list[str] | None = None) -> int:
             name = args.name or cfg.name
             if name in variants:
                 raise UsageError(f"--name {name}: also the name of a --variant/--runs group")
+        known = [*variants, *([name] if cfg is not None else [])]
+        if args.reference is not None and args.reference not in known:
+            raise UsageError(f"--reference {args.reference}: not a variant (variants: {', '.join(known)})")
     except (UsageError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -397,12 +447,12 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         bases, evaluated = evaluate_all(variants, args.base, args.episodes, launch_wall)
+        summarise(bases, evaluated, args.n_boot, args.reference)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    summarise(bases, evaluated, args.n_boot)
     results = {"revision": git_revision(), "command": command_line(), "machine": machine_info(),
-               "note": args.note,
+               "note": args.note, "reference": args.reference,
                "protocol": {"episodes": args.episodes, "eval_seed": EVAL_SEED, "eval_envs": EVAL_ENVS,
                             "sampling": list(SAMPLING_RULES), "n_boot": args.n_boot, "level": LEVEL,
                             "band": "std across seeds",

@@ -132,6 +132,44 @@ def test_bad_input_stops_with_one_line_naming_the_flag(tmp_path, capsys):
     assert "--parallel" in capsys.readouterr().err
 
 
+def test_reference_difference_is_the_mean_over_seeds_minus_the_references_by_hand():
+    import robot_protocol as rp
+
+    def runs(*per_seed):     # the same outcomes under both sampling rules
+        return [{"outcomes": {s: {"successes": list(x)} for s in rp.SAMPLING_RULES}} for x in per_seed]
+
+    bases = {"b": {"outcomes": {s: {"successes": [1, 0, 1, 0]} for s in rp.SAMPLING_RULES}},
+             "other": {"outcomes": {s: {"successes": [0, 0, 0, 0]} for s in rp.SAMPLING_RULES}}}
+    variants = {"ref": {"base": "b", "runs": runs([1, 0, 0, 0], [1, 1, 0, 0])},     # per episode 1, .5, 0, 0
+                "a": {"base": "b", "runs": runs([1, 1, 1, 0], [1, 1, 0, 0])},       # per episode 1, 1, .5, 0
+                "all": {"base": "b", "runs": runs([1, 1, 1, 1], [1, 1, 1, 1])}}
+    rp.summarise(bases, variants, n_boot=2000, reference="ref")
+    assert "vs_reference" not in variants["ref"]
+    d = variants["a"]["vs_reference"]["zero"]
+    # 0.625 - 0.375; the episode differences are 0, .5, .5, 0, so every resample lies in [0, .5]
+    assert d["gain"] == pytest.approx(0.25) and 0.0 <= d["ci_low"] < 0.25 < d["ci_high"] <= 0.5
+    assert variants["a"]["gain"]["zero"]["gain"] == pytest.approx(0.625 - 0.5)   # the base gain is unchanged
+    d = variants["all"]["vs_reference"]["random"]                   # 1 - (1, .5, 0, 0): mean .625
+    assert d["gain"] == pytest.approx(0.625) and d["seeds"] == 2 and d["episodes"] == 4
+    table = rp.reference_table(variants, lambda v: f"{100 * v:.0f} %", lambda v: f"{100 * v:+.1f}")
+    assert "| a " in table and "+25.0" in table and "| ref " not in table.split("reference mean")[1].split("\n| a")[0]
+    variants["a"]["base"] = "other"
+    with pytest.raises(rp.UsageError, match="--reference ref: variant a has another base setting"):
+        rp.summarise(bases, variants, n_boot=10, reference="ref")
+
+
+def test_reference_must_name_a_variant(tmp_path, capsys):
+    import robot_protocol
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "config.yaml").write_text("name: x\n")
+    (run / "checkpoints").mkdir()
+    (run / "checkpoints" / "iter_000001.pt").write_bytes(b"")     # only its presence is checked here
+    code = robot_protocol.main(["--variant", f"a={run}", "--reference", "b"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--reference b: not a variant (variants: a)" in err, err
+
+
 @pytest.mark.slow
 def test_protocol_end_to_end_on_a_tiny_lift_run(tmp_path, capsys):
     """2 seeds x 2 iterations of a tiny FPO++ Lift config, trained 2 at a time, then the base and
