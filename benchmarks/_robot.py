@@ -104,9 +104,13 @@ def base_key(cfg) -> str:
 
 def ensure_demos_and_base(config: str, cfg, task: str, demos: int, epochs: int, overrides=()) -> None:
     """The scripted demos (``env.dataset``) and the pretrained base policy (``algo.base_policy``)
-    of ``cfg``, made once with the CLI; skipped when the files exist."""
+    of ``cfg``, made once with the CLI; skipped when the files exist. Image configs record their
+    cameras at ``env.image_size``."""
     if not Path(cfg.env.dataset).is_file():
-        subprocess.run([*FLOWRL, "demos", task, "--episodes", str(demos), "--out", cfg.env.dataset], check=True)
+        images = ["--cameras", *cfg.env.cameras, "--image-size", str(cfg.env.image_size)] \
+            if cfg.env.obs_mode == "image" else []
+        subprocess.run([*FLOWRL, "demos", task, "--episodes", str(demos), "--out", cfg.env.dataset, *images],
+                       check=True)
     if not Path(cfg.algo.base_policy).is_file():
         subprocess.run([*FLOWRL, "pretrain", config, *overrides, "--epochs", str(epochs)], check=True)
 

@@ -230,6 +230,33 @@ def test_protocol_end_to_end_on_a_tiny_lift_run(tmp_path, capsys):
     assert [r["outcomes"] for r in again["variants"]["tiny-lift"]["runs"]] == [r["outcomes"] for r in v["runs"]]
 
 
+def test_missing_image_demos_are_recorded_with_the_configs_cameras(tmp_path, monkeypatch):
+    """An image config's demos are made with its cameras at its image size (without them the
+    demos hold no images and pretraining refuses the dataset); the command is run for real."""
+    import subprocess
+
+    import h5py
+    from _robot import ensure_demos_and_base
+
+    from flowrl_ray.config import load_config
+    demos, base = tmp_path / "lift_image.hdf5", tmp_path / "base.pt"
+    cfg = load_config(REPO / "configs/fpopp/lift_image_quickstart.yaml",
+                      [f"env.dataset={demos}", f"algo.base_policy={base}", "env.image_size=32"])
+    commands = []
+    monkeypatch.setattr(subprocess, "run", lambda cmd, check: commands.append(cmd))
+    ensure_demos_and_base("c.yaml", cfg, "lift", 1, 3)
+    demo_cmd, pretrain_cmd = commands
+    i = demo_cmd.index("demos")
+    assert demo_cmd[i:i + 2] == ["demos", "lift"] and demo_cmd[demo_cmd.index("--cameras") + 1] == "agentview"
+    assert demo_cmd[demo_cmd.index("--image-size") + 1] == "32"
+    assert pretrain_cmd[-2:] == ["--epochs", "3"]
+    monkeypatch.undo()
+    from flowrl_ray.cli import main as cli
+    assert cli(demo_cmd[i:]) == 0
+    with h5py.File(demos) as f:
+        assert f["data/demo_0/obs/agentview_image"].shape[1:] == (32, 32, 3)
+
+
 # --------------------------------------------------------------------------- the forms protocol
 
 def test_forms_protocol_summary_splits_the_task_kinds_by_hand():
