@@ -63,6 +63,47 @@ def test_image_observations_render_on_the_cpu():
     env.close()
 
 
+def test_seeded_resets_free_the_replaced_simulator_and_its_render_context():
+    # A seeded reset rebuilds robosuite's model (a new MjSim and, with images, a new offscreen
+    # render context of ~0.34 GB). The old ones sit in reference cycles; unless the env frees
+    # them, an evaluating image env grows by a render context per episode.
+    import gc
+
+    from robosuite.utils.binding_utils import MjRenderContext, MjSim
+    gc.collect()
+    cfg = _cfg(obs_mode="image", cameras=["agentview"], image_size=32, horizon_steps=2, act_steps=2)
+    env = robot.make_env(cfg)
+    gc.disable()                         # only the env may free them, not Python's schedule
+    try:
+        for seed in range(3):
+            env.reset(seed=seed)
+            env.step(np.zeros((2, 7)))
+            live = [o for o in gc.get_objects() if isinstance(o, (MjSim, MjRenderContext))]
+            assert sum(isinstance(o, MjSim) for o in live) == 1
+            assert sum(isinstance(o, MjRenderContext) for o in live) == 1
+            del live
+    finally:
+        gc.enable()
+        env.close()
+
+
+def test_an_env_renders_its_own_scene_after_another_envs_context_is_freed():
+    # Freeing a GL context (another env's replaced simulator, whenever Python collects it)
+    # releases the thread's current context; an env must make its own current before rendering,
+    # or its observations are garbage from then on.
+    import gc
+    cfg = _cfg(obs_mode="image", cameras=["agentview"], image_size=32, horizon_steps=2, act_steps=2)
+    a = robot.make_env(cfg)
+    obs, _ = a.reset(seed=0)
+    b = robot.make_env(cfg)
+    b.reset(seed=1)
+    b.close()
+    del b
+    gc.collect()
+    assert np.array_equal(a.render_camera("agentview"), obs["rgb"].transpose(1, 2, 0))
+    a.close()
+
+
 def test_family_is_registered():
     assert env_family("robot") is robot
 

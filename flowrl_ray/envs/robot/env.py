@@ -55,6 +55,7 @@ control step's physics, and a model rebuild (seeded reset) needs a new GL contex
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass
 
@@ -238,6 +239,10 @@ class RobotEnv(gym.Env):
             # well): make robosuite's offscreen context on first use (EGL or OSMesa, as MUJOCO_GL).
             from robosuite.utils.binding_utils import MjRenderContextOffscreen
             MjRenderContextOffscreen(sim, device_id=-1)
+        # This env's GL context must be the thread's current one. Freeing any other context
+        # (another env's replaced simulator) calls eglReleaseThread, which leaves no context
+        # current: robosuite's render would then read back garbage.
+        sim._render_context_offscreen.gl_ctx.make_current()
         flags, flag = sim._render_context_offscreen.scn.flags, mujoco.mjtRndFlag.mjRND_REFLECTION
         previous = flags[flag]
         flags[flag] = previous and reflections
@@ -279,13 +284,18 @@ class RobotEnv(gym.Env):
         model (Lift's cube size), from an unseeded Generator at construction; with
         ``hard_reset=False`` that draw otherwise lasts the env's lifetime and differs between
         processes. A reload takes about 0.14 s (Lift), paid only on seeded resets. The
-        placement samplers and the robot's initial-joint noise draw from the same Generator."""
+        placement samplers and the robot's initial-joint noise draw from the same Generator.
+
+        The replaced simulator's render context is freed here (see ``_free_render_context``)."""
+        rendered = self._free_render_context()
         self.raw.rng.bit_generator.state = np.random.default_rng(seed).bit_generator.state
         self.raw.hard_reset = True
         try:
             self.raw.reset()
         finally:
             self.raw.hard_reset = False
+        if rendered:
+            gc.collect()
         self.model_seed = seed
 
     def step(self, action: np.ndarray):
@@ -339,8 +349,32 @@ class RobotEnv(gym.Env):
         self.solved |= success
         return success
 
+    def _free_render_context(self) -> bool:
+        """Free the simulator's offscreen render context now, correctly; True if there was one.
+
+        robosuite leaves it to ``__del__``, which goes wrong twice. The context and its MjSim
+        sit in a reference cycle, so they are freed only when Python's cyclic collector runs,
+        and the context holds ~0.34 GB of Mesa buffers (scene, shadow map, framebuffer): an
+        image env evaluating seeded episodes grew by that much per episode (8 envs passed
+        15 GB). And ``__del__`` frees the MjrContext's GL objects in whatever context is
+        current then: another env's, whose objects have the same ids, so that env rendered
+        garbage from then on. Here the context's objects are freed with the context current,
+        then the context itself; the caller collects the cycle."""
+        sim = self.raw.sim
+        ctx = None if sim is None else sim._render_context_offscreen
+        if ctx is None:
+            return False
+        ctx.gl_ctx.make_current()
+        ctx.con.free()                      # GL objects, in their own context
+        ctx.gl_ctx.free()                   # the context (releases the thread's current one)
+        return True
+
     def close(self) -> None:
-        self.raw.close()
+        if self._free_render_context():
+            self.raw.close()
+            gc.collect()
+        else:
+            self.raw.close()
 
     # ------------------------------------------------------------------ exact resume
 
