@@ -370,11 +370,13 @@ class RobotEnv(gym.Env):
         return True
 
     def close(self) -> None:
-        if self._free_render_context():
-            self.raw.close()
+        try:
+            rendered = self._free_render_context()
+        except Exception:       # at interpreter exit EGL's display may already be terminated
+            rendered = False
+        self.raw.close()
+        if rendered:
             gc.collect()
-        else:
-            self.raw.close()
 
     # ------------------------------------------------------------------ exact resume
 
