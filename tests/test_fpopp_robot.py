@@ -121,3 +121,25 @@ def test_image_augmentation_with_async_workers_is_refused_before_ray_starts():
     with pytest.raises(ConfigError, match=r"algo\.augment.*async"):
         robot_cfg(mode="async", obs_mode="image", cameras=["agentview"], image_size=32)
     robot_cfg(mode="async")                      # state observations have nothing to shift
+
+
+def test_random_sampling_evaluation_does_not_depend_on_n_mc():
+    # Evaluation draws only the action noise from its generator: no Monte Carlo pairs, which
+    # only a training batch needs. Otherwise the same weights evaluated under n_mc 3 and 12
+    # consume the stream differently and run different episodes.
+    family = env_family("robot")
+    returns = []
+    for n_mc in (3, 12):
+        cfg = robot_cfg(reward="shaped")            # returns that depend on every action
+        cfg = dataclasses.replace(cfg, algo=dataclasses.replace(cfg.algo, n_mc=n_mc))
+        spec = family.spec(cfg.env)
+        torch.manual_seed(0)
+        policy = FPOPP.make_policy(cfg, spec)
+        assert policy.n_mc == n_mc
+        runner = EnvRunner(family, cfg.env, 2, seed=0, policy=policy)
+        try:
+            returns.append(runner.evaluate(4, deterministic=False)["episode_returns"])
+        finally:
+            runner.close()
+    assert len(returns[0]) == 4 and len(set(returns[0])) > 1
+    assert returns[0] == returns[1]

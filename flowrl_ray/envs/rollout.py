@@ -55,10 +55,11 @@ class EnvRunner:
         self.policy.load_state_dict(state_dict)
         self.policy_version = version
 
-    def _act(self, obs, deterministic: bool, generator: torch.Generator) -> tuple[np.ndarray, dict]:
-        action, record = self.policy.act(map_obs(_to_tensor, obs), deterministic=deterministic,
-                                         generator=generator)
-        return action.numpy(), record
+    def _act(self, obs, deterministic: bool, generator: torch.Generator,
+             record: bool = True) -> tuple[np.ndarray, dict]:
+        action, rec = self.policy.act(map_obs(_to_tensor, obs), deterministic=deterministic,
+                                      generator=generator, record=record)
+        return action.numpy(), rec
 
     def _successes(self, infos: dict, done: np.ndarray) -> list[bool] | None:
         """Success of each episode that ended this step, for families that define it."""
@@ -149,7 +150,7 @@ class EnvRunner:
         returns, lengths, successes, videos, keys = [], [], [], [], []
         eval_gen = torch.Generator().manual_seed(self.seed + EVAL_SEED_OFFSET)
         while (done_count < quota).any():
-            action, _ = self._act(obs, deterministic, eval_gen)
+            action, _ = self._act(obs, deterministic, eval_gen, record=False)
             obs, reward, terminated, truncated, info = envs.step(action)
             ret += reward
             length += 1

@@ -79,8 +79,10 @@ class CMAPolicy(nn.Module):
 
     @torch.no_grad()
     def act(self, obs: torch.Tensor, deterministic: bool = False,
-            generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The rollout interface: (env action in [-1, 1], record {actions: pre-tanh, logp})."""
+            generator: torch.Generator | None = None,
+            record: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The rollout interface: (env action in [-1, 1], record {actions: pre-tanh, logp}).
+        ``record`` as in FlowPolicy.act; this policy draws only the action noise either way."""
         mean, var = self.get_mean_var(obs)
         pre = mean if deterministic else \
             mean + var.sqrt() * torch.randn(mean.shape, generator=generator, dtype=mean.dtype)

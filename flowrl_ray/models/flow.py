@@ -240,11 +240,14 @@ class FlowPolicy(nn.Module):
 
     @torch.no_grad()
     def act(self, obs: Obs, deterministic: bool = False,
-            generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            generator: torch.Generator | None = None,
+            record: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """obs [N, ...] -> (action chunk [N, Ta, Da] in [-1, 1], record). The record holds
         ``actions``; when sampling for training also ``taus`` [N, M], ``mc_eps`` [N, M, Ta, Da]
         and, with ``record_old_losses``, ``cfm_old`` [N, M, Ta] (M = n_mc): each row's loss,
-        summed over the rows the env executes once that is known (:func:`sum_rows`)."""
+        summed over the rows the env executes once that is known (:func:`sum_rows`).
+        ``record=False`` (evaluation) draws no Monte Carlo pairs: the generator then gives only
+        the action noise, so an evaluation's noise does not depend on ``n_mc``."""
         n = obs_batch_size(obs)
         shape = (n, *self.chunk_shape)
         if deterministic:
@@ -252,14 +255,14 @@ class FlowPolicy(nn.Module):
         else:
             eps = torch.randn(shape, generator=generator)
         actions = self.sample(obs, eps)
-        record = {"actions": actions}
-        if not deterministic and self.n_mc > 0:
+        out = {"actions": actions}
+        if record and not deterministic and self.n_mc > 0:
             taus = torch.rand(n, self.n_mc, generator=generator)
             mc_eps = torch.randn(n, self.n_mc, *self.chunk_shape, generator=generator)
-            record.update(taus=taus, mc_eps=mc_eps)
+            out.update(taus=taus, mc_eps=mc_eps)
             if self.record_old_losses:
-                record["cfm_old"] = self.cfm_losses(obs, actions, taus, mc_eps, per_row=True)
-        return actions, record
+                out["cfm_old"] = self.cfm_losses(obs, actions, taus, mc_eps, per_row=True)
+        return actions, out
 
 
 class ValueMLP(nn.Module):

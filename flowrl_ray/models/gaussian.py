@@ -51,8 +51,11 @@ class GaussianPolicy(nn.Module):
 
     @torch.no_grad()
     def act(self, obs: torch.Tensor, deterministic: bool = False,
-            generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            generator: torch.Generator | None = None,
+            record: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """obs [N, D] -> (env action [N, A] in [-1, 1], record {actions [N, A], logp [N]}).
+        ``record`` is the rollout interface's (see FlowPolicy.act); this policy draws only the
+        action noise either way.
 
         Written out rather than through torch.distributions: this runs once per env step, and
         the distribution objects cost more than the MLP (same numbers, tested against log_prob).

@@ -142,7 +142,8 @@ def _make_deployment():
                 obs, is_batch, deterministic = parse_request(await request.body(), self.obs_shape)
             except BadRequest as e:
                 return JSONResponse({"error": str(e)}, status_code=e.status)
-            normalized, _ = self.policy.act(torch.as_tensor(obs), deterministic=deterministic)
+            normalized, _ = self.policy.act(torch.as_tensor(obs), deterministic=deterministic,
+                                            record=False)
             normalized = normalized.double().numpy()
             if not np.all(np.isfinite(normalized)):
                 return JSONResponse({"error": "the policy produced non-finite actions"}, status_code=500)
