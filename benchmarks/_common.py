@@ -296,6 +296,12 @@ def write_results(name: str, title: str, body: str, command: str | None = None,
 
 
 def git_revision() -> str:
+    """The revision this process started from (read when this module was imported): a long
+    benchmark reports the code it ran, not whatever HEAD is when it ends."""
+    return _REVISION_AT_START
+
+
+def _read_git_revision() -> str:
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
                              text=True, timeout=10).stdout.strip()
@@ -304,3 +310,6 @@ def git_revision() -> str:
         return (rev or "unknown") + (" (flowrl_ray/ or configs/ modified)" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+
+
+_REVISION_AT_START = _read_git_revision()

@@ -215,18 +215,19 @@ def niceness(pid: int) -> int | None:
 
 
 def make_runner(cfg, spec, worker_id: int, state_dict: dict | None):
-    """An EnvRunner exactly as RolloutWorker builds one (seed = cfg.seed + worker_id, the
-    config's algorithm's rollout policy)."""
+    """An EnvRunner exactly as RolloutWorker builds one (its seed ``worker_seed(cfg.seed,
+    worker_id)``, the config's algorithm's rollout policy)."""
     import torch
 
     from flowrl_ray.algorithms import get_algorithm
     from flowrl_ray.envs import env_family
     from flowrl_ray.envs.rollout import EnvRunner
-    from flowrl_ray.utils import seed_everything
+    from flowrl_ray.utils import seed_everything, worker_seed
     torch.set_num_threads(cfg.runtime.torch_threads)
-    seed_everything(cfg.seed + worker_id)
+    seed = worker_seed(cfg.seed, worker_id)
+    seed_everything(seed)
     runner = EnvRunner(env_family(cfg.env.family), cfg.env, cfg.runtime.envs_per_worker,
-                       cfg.seed + worker_id, get_algorithm(cfg.algorithm).make_policy(cfg, spec), worker_id)
+                       seed, get_algorithm(cfg.algorithm).make_policy(cfg, spec), worker_id)
     if state_dict is not None:
         runner.set_weights(state_dict, 1)
     return runner

@@ -80,7 +80,7 @@ RLLIB_DIFFERENCES = [
     "Logical CPUs given to the local Ray: flowrl_ray 3 (learner + 2 workers, its init_ray); RLlib 4 "
     "(driver/learner bundle + 2 EnvRunners + the evaluation EnvRunner). Both run on the same 2 "
     "physical cores; the extra logical CPUs only let the actors be scheduled.",
-    "Time limits: none; seeds: flowrl_ray seed 0 (worker i: seed + i), RLlib debugging(seed=0).",
+    "Time limits: none; seeds: flowrl_ray seed 0 (worker i: worker_seed(0, i)), RLlib debugging(seed=0).",
 ]
 
 

@@ -39,6 +39,16 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def worker_seed(seed: int, worker_id: int, restarts: int = 0) -> int:
+    """The seed of rollout worker ``worker_id`` of a run seeded ``seed``, after ``restarts``
+    replacements: a hash of all three (numpy's SeedSequence), below 2**30 so that the offsets
+    added for a worker's envs stay in every library's range. A worker seeds its env i with its
+    seed + i; with ``seed + worker_id`` as the worker's seed, neighbouring workers shared 7 of 8
+    envs' scene streams, and run seed 1's worker 0 was run seed 0's worker 1 (same envs, same
+    action noise): "independent" seeds shared half their first rollouts."""
+    return int(np.random.SeedSequence([seed, worker_id, restarts]).generate_state(1)[0] >> 2)
+
+
 def default_device() -> torch.device:
     """The one place that picks the device: CUDA when present, else CPU."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -78,3 +78,22 @@ def test_other_families_of_the_ppo_configs_step(env_id):
         assert np.array_equal(runner.sample(5)["obs"], r2.sample(5)["obs"])
     else:                                    # Box2D worlds do not pickle: reported, env kept fresh
         assert runner.get_state() and not _runner(f"env.id={env_id}", num_envs=2)[0].set_state(runner.get_state())
+
+
+def test_worker_seeds_give_every_worker_of_every_run_its_own_envs():
+    # A worker seeds its env i with its seed + i (evaluation envs: + EVAL_SEED_OFFSET + i). No
+    # two workers of runs seeded 0-4 (4 workers, 16 envs each, restarted twice) share an env seed:
+    # with seed + worker_id, run 1's worker 0 was run 0's worker 1.
+    from flowrl_ray.envs.rollout import EVAL_SEED_OFFSET
+    from flowrl_ray.utils import worker_seed
+    seeds = [worker_seed(s, w, r) for s in range(5) for w in range(4) for r in range(3)]
+    assert len(set(seeds)) == len(seeds) and all(0 <= s < 2**30 for s in seeds)
+    envs = [s + off + i for s in seeds for off in (0, EVAL_SEED_OFFSET) for i in range(16)]
+    assert len(set(envs)) == len(envs)
+    assert worker_seed(3, 1, 0) == worker_seed(3, 1, 0)            # a function of its arguments
+    # two workers' rollouts differ from the first step (their envs start from other scenes)
+    cfg = tiny_config()
+    family = env_family(cfg.env.family)
+    obs = [EnvRunner(family, cfg.env, 2, worker_seed(s, w), PPO.make_policy(cfg, family.spec(cfg.env))).obs
+           for s, w in ((0, 1), (1, 0))]
+    assert not np.allclose(obs[0], obs[1])

@@ -14,9 +14,7 @@ from flowrl_ray.batch import Batch, BatchMeta
 from flowrl_ray.config import Config
 from flowrl_ray.envs import EnvSpec, env_family
 from flowrl_ray.envs.rollout import EnvRunner
-from flowrl_ray.utils import default_device, seed_everything
-
-RESTART_SEED_STRIDE = 100_003   # a restarted worker gets fresh env seeds
+from flowrl_ray.utils import default_device, seed_everything, worker_seed
 
 
 @ray.remote
@@ -31,7 +29,7 @@ class RolloutWorker:
 
     def __init__(self, cfg: Config, spec: EnvSpec, worker_id: int, restarts: int = 0):
         torch.set_num_threads(cfg.runtime.torch_threads)
-        seed = cfg.seed + worker_id + RESTART_SEED_STRIDE * restarts
+        seed = worker_seed(cfg.seed, worker_id, restarts)   # a restarted worker: fresh env seeds
         seed_everything(seed)
         algorithm, family = get_algorithm(cfg.algorithm), env_family(cfg.env.family)
         if algorithm.rollout_kind == "group":
