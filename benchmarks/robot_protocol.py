@@ -38,7 +38,8 @@ random sampling) and periodic-eval success vs env steps as the mean over seeds w
 are chunk steps, each up to ``env.act_steps`` low-level 20 Hz robosuite steps. With
 ``--reference NAME`` also each other variant's difference from that one: the mean over its seeds
 minus the mean over the reference's seeds, with the same episode-paired bootstrap CI (the
-reference's per-episode mean success takes the base's place); both must share a base setting.
+reference's per-episode mean success takes the base's place). Variants with another base setting
+(base policy, env section or flow steps) are listed as not compared.
 """
 
 from __future__ import annotations
@@ -274,9 +275,11 @@ def summarise(bases: dict, variants: dict, n_boot: int, reference: str | None = 
         if name == reference:
             continue
         if v["base"] != ref["base"]:
-            raise UsageError(f"--reference {reference}: variant {name} has another base setting (base policy, "
-                             f"env section or flow steps), so their episodes do not pair")
-        v["vs_reference"] = {"reference": reference}
+            # Another base policy, env section or flow steps: a sweep may mix such variants with
+            # the reference's (flow steps beside N_mc); they keep their gain over their own base.
+            v["vs_reference"] = {"reference": reference, "compared": False}
+            continue
+        v["vs_reference"] = {"reference": reference, "compared": True}
         for s in SAMPLING_RULES:
             ref_mean = np.mean([r["outcomes"][s]["successes"] for r in ref["runs"]], axis=0)   # [E]
             v["vs_reference"][s] = paired_bootstrap_gain([r["outcomes"][s]["successes"] for r in v["runs"]],
@@ -311,22 +314,27 @@ def plot(variants: dict, results_dir: Path, output: str) -> list[str]:
 
 def reference_table(variants: dict, pct, pts) -> str:
     """The --reference comparison as a markdown section ("" without one)."""
-    rows = []
+    rows, skipped = [], []
     for name, v in variants.items():
         d = v.get("vs_reference")
         if d is None:
+            continue
+        if not d["compared"]:
+            skipped.append(name)
             continue
         ref = variants[d["reference"]]
         for s in SAMPLING_RULES:
             g = d[s]
             rows.append([name, d["reference"], s, pct(ref["success"][s]["mean"]), pct(v["success"][s]["mean"]),
                          f"{pts(g['gain'])} [{pts(g['ci_low'])}, {pts(g['ci_high'])}]"])
+    note = (f"\n\nNot compared with the reference (another base setting: base policy, env section or "
+            f"flow steps): {', '.join(skipped)}." if skipped else "")
     if not rows:
-        return ""
+        return note
     return ("\n\nAgainst the reference (mean over its seeds minus the reference's, in points; CI: bootstrap over "
             "episodes, paired; it does not resample the training seeds, whose spread is in the table above):\n\n"
             + md_table(["variant", "reference", "sampling", "reference mean", "variant mean",
-                        "difference [95 % CI], points"], rows))
+                        "difference [95 % CI], points"], rows)) + note
 
 
 def report(results: dict, results_dir: Path, output: str) -> None:

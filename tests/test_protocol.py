@@ -153,9 +153,13 @@ def test_reference_difference_is_the_mean_over_seeds_minus_the_references_by_han
     assert d["gain"] == pytest.approx(0.625) and d["seeds"] == 2 and d["episodes"] == 4
     table = rp.reference_table(variants, lambda v: f"{100 * v:.0f} %", lambda v: f"{100 * v:+.1f}")
     assert "| a " in table and "+25.0" in table and "| ref " not in table.split("reference mean")[1].split("\n| a")[0]
-    variants["a"]["base"] = "other"
-    with pytest.raises(rp.UsageError, match="--reference ref: variant a has another base setting"):
-        rp.summarise(bases, variants, n_boot=10, reference="ref")
+    variants["a"]["base"] = "other"          # e.g. other flow steps: listed, not compared
+    rp.summarise(bases, variants, n_boot=10, reference="ref")
+    assert variants["a"]["vs_reference"] == {"reference": "ref", "compared": False}
+    assert variants["all"]["vs_reference"]["compared"]
+    table = rp.reference_table(variants, lambda v: f"{100 * v:.0f} %", lambda v: f"{100 * v:+.1f}")
+    assert "| all " in table and "| a " not in table and "Not compared with the reference" in table
+    assert table.rstrip().endswith(": a.")
 
 
 def test_reference_must_name_a_variant(tmp_path, capsys):
