@@ -13,10 +13,14 @@ Splits (task sets):
 
 The kinds are different seed streams (the kind is part of every task's seed), so the sets share
 no task. Free-text values (names, companies, cities, streets, titles, sentences, ...) are composed
-afresh per task from syllables, stems and word lists, and each kind only uses its own third of
-every list (``VALUE_PART``), so no SFT, RL or evaluation value repeats in another set and none can
-be predicted except by reading it; an email is made from its person's name. Numbers, dates, phone
-numbers, codes and option choices are drawn from the same ranges in all kinds.
+afresh per task from syllables, stems and word lists, so none can be predicted except by reading
+it, and the composed values themselves are partitioned: a value belongs to the kind that its
+stable hash names (``VALUE_PART``), and a kind redraws until it composes one of its own. So no SFT,
+RL or evaluation value repeats in another set, while every set is built from the same word parts:
+an evaluation value is a new combination of pieces that SFT answers write too (with a tokenizer
+trained on the SFT texts, its tokens are ones a policy has learned to output). An email is made
+from its person's name. Numbers, dates, phone numbers, codes and option choices are drawn from the
+same ranges in all kinds.
 
 The instruction names every field by its exact label (so a policy can address it on a page it has
 not seen) and states its value, in varied phrasing and field order, with the form's URL path
@@ -43,8 +47,8 @@ SPLIT_KINDS = {"train": ("train",), "rl": ("train",), "sft": ("sft",), "eval": (
                "heldout": ("heldout_values", "heldout_forms"), "heldout_values": ("heldout_values",),
                "heldout_forms": ("heldout_forms",)}
 DEFAULT_PER_FORM = {"train": 32, "sft": 32, "heldout_values": 8, "heldout_forms": 8}
-#: each kind composes free-text values from its own third of every word-part list, so SFT, RL and
-#: evaluation values are disjoint by construction
+#: the part of the composed free-text values a kind keeps (value hash mod N_PARTS): SFT, RL and
+#: evaluation values are disjoint by construction, built from the same word parts
 VALUE_PART = {"train": 0, "sft": 1, "heldout_values": 2, "heldout_forms": 2}
 N_PARTS = 3
 OPTIONAL_FIELD_P = 0.7        # an optional field is part of the record with this probability
@@ -155,8 +159,8 @@ def _stable_seed(*parts: object) -> int:
 # --------------------------------------------------------------------------- fresh values
 #
 # Free-text values are composed per task from word parts (syllables, stems, suffixes, word lists),
-# so none can be predicted except by reading it from the instruction. Each list is cut into
-# N_PARTS interleaved thirds; a kind (see VALUE_PART) only uses its own third.
+# so none can be predicted except by reading it from the instruction. All kinds compose from the
+# same lists; a composed value is kept only by the kind its hash names (see value_part).
 
 PARTS: dict[str, tuple[str, ...]] = {
     "onset": ("b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "gr", "tr",
@@ -189,45 +193,55 @@ PARTS: dict[str, tuple[str, ...]] = {
 }
 
 
-def part(name: str, kind: str) -> tuple[str, ...]:
-    """The third of a word-part list that ``kind`` composes its values from."""
-    k = VALUE_PART[kind]
-    return tuple(x for i, x in enumerate(PARTS[name]) if i % N_PARTS == k)
+def value_part(value: str) -> int:
+    """Which kind keeps a composed value: its stable hash mod N_PARTS (compare VALUE_PART)."""
+    return _stable_seed("value", value) % N_PARTS
 
 
-def _word(rng: random.Random, kind: str, syllables: tuple[int, int] = (2, 3)) -> str:
+def _word(rng: random.Random, syllables: tuple[int, int] = (2, 3)) -> str:
     """A pronounceable made-up word, capitalised: 2-3 syllables onset+vowel, the last with a coda."""
     n = rng.randint(*syllables)
-    out = "".join(rng.choice(part("onset", kind)) + rng.choice(part("vowel", kind)) for _ in range(n))
-    return (out + rng.choice(part("coda", kind))).capitalize()
+    out = "".join(rng.choice(PARTS["onset"]) + rng.choice(PARTS["vowel"]) for _ in range(n))
+    return (out + rng.choice(PARTS["coda"])).capitalize()
 
 
 def fresh_value(src: str, rng: random.Random, kind: str) -> str:
-    """A value of the sample type ``src`` composed afresh (never drawn whole from a fixed list)."""
+    """A value of the sample type ``src`` composed afresh (never drawn whole from a fixed list),
+    one of ``kind``'s own part of all such values (redrawn until :func:`value_part` says so)."""
+    while True:
+        value = _compose(src, rng)
+        if value_part(value) == VALUE_PART[kind]:
+            return value
+
+
+def _compose(src: str, rng: random.Random) -> str:
+    def pick(name: str) -> str:
+        return rng.choice(PARTS[name])
+
     if src in ("first_name", "last_name", "city"):
-        return _word(rng, kind)
+        return _word(rng)
     if src == "company":
-        return f"{_word(rng, kind, (1, 2))} {rng.choice(part('company_stem', kind))} {rng.choice(part('company_suffix', kind))}"
+        return f"{_word(rng, (1, 2))} {pick('company_stem')} {pick('company_suffix')}"
     if src == "street":
-        return f"{rng.randint(1, 250)} {_word(rng, kind)} {rng.choice(part('street_suffix', kind))}"
+        return f"{rng.randint(1, 250)} {_word(rng)} {pick('street_suffix')}"
     if src == "country":
-        return _word(rng, kind) + rng.choice(("ia", "land", "stan", "a"))
+        return _word(rng) + rng.choice(("ia", "land", "stan", "a"))
     if src == "university":
-        return f"{_word(rng, kind)} {rng.choice(('University', 'College', 'Institute'))}"
+        return f"{_word(rng)} {rng.choice(('University', 'College', 'Institute'))}"
     if src == "subject":
-        return f"{_word(rng, kind, (1, 2))} {rng.choice(part('discipline', kind))}"
+        return f"{_word(rng, (1, 2))} {pick('discipline')}"
     if src == "title":
-        return f"The {rng.choice(part('adjective', kind)).capitalize()} {_word(rng, kind, (1, 2))} {rng.choice(part('noun', kind)).capitalize()}"
+        return f"The {pick('adjective').capitalize()} {_word(rng, (1, 2))} {pick('noun').capitalize()}"
     if src == "job_title":
-        return f"{_word(rng, kind, (1, 2))} {rng.choice(part('role', kind))}"
+        return f"{_word(rng, (1, 2))} {pick('role')}"
     if src == "phrase":
-        return f"{rng.choice(part('adjective', kind))} {rng.choice(part('noun', kind))}"
+        return f"{pick('adjective')} {pick('noun')}"
     if src == "product":
-        return f"{_word(rng, kind, (1, 2))} {rng.choice(part('noun', kind))} {rng.choice('ABCDEFGHKLMPRSTX')}{rng.randint(2, 990)}"
+        return f"{_word(rng, (1, 2))} {pick('noun')} {rng.choice('ABCDEFGHKLMPRSTX')}{rng.randint(2, 990)}"
     if src == "sentence":
         n = 2 if rng.random() < 0.4 else 1
-        return " ".join(f"Please {rng.choice(part('verb', kind))} the {rng.choice(part('adjective', kind))} "
-                        f"{rng.choice(part('noun', kind))} {rng.choice(part('time', kind))}." for _ in range(n))
+        return " ".join(f"Please {pick('verb')} the {pick('adjective')} {pick('noun')} {pick('time')}."
+                        for _ in range(n))
     raise KeyError(src)
 
 
