@@ -3,6 +3,7 @@ update's ratios, directions and KL on a tiny EDM, config errors, and a tiny pret
 FED-GRPO -> eval run through the CLI with real GFN2-xTB scorers on a real local Ray."""
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -51,6 +52,24 @@ def test_fed_advantages_are_invariant_to_each_signals_scale_and_zero_for_tied_gr
     assert torch.equal(tied, torch.zeros(4))
 
 
+def test_the_stability_channel_is_a_third_group_normalised_signal():
+    force = torch.tensor([1.0, 3.0, 2.0, 2.0])
+    energy = torch.tensor([0.0, 2.0, 5.0, 1.0])
+    stab = torch.tensor([0.5, 0.5, 0.9, 0.1])             # group 7 tied; group 3: (1, -1) after normalising
+    groups = torch.tensor([7, 7, 3, 3])
+    adv = fed_advantages(force, energy, groups, 1.0, 0.1, 5.0, stab, stability_weight=2.0)
+    # the two-channel values (-1.1, 1.1, 0.1, -0.1) plus 2 * a_S = (0, 0, 2, -2)
+    assert torch.allclose(adv, torch.tensor([-1.1, 1.1, 2.1, -2.1]), atol=1e-6)
+    assert torch.equal(fed_advantages(force, energy, groups, 1.0, 0.1, 5.0, stab, 0.0),
+                       fed_advantages(force, energy, groups, 1.0, 0.1, 5.0))
+    # scale-free: the stability reward's units (weights of its terms) do not change A
+    assert torch.allclose(fed_advantages(force, energy, groups, 1.0, 0.1, 5.0, 10 * stab - 3, 2.0), adv, atol=1e-5)
+    pbrs = fed_advantages_pbrs(torch.tensor([1.0, 3.0]), torch.tensor([[1.0, 0.0], [3.0, 0.0]]), torch.tensor([0, 0]),
+                               1.0, 0.5, 5.0, torch.tensor([2.0, 0.0]), stability_weight=1.0)
+    # a_S = (1, -1) on every step, added to [[-1.5, -1], [1.5, 1]]
+    assert torch.allclose(pbrs, torch.tensor([[-0.5, 0.0], [0.5, 0.0]]), atol=1e-6)
+
+
 def test_fed_advantages_clip_at_adv_clip_max():
     force = torch.zeros(30)
     force[0] = 10.0                       # one outlier in a group of 30: z = sqrt(29) = 5.385
@@ -91,7 +110,8 @@ def _algo(**algo) -> FEDGRPO:
     return FEDGRPO(config_from_dict(_config(**algo)), EnvSpec((1,), 1), torch.device("cpu"))
 
 
-def _scored(chunks: list[dict], force: list[float], energy: list[float]) -> list[Batch]:
+def _scored(chunks: list[dict], force: list[float], energy: list[float],
+            stability: list[float] | None = None) -> list[Batch]:
     batches = []
     for chunk in chunks:
         ids = np.asarray(chunk["ids"])
@@ -100,6 +120,10 @@ def _scored(chunks: list[dict], force: list[float], energy: list[float]) -> list
                 "energy_reward": np.asarray(energy, np.float32)[ids],
                 "energy_eV": np.zeros(k), "formation_energy_per_atom_eV": np.zeros(k), "rms_force": np.ones(k),
                 "stable": np.zeros(k), "stable_atom_fraction": np.zeros(k), "valid": np.zeros(k),
+                "stability_reward": np.asarray(stability if stability is not None else np.zeros(len(force)),
+                                               np.float32)[ids],
+                "force_gated": np.zeros(k), "energy_gated": np.zeros(k), "under_bonded": np.zeros(k),
+                "over_bonded": np.zeros(k), "overlap": np.zeros(k),
                 "smiles": np.array([""] * k, dtype=object), "reason": np.array(["ok"] * k, dtype=object)}
         if "shaping" in chunk:
             data["shaping_energy_reward"] = np.zeros((k, len(chunk["shaping"][0])), np.float32)
@@ -171,6 +195,20 @@ def test_unscored_rows_get_zero_advantage_and_pbrs_gives_per_step_advantages():
     assert adv.shape == (6, 6)
     assert torch.equal(adv[3:], torch.zeros(3, 6))                # the second chunk never came back
     assert not torch.allclose(adv[:3, 0], adv[:3, 1])             # scheduled vs unscheduled steps differ
+
+
+def test_prepare_mixes_the_stability_channel_with_its_weight():
+    algo = _algo(stability_adv_weight=0.5)
+    chunks = algo.generate(2)                                     # 2 groups of 3
+    scored = _scored(chunks, force=[1, 1, 1, 2, 2, 2], energy=[0] * 6, stability=[0.2, 0.5, 0.8, 1, 1, 1])
+    adv = algo.prepare(scored)["advantages"]
+    # force and energy tied in both groups: A = 0.5 * a_S; group 0's a_S = (-1, 0, 1) * sqrt(3/2)
+    expected = 0.5 * torch.tensor([-1.0, 0.0, 1.0]) * math.sqrt(1.5)
+    assert torch.allclose(adv[:3], expected[:, None].expand(3, adv.shape[1]), atol=1e-5)
+    assert torch.equal(adv[3:], torch.zeros_like(adv[3:]))
+    plain = _algo()                                               # default w_S = 0: no stability signal
+    plain.generate(2)
+    assert torch.equal(plain.prepare(scored)["advantages"], torch.zeros_like(adv))
 
 
 def test_state_round_trip_reproduces_generation():
@@ -264,6 +302,12 @@ def test_molecule_summary_by_hand():
          "stable": torch.tensor([1.0, 0.0, float("nan"), 0.0]),
          "stable_atom_fraction": torch.tensor([1.0, 0.5, float("nan"), 0.0]),
          "valid": torch.tensor([1.0, 1.0, float("nan"), 1.0]),
+         "stability_reward": torch.tensor([1.0, 0.2, float("nan"), -0.6]),
+         "force_gated": torch.tensor([0.0, 1.0, float("nan"), 1.0]),
+         "energy_gated": torch.tensor([0.0, 0.0, float("nan"), 1.0]),
+         "under_bonded": torch.tensor([0.0, 2.0, float("nan"), 4.0]),
+         "over_bonded": torch.tensor([0.0, 1.0, float("nan"), 0.0]),
+         "overlap": torch.tensor([0.0, 0.0, float("nan"), 1.0]),
          "smiles": ["CO", "CO", "", "CCO"], "reason": ["ok", "ok", "not_scored", "overlap"]}
     out = molecule_summary(s)
     # unscored rows (NaN) are left out of the means; uniqueness = unique SMILES among the valid
@@ -272,3 +316,6 @@ def test_molecule_summary_by_hand():
     assert out["validity"] == pytest.approx(1.0) and out["uniqueness"] == pytest.approx(2 / 3)
     assert out["valid_and_unique"] == pytest.approx(2 / 3)
     assert out["reason/ok"] == 0.5 and out["reason/overlap"] == 0.25 and out["reason/not_scored"] == 0.25
+    assert out["stability_reward_mean"] == pytest.approx(0.2) and out["force_gated_fraction"] == pytest.approx(2 / 3)
+    assert out["energy_gated_fraction"] == pytest.approx(1 / 3) and out["overlap_fraction"] == pytest.approx(1 / 3)
+    assert out["under_bonded_atoms"] == pytest.approx(2.0) and out["over_bonded_atoms"] == pytest.approx(1 / 3)

@@ -121,7 +121,7 @@ def test_bad_molecules_get_a_reason_without_a_call_and_quickly(gfn2):
     s = RewardSettings(force_clip=10.0, energy_clip=8.0, invalid_penalty_scale=0.5)
     for r in results[:-1]:
         assert not r.ok and math.isnan(r.energy_eV) and r.forces is None and r.seconds == 0.0
-        out = molecule_rewards(r, False, s)
+        out = molecule_rewards(r, PART, s)
         assert (out["force_reward"], out["energy_reward"]) == (-10.5, -8.5)
         assert out["force_gated"] and out["energy_gated"] and out["reason"] == r.reason
 
@@ -190,39 +190,46 @@ def test_mmff_backend_on_qm9_molecules():
         assert r.reason == "bond_perception_failed"
 
 
+#: valence reports (chemistry.valence_report) of a stable molecule and of one with 3 of 4 atoms stable
+STABLE = {"n": 4, "under_bonded": 0, "over_bonded": 0, "stable_atom_fraction": 1.0, "soft_missing": 0.0,
+          "soft_excess": 0.0}
+PART = {"n": 4, "under_bonded": 1, "over_bonded": 0, "stable_atom_fraction": 0.75, "soft_missing": 0.25,
+        "soft_excess": 0.0}
+
+
 def test_molecule_rewards_by_hand():
     forces = np.zeros((4, 3))
     forces[0] = [3.0, 4.0, 0.0]                          # |F| = 5
     forces[1] = [0.0, 0.0, 100.0]                        # capped to 10
     r = FFResult(True, "ok", 4, energy_eV=-500.0, formation_energy_eV=-24.0, forces=forces, seconds=0.01)
-    s = RewardSettings(force_clip=10.0, energy_clip=5.0)
-    out = molecule_rewards(r, True, s)
+    s = RewardSettings(force_clip=10.0, energy_clip=5.0, invalid_penalty_scale=0.0)
+    out = molecule_rewards(r, STABLE, s)
     assert out["force_reward"] == pytest.approx(-math.sqrt((25 + 100) / 4))
     assert out["rms_force"] == pytest.approx(math.sqrt((25 + 100 ** 2) / 4))
     assert out["formation_energy_per_atom_eV"] == -6.0
     assert out["energy_reward"] == 5.0                   # +6 eV/atom clipped to 5
     assert out["reward"] == pytest.approx(out["force_reward"] + 5.0)
     assert out["reason"] == "ok" and not out["force_gated"] and not out["energy_gated"]
-    assert molecule_rewards(r, False, s)["reason"] == "ok"          # no gate set: stability ignored
+    assert molecule_rewards(r, PART, s)["reason"] == "ok"          # no gate set: stability ignored
 
-    e_gate = molecule_rewards(r, False, RewardSettings(force_clip=10.0, energy_clip=5.0, energy_only_if_stable=True))
+    e_gate = molecule_rewards(r, PART, RewardSettings(force_clip=10.0, energy_clip=5.0, energy_only_if_stable=True))
     assert e_gate["energy_reward"] == -5.0 and e_gate["force_reward"] == out["force_reward"]
     assert e_gate["energy_gated"] and not e_gate["force_gated"] and e_gate["reason"] == "unstable_gated"
-    f_gate = molecule_rewards(r, False, RewardSettings(force_clip=10.0, energy_clip=5.0, force_only_if_stable=True))
+    f_gate = molecule_rewards(r, PART, RewardSettings(force_clip=10.0, energy_clip=5.0, force_only_if_stable=True))
     assert f_gate["force_reward"] == -10.0 and f_gate["energy_reward"] == 5.0 and f_gate["reason"] == "unstable_gated"
-    assert molecule_rewards(r, True, RewardSettings(force_only_if_stable=True))["reason"] == "ok"
+    assert molecule_rewards(r, STABLE, RewardSettings(force_only_if_stable=True))["reason"] == "ok"
 
     weighted = RewardSettings(force_clip=10.0, energy_clip=5.0, force_weight=2.0, energy_weight=0.5)
-    assert molecule_rewards(r, True, weighted)["reward"] == pytest.approx(2 * out["force_reward"] + 2.5)
+    assert molecule_rewards(r, STABLE, weighted)["reward"] == pytest.approx(2 * out["force_reward"] + 2.5)
     # RDKit-invalid: ignored unless invalid_penalty_scale > 0, then below every scored molecule
-    assert molecule_rewards(r, True, s, valid=False)["reason"] == "ok"
-    inv = molecule_rewards(r, True, RewardSettings(force_clip=10.0, energy_clip=5.0, invalid_penalty_scale=1.0),
+    assert molecule_rewards(r, STABLE, s, valid=False)["reason"] == "ok"
+    inv = molecule_rewards(r, STABLE, RewardSettings(force_clip=10.0, energy_clip=5.0, invalid_penalty_scale=1.0),
                            valid=False)
     assert (inv["force_reward"], inv["energy_reward"], inv["reason"]) == (-11.0, -6.0, "rdkit_invalid")
     high = FFResult(True, "ok", 2, 10.0, 60.0, np.zeros((2, 3)))
-    assert molecule_rewards(high, True, s)["energy_reward"] == -5.0
+    assert molecule_rewards(high, STABLE, s)["energy_reward"] == -5.0
     for reason in ("timeout", "scf_failed", "nonfinite_output", "mmff_setup_failed"):
-        failed = molecule_rewards(FFResult(False, reason, 3), True, s)
+        failed = molecule_rewards(FFResult(False, reason, 3), STABLE, s)
         assert (failed["force_reward"], failed["energy_reward"], failed["reason"]) == (-10.0, -5.0, reason)
         assert math.isnan(failed["rms_force"]) and reason in REASONS
 
@@ -274,7 +281,8 @@ def test_scorer_on_good_and_bad_molecules():
         scorer.close()                                   # idempotent
     d = batch.data
     keys = {"ids", "force_reward", "energy_reward", "reward", "energy_eV", "formation_energy_per_atom_eV", "rms_force",
-            "stable", "stable_atom_fraction", "valid", "smiles", "reason", "ff_seconds", "shaping_energy_reward"}
+            "stable", "stable_atom_fraction", "valid", "smiles", "reason", "ff_seconds", "shaping_energy_reward",
+            "stability_reward", "force_gated", "energy_gated", "under_bonded", "over_bonded", "overlap"}
     assert set(d) == keys and set(plain.data) == keys - {"shaping_energy_reward"}
     assert all(v.shape == (k,) for name, v in d.items() if name != "shaping_energy_reward")
     assert d["shaping_energy_reward"].shape == (k, steps) and d["shaping_energy_reward"].dtype == np.float32
@@ -291,14 +299,35 @@ def test_scorer_on_good_and_bad_molecules():
     assert np.all(np.isnan(d["rms_force"][6:])) and np.all(d["rms_force"][:6] > 0)
     assert np.all((d["force_reward"][:6] < 0) & (d["force_reward"][:6] > -10))
     np.testing.assert_allclose(d["energy_reward"][:6], -d["formation_energy_per_atom_eV"][:6], rtol=1e-6)
-    assert np.all(d["force_reward"][6:] == -10) and np.all(d["energy_reward"][6:] == -10)
+    assert np.all(d["force_reward"][6:] == -12) and np.all(d["energy_reward"][6:] == -12)   # clip + penalty 2
+    assert np.all(d["force_gated"][6:] == 1) and np.all(d["energy_gated"][:6] == 0)
+    # QM9's own molecules: every atom stable, stability reward 1 - (tiny soft missing valence)
+    assert np.all(d["under_bonded"][:6] == 0) and np.all(d["over_bonded"][:6] == 0)
+    assert np.all((d["stability_reward"][:6] > 0.9) & (d["stability_reward"][:6] <= 1.0))
+    assert list(d["overlap"]) == [0] * 6 + [1, 0, 0] and d["stability_reward"][6] < 0.5
     assert np.all(d["ff_seconds"][:6] > 0) and np.all(d["ff_seconds"][6:] == 0)
     assert np.all(d["stable_atom_fraction"][:6] == 1)
     # shaping step 0 is the final molecule itself (zero noise): the same energy reward
     np.testing.assert_allclose(d["shaping_energy_reward"][:6, 0], d["energy_reward"][:6], atol=1e-5)
-    assert np.all(d["shaping_energy_reward"][6:] == -10)
+    assert np.all(d["shaping_energy_reward"][6:] == -12)
     assert sum(batch.meta.extra["shaping_reasons"].values()) == k * steps
     assert batch.meta.episode_returns == pytest.approx(d["reward"].tolist())
+
+
+def test_shaping_potentials_are_gated_by_the_final_molecule():
+    """Elign gates a potential trace by the final molecule's flag: an intermediate prediction that
+    is unstable on its own keeps its physics when the final molecule is stable."""
+    stretched = (WATER[0] * 1.6, WATER[1])                     # O-H far beyond a bond: unstable
+    scorer = MoleculeScorer(RewardSettings(energy_only_if_stable=True))
+    try:
+        b = scorer.score({"ids": np.arange(1), "positions": [WATER[0]], "atom_types": [WATER[1]],
+                          "shaping": [[WATER, stretched]]})
+        alone = scorer.score({"ids": np.arange(1), "positions": [stretched[0]], "atom_types": [stretched[1]]})
+    finally:
+        scorer.close()
+    assert b["stable"][0] == 1 and alone["stable"][0] == 0 and alone["energy_gated"][0] == 1   # floored alone
+    assert b["shaping_energy_reward"][0, 1] != -12 and b.meta.extra["shaping_reasons"] == {"ok": 2}
+    assert b["shaping_energy_reward"][0, 1] != alone["energy_reward"][0]
 
 
 def test_scorer_rejects_mismatched_samples():
@@ -314,3 +343,57 @@ def test_scorer_rejects_mismatched_samples():
     finally:
         scorer.close()
     assert set(ffmod.FAILURES) < set(REASONS)
+
+
+# --------------------------------------------------------------------------- the stability channel
+
+def _sig(z):
+    return 1.0 / (1.0 + math.exp(-z))
+
+
+def test_valence_report_counts_under_and_over_bonded_atoms_by_hand():
+    from flowrl_ray.envs.molecules.chemistry import check_stability, valence_report
+    h2 = valence_report(np.array([[0, 0, 0], [0.74, 0, 0]]), np.array([0, 0]))     # H-H single below 0.84 Å
+    assert (h2["under_bonded"], h2["over_bonded"], h2["stable_atom_fraction"]) == (0, 0, 1.0)
+    assert h2["soft_missing"] == pytest.approx(1 - _sig((0.84 - 0.74) / 0.02)) and h2["soft_excess"] == 0.0
+    apart = valence_report(np.array([[0, 0, 0], [1.0, 0, 0]]), np.array([0, 0]))   # no bond: both short of 1
+    assert (apart["under_bonded"], apart["stable_atom_fraction"]) == (2, 0.0)
+    assert apart["soft_missing"] == pytest.approx(1 - _sig((0.84 - 1.0) / 0.02))
+    chain = np.array([[0, 0, 0], [0.74, 0, 0], [1.48, 0, 0]])                      # H-H-H: the middle H has 2
+    h3 = valence_report(chain, np.array([0, 0, 0]))
+    assert (h3["under_bonded"], h3["over_bonded"]) == (0, 1)
+    assert h3["stable_atom_fraction"] == pytest.approx(2 / 3) == check_stability(chain, [0, 0, 0])[1] / 3
+    one = _sig((0.84 - 0.74) / 0.02)
+    assert h3["soft_excess"] == pytest.approx((2 * one - 1) / 3)
+    assert h3["soft_missing"] == pytest.approx(2 * (1 - one) / 3, abs=1e-9)
+    # C=O at 1.20 Å: single (1.53) and double (1.25) thresholds passed, triple (1.16) not: order 2
+    co = valence_report(np.array([[0, 0, 0], [1.20, 0, 0]]), np.array([1, 3]))
+    assert (co["under_bonded"], co["over_bonded"]) == (1, 0)                        # C has 2 of 4, O has 2
+    v = _sig((1.53 - 1.20) / 0.02) + _sig((1.25 - 1.20) / 0.02) + _sig((1.16 - 1.20) / 0.02)
+    assert co["soft_missing"] == pytest.approx((max(4 - v, 0) + max(2 - v, 0)) / 2)
+    assert co["soft_excess"] == pytest.approx(max(v - 2, 0) / 2)
+    bad = valence_report(np.array([[0, 0, 0], [np.nan, 0, 0]]), np.array([1, 0]))  # unusable: all missing
+    assert (bad["under_bonded"], bad["stable_atom_fraction"], bad["soft_missing"]) == (2, 0.0, 2.5)
+
+
+def test_stability_reward_and_the_gate_on_the_stable_atom_fraction():
+    from flowrl_ray.envs.molecules.rewards import stability_reward
+    r = FFResult(True, "ok", 4, energy_eV=-500.0, formation_energy_eV=-24.0, forces=np.zeros((4, 3)), seconds=0.01)
+    s = RewardSettings()
+    assert s.invalid_penalty_scale == 2.0                                           # Elign's scripts
+    assert stability_reward(PART, s) == pytest.approx(0.75 - 0.25)
+    w = RewardSettings(atom_stability_weight=2.0, valence_under_weight=4.0, valence_over_weight=3.0)
+    assert stability_reward({**PART, "soft_excess": 0.1}, w) == pytest.approx(1.5 - 1.0 - 0.3)
+    assert molecule_rewards(r, PART, s)["stability_reward"] == pytest.approx(0.5)
+    # never gated, never floored: an invalid or unscorable molecule keeps its stability reward
+    assert molecule_rewards(r, PART, s, valid=False)["stability_reward"] == pytest.approx(0.5)
+    assert molecule_rewards(FFResult(False, "timeout", 4), PART, s)["stability_reward"] == pytest.approx(0.5)
+    gate = dict(energy_only_if_stable=True, force_only_if_stable=True)
+    assert molecule_rewards(r, PART, RewardSettings(**gate))["reason"] == "unstable_gated"   # 1.0: every atom
+    loose = molecule_rewards(r, PART, RewardSettings(gate_stable_atom_fraction=0.7, **gate))
+    assert loose["reason"] == "ok" and not loose["force_gated"] and not loose["energy_gated"]
+    assert molecule_rewards(r, PART, RewardSettings(gate_stable_atom_fraction=0.8, **gate))["energy_gated"]
+    with pytest.raises(ConfigError, match=r"env.kwargs.gate_stable_atom_fraction"):
+        RewardSettings.from_env_cfg(env_cfg(gate_stable_atom_fraction=1.5))
+    with pytest.raises(ConfigError, match=r"env.kwargs.valence_soft_temperature"):
+        RewardSettings.from_env_cfg(env_cfg(valence_soft_temperature=0))

@@ -9,15 +9,17 @@ gradients over its reverse-diffusion transitions, rewarded by a force field.
                          the first S steps, then branch. The K = T - S branched transitions are
                          recorded with their behaviour log-probs logp_old.
     score (workers):     the force field turns each molecule into a force reward r_F (-RMS force)
-                         and an energy reward r_E (-formation energy per atom), gated and clipped
+                         and an energy reward r_E (-formation energy per atom), gated and clipped;
+                         EDM's bond perception gives a stability reward r_S (stable-atom fraction
+                         minus the per-atom soft valence missing / in excess)
     prepare:             scalar mode
-                             a_F = (r_F - mean_g) / (std_g + 1e-8),  a_E likewise (population std),
-                             A   = clip(w_F a_F + w_E a_E, +-adv_clip_max)        (the same A for all t)
+                             a_F = (r_F - mean_g) / (std_g + 1e-8),  a_E, a_S likewise (population std),
+                             A   = clip(w_F a_F + w_E a_E + w_S a_S, +-adv_clip_max)   (the same A for all t)
                          pbrs_return_to_go mode (ELIGN Eq. 4)
                              G_t = gamma^t Psi_0 - Psi_t   at the scheduled steps (Psi_t: energy
                              reward of the clean molecule predicted at step t; Psi_0: the final
                              molecule's), z-scored per step within the group; a_F broadcast over t;
-                             A_t = clip(w_F a_F + w_E a^E_t, +-adv_clip_max)
+                             A_t = clip(w_F a_F + w_E a^E_t + w_S a_S, +-adv_clip_max)
     update:              per transition  rho = exp(logp - logp_old)
                          L_t = mean_rows[ -min(rho A, clip(rho, 1 +- eps) A) ]
                                + beta * mean_rows[ ||mu - mu_ref||^2 / (2 sigma_t^2) ]
@@ -76,6 +78,7 @@ class FEDGRPOConfig:
     kl_penalty_weight: float = field(default=0.04, metadata=check(ge=0))
     force_adv_weight: float = field(default=1.0, metadata=check(ge=0))
     energy_adv_weight: float = field(default=0.1, metadata=check(ge=0))
+    stability_adv_weight: float = field(default=0.0, metadata=check(ge=0))   # w_S: the stability channel
     adv_clip_max: float = field(default=5.0, metadata=check(gt=0))
     train_micro_batch_size: int = field(default=4, metadata=check(gt=0))   # rows per backward
     gradient_accumulation_steps: int = field(default=1, metadata=check(gt=0))
@@ -87,17 +90,26 @@ class FEDGRPOConfig:
 # ---------------------------------------------------------------------- the math
 
 def fed_advantages(force_rewards: torch.Tensor, energy_rewards: torch.Tensor, group_index: torch.Tensor,
-                   force_weight: float, energy_weight: float, adv_clip_max: float) -> torch.Tensor:
+                   force_weight: float, energy_weight: float, adv_clip_max: float,
+                   stability_rewards: torch.Tensor | None = None, stability_weight: float = 0.0) -> torch.Tensor:
     """Scalar-mode FED-GRPO advantages: each signal normalised separately within its group,
     then mixed and clipped. All inputs [B] -> [B]:
 
-        a_F = (r_F - mean_g r_F) / (std_g r_F + 1e-8),   a_E likewise (population std)
-        A   = clip(w_F a_F + w_E a_E, -adv_clip_max, adv_clip_max)
+        a_F = (r_F - mean_g r_F) / (std_g r_F + 1e-8),   a_E, a_S likewise (population std)
+        A   = clip(w_F a_F + w_E a_E + w_S a_S, -adv_clip_max, adv_clip_max)
 
-    A group with equal rewards contributes zero for that signal."""
-    a_force = group_normalize(force_rewards, group_index)
-    a_energy = group_normalize(energy_rewards, group_index)
-    return (force_weight * a_force + energy_weight * a_energy).clamp(-adv_clip_max, adv_clip_max)
+    A group with equal rewards contributes zero for that signal; without stability rewards
+    (or w_S = 0) this is Elign's two-channel advantage."""
+    a = force_weight * group_normalize(force_rewards, group_index) \
+        + energy_weight * group_normalize(energy_rewards, group_index)
+    return (a + _stability_term(stability_rewards, stability_weight, group_index)).clamp(-adv_clip_max, adv_clip_max)
+
+
+def _stability_term(stability_rewards: torch.Tensor | None, weight: float, group_index: torch.Tensor):
+    """w_S a_S [B] (0 without the channel)."""
+    if stability_rewards is None or weight == 0:
+        return 0.0
+    return weight * group_normalize(stability_rewards, group_index)
 
 
 def pbrs_returns(potentials: torch.Tensor, final_potential: torch.Tensor, steps: torch.Tensor,
@@ -115,16 +127,20 @@ def pbrs_returns(potentials: torch.Tensor, final_potential: torch.Tensor, steps:
 
 
 def fed_advantages_pbrs(force_rewards: torch.Tensor, energy_returns: torch.Tensor, group_index: torch.Tensor,
-                        force_weight: float, energy_weight: float, adv_clip_max: float) -> torch.Tensor:
-    """pbrs_return_to_go mode: force_rewards [B] (terminal), energy_returns [B, K] (G_t) ->
-    per-transition advantages [B, K]:
+                        force_weight: float, energy_weight: float, adv_clip_max: float,
+                        stability_rewards: torch.Tensor | None = None, stability_weight: float = 0.0
+                        ) -> torch.Tensor:
+    """pbrs_return_to_go mode: force_rewards [B] (terminal), energy_returns [B, K] (G_t),
+    stability_rewards [B] (terminal, optional) -> per-transition advantages [B, K]:
 
-        a_F   = groupnorm(r_F)                   broadcast over the K steps
+        a_F   = groupnorm(r_F)                   broadcast over the K steps (a_S likewise)
         a^E_t = groupnorm(G_t)                   per step t, within the group
-        A_t   = clip(w_F a_F + w_E a^E_t, +-adv_clip_max)"""
+        A_t   = clip(w_F a_F + w_E a^E_t + w_S a_S, +-adv_clip_max)"""
     a_force = group_normalize(force_rewards, group_index)[:, None]                  # [B, 1]
     a_energy = group_normalize(energy_returns, group_index)                         # [B, K]
-    return (force_weight * a_force + energy_weight * a_energy).clamp(-adv_clip_max, adv_clip_max)
+    a_stab = _stability_term(stability_rewards, stability_weight, group_index)
+    a_stab = a_stab[:, None] if isinstance(a_stab, torch.Tensor) else a_stab        # [B, 1]
+    return (force_weight * a_force + energy_weight * a_energy + a_stab).clamp(-adv_clip_max, adv_clip_max)
 
 
 # ---------------------------------------------------------------------- checkpoints of the base model
@@ -251,8 +267,9 @@ class FEDGRPO(Algorithm):
     def _scores(self, batches: list[Batch]) -> dict[str, Any]:
         """The scorers' outputs in row order (rows a failed worker never scored keep NaN / "")."""
         n = self.pending["n"]
-        numeric = ("force_reward", "energy_reward", "energy_eV", "formation_energy_per_atom_eV", "rms_force",
-                   "stable", "stable_atom_fraction", "valid")
+        numeric = ("force_reward", "energy_reward", "stability_reward", "energy_eV", "formation_energy_per_atom_eV",
+                   "rms_force", "stable", "stable_atom_fraction", "valid", "force_gated", "energy_gated",
+                   "under_bonded", "over_bonded", "overlap")
         out: dict[str, Any] = {k: torch.full((n,), float("nan")) for k in numeric}
         out["smiles"], out["reason"] = [""] * n, ["not_scored"] * n
         k_steps = len(self.pending["x0_steps"])
@@ -274,6 +291,7 @@ class FEDGRPO(Algorithm):
         # A row nobody scored (its worker died twice) gets the group's mean: advantage 0.
         force = _fill_with_group_mean(s["force_reward"], self.pending["group_index"])
         energy = _fill_with_group_mean(s["energy_reward"], self.pending["group_index"])
+        stability = _fill_with_group_mean(s["stability_reward"], self.pending["group_index"])
         group_index = self.pending["group_index"]
         k = traj["t"].shape[0]
         if c.shaping.mode == "pbrs_return_to_go":
@@ -282,11 +300,11 @@ class FEDGRPO(Algorithm):
             potentials = torch.zeros(len(force), k)
             potentials[:, scheduled] = torch.nan_to_num(s["shaping_energy_reward"])
             returns = pbrs_returns(potentials, energy, steps, scheduled, c.shaping.gamma)
-            adv = fed_advantages_pbrs(force, returns, group_index, c.force_adv_weight,
-                                      c.energy_adv_weight, c.adv_clip_max)                 # [B, K]
+            adv = fed_advantages_pbrs(force, returns, group_index, c.force_adv_weight, c.energy_adv_weight,
+                                      c.adv_clip_max, stability, c.stability_adv_weight)    # [B, K]
         else:
             adv = fed_advantages(force, energy, group_index, c.force_adv_weight, c.energy_adv_weight,
-                                 c.adv_clip_max)[:, None].expand(-1, k)                    # [B, K]
+                                 c.adv_clip_max, stability, c.stability_adv_weight)[:, None].expand(-1, k)  # [B, K]
         adv = torch.where(scored[:, None], adv, torch.zeros_like(adv))
         return {"trajectory": traj, "advantages": adv.to(self.device), "scores": s}
 
@@ -399,8 +417,9 @@ def _fill_with_group_mean(values: torch.Tensor, group_index: torch.Tensor) -> to
 
 
 def molecule_summary(s: dict) -> dict[str, float]:
-    """Means over the scored molecules of one batch: rewards, energy, RMS force, stability,
-    validity and uniqueness (EDM's: unique canonical SMILES among the valid)."""
+    """Means over the scored molecules of one batch: each reward channel and its gated fraction,
+    energy, RMS force, under- / over-bonded atoms per molecule, the fraction with overlapping
+    atoms, stability, validity and uniqueness (EDM's: unique canonical SMILES among the valid)."""
     def mean(x: torch.Tensor) -> float:
         x = x[~torch.isnan(x)]
         return float(x.mean()) if len(x) else float("nan")
@@ -410,6 +429,10 @@ def molecule_summary(s: dict) -> dict[str, float]:
     for r in s["reason"]:
         reasons[r] = reasons.get(r, 0) + 1
     out = {"force_reward_mean": mean(s["force_reward"]), "energy_reward_mean": mean(s["energy_reward"]),
+           "stability_reward_mean": mean(s["stability_reward"]),
+           "force_gated_fraction": mean(s["force_gated"]), "energy_gated_fraction": mean(s["energy_gated"]),
+           "under_bonded_atoms": mean(s["under_bonded"]), "over_bonded_atoms": mean(s["over_bonded"]),
+           "overlap_fraction": mean(s["overlap"]),
            "energy_per_atom_eV": mean(s["formation_energy_per_atom_eV"]), "rms_force_eV_per_A": mean(s["rms_force"]),
            "molecule_stability": mean(s["stable"]), "atom_stability": mean(s["stable_atom_fraction"]),
            "validity": mean(s["valid"]), "uniqueness": uniqueness,

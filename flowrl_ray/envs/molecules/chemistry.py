@@ -133,6 +133,69 @@ def bond_orders(positions: np.ndarray, atom_types: np.ndarray) -> np.ndarray | N
     return _orders(dist, types[:, None], types[None, :])
 
 
+def _distances(pos: np.ndarray) -> np.ndarray:
+    """[n, n] pairwise distances with an infinite diagonal (no self-bonds)."""
+    dist = np.linalg.norm(pos[:, None, :] - pos[None, :, :], axis=-1)
+    np.fill_diagonal(dist, np.inf)
+    return dist
+
+
+def _soft_orders(dist: np.ndarray, types: np.ndarray, temperature: float) -> np.ndarray:
+    thr = _THRESHOLDS[:, types[:, None], types[None, :]]                  # [3, n, n], -inf: no such bond
+    with np.errstate(over="ignore", invalid="ignore"):
+        z = np.where(np.isfinite(thr), (thr - dist[None]) / temperature, -np.inf)
+    return (0.5 * (1.0 + np.tanh(0.5 * z))).sum(axis=0)                  # sigmoid, overflow-free
+
+
+def soft_bond_orders(positions: np.ndarray, atom_types: np.ndarray, temperature: float = 0.02
+                     ) -> np.ndarray | None:
+    """[n, n] float matrix of smooth bond orders (zero diagonal): EDM's step rule with each step
+    replaced by a sigmoid of the distance to its threshold (Elign's soft valence, QM9 tables),
+
+        o_ab = sum_k [pair has a bond of order k] sigmoid((thr_k(a, b) - d_ab) / temperature)
+
+    thr_k: the single / double / triple length + margin (Å), temperature in Å. As temperature ->
+    0 this is :func:`bond_orders`. None for unusable input (as :func:`bond_orders`)."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 Å, got {temperature!r}")
+    cleaned = _clean(positions, atom_types)
+    if cleaned is None:
+        return None
+    pos, types = cleaned
+    return _soft_orders(_distances(pos), types, temperature)
+
+
+def valence_report(positions: np.ndarray, atom_types: np.ndarray, temperature: float = 0.02) -> dict:
+    """How far each atom of one molecule is from its valence (H 1, C 4, N 3, O 2, F 1), from the
+    same bond perception as :func:`check_stability`:
+
+    ``under_bonded`` / ``over_bonded``: atoms whose table bond-order sum is below / above the
+    valence (an atom is stable when neither); ``soft_missing`` / ``soft_excess``: per-atom means of
+    max(valence - v_a, 0) and max(v_a - valence, 0) with v_a the :func:`soft_bond_orders` sum
+    (Elign's soft valence penalty, divided by n so that it does not grow with the molecule);
+    ``stable_atom_fraction``; ``n``. Unusable input counts every atom as under-bonded with its whole
+    valence missing."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 Å, got {temperature!r}")
+    n = _num_atoms(atom_types)
+    cleaned = _clean(positions, atom_types)
+    if cleaned is None:
+        types = np.asarray(atom_types).reshape(-1)
+        known = np.isin(types, np.arange(len(VALENCES)))
+        valence = np.where(known, _VALENCE_ARRAY[np.where(known, types, 0).astype(np.int64)], 0) if n else np.zeros(0)
+        return {"n": n, "under_bonded": n, "over_bonded": 0, "stable_atom_fraction": 0.0,
+                "soft_missing": float(valence.mean()) if n else 0.0, "soft_excess": 0.0}
+    pos, types = cleaned
+    dist = _distances(pos)                                                # [n, n]
+    valence = _VALENCE_ARRAY[types]                                       # [n]
+    hard = _orders(dist, types[:, None], types[None, :]).sum(axis=1)      # [n], as check_stability
+    v = _soft_orders(dist, types, temperature).sum(axis=1)                # [n]
+    return {"n": n, "under_bonded": int(np.sum(hard < valence)), "over_bonded": int(np.sum(hard > valence)),
+            "stable_atom_fraction": float(np.mean(hard == valence)),
+            "soft_missing": float(np.maximum(valence - v, 0.0).mean()),
+            "soft_excess": float(np.maximum(v - valence, 0.0).mean())}
+
+
 # Guards before RDKit's bond perception. xyz2mol's bond-order search can take minutes on
 # garbage geometries (many over-connected atoms); atoms closer than this are never a real
 # molecule (the shortest bond, H-H, is 0.74 Å), so such inputs are rejected outright ...

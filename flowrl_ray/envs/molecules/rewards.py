@@ -27,6 +27,23 @@ valid reward is bounded by the clip, so an invalid molecule (when scale > 0; rea
 ``force_weight`` / ``energy_weight`` (Elign's raw weights, 1 and 1) only form the scalar
 ``reward`` that is logged as the episode return; FED-GRPO's per-channel normalisation cancels
 them (its mixing weights are the algorithm's).
+
+Stability. Elign keeps stability with dense terms from EDM's bond perception (its
+``atom_stability_weight`` and soft valence penalties, ``UMAForceReward``), which it adds to the
+force reward before the group normalisation. Here they form a third reward, normalised in its
+group like force and energy and mixed with FED-GRPO's ``stability_adv_weight``, so that its
+weight does not depend on the force reward's spread:
+
+* **stability reward** = ``atom_stability_weight * f_stable - valence_under_weight * m -
+  valence_over_weight * x``, with f_stable the fraction of stable atoms and m / x the per-atom
+  means of the missing / excess soft valence (:func:`~flowrl_ray.envs.molecules.chemistry.valence_report`,
+  sigmoid bond orders at ``valence_soft_temperature`` Å).
+
+It is computed from the geometry alone, so every molecule has one, RDKit-invalid or not (with
+94 % of a weak base's samples invalid, a floor value there would leave the channel constant).
+The gates read the fraction of stable atoms: a molecule passes when it is at least
+``gate_stable_atom_fraction`` (1.0, the default: every atom stable, i.e. EDM's molecule
+stability, Elign's gate).
 """
 
 from __future__ import annotations
@@ -61,9 +78,14 @@ class RewardSettings:
     energy_clip: float = 10.0           # eV/atom; energy reward in [-clip, clip]
     energy_only_if_stable: bool = False
     force_only_if_stable: bool = False
-    invalid_penalty_scale: float = 0.0  # >0: RDKit-invalid molecules get -clip - scale
+    invalid_penalty_scale: float = 2.0  # >0: RDKit-invalid molecules get -clip - scale (Elign's scripts: 2)
     force_weight: float = 1.0           # the logged scalar reward only
     energy_weight: float = 1.0
+    gate_stable_atom_fraction: float = 1.0   # the gates pass a molecule with at least this stable-atom fraction
+    atom_stability_weight: float = 1.0       # the stability reward's terms
+    valence_under_weight: float = 1.0
+    valence_over_weight: float = 1.0
+    valence_soft_temperature: float = 0.02   # Å
 
     @classmethod
     def from_env_cfg(cls, env_cfg) -> "RewardSettings":
@@ -98,29 +120,50 @@ class RewardSettings:
             raise _config_error("kwargs.backend", f"must be one of {', '.join(BACKENDS)}, got {backend!r}")
         if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1:
             raise _config_error("kwargs.max_iter", f"must be an integer >= 1, got {max_iter!r}")
+        gate = number("gate_stable_atom_fraction", 0, True)
+        if gate > 1:
+            raise _config_error("kwargs.gate_stable_atom_fraction", f"must be a fraction in [0, 1], got {gate!r}")
         return cls(backend=backend, max_iter=max_iter, timeout_s=number("timeout_s", 0, False),
                    min_distance=number("min_distance", 0, True), force_clip=number("force_clip", 0, False),
                    energy_clip=number("energy_clip", 0, False),
                    energy_only_if_stable=flag("energy_only_if_stable"),
                    force_only_if_stable=flag("force_only_if_stable"),
                    invalid_penalty_scale=number("invalid_penalty_scale", 0, True),
-                   force_weight=number("force_weight", 0, True), energy_weight=number("energy_weight", 0, True))
+                   force_weight=number("force_weight", 0, True), energy_weight=number("energy_weight", 0, True),
+                   gate_stable_atom_fraction=gate,
+                   atom_stability_weight=number("atom_stability_weight", 0, True),
+                   valence_under_weight=number("valence_under_weight", 0, True),
+                   valence_over_weight=number("valence_over_weight", 0, True),
+                   valence_soft_temperature=number("valence_soft_temperature", 0, False))
 
 
-def molecule_rewards(result: FFResult, stable: bool, settings: RewardSettings, valid: bool = True) -> dict:
-    """The rewards of one molecule from its force-field result, its EDM stability and its RDKit
-    validity. Returns ``force_reward`` (eV/Å, <= 0), ``energy_reward`` (eV/atom), ``reward``
-    (the weighted sum, for logging), ``force_gated`` / ``energy_gated`` (the channel got its floor
+def stability_reward(valence: dict, settings: RewardSettings) -> float:
+    """The stability reward of one molecule from its :func:`~flowrl_ray.envs.molecules.chemistry.valence_report`:
+    w_atom * stable_atom_fraction - w_under * soft_missing - w_over * soft_excess."""
+    s = settings
+    return (s.atom_stability_weight * valence["stable_atom_fraction"]
+            - s.valence_under_weight * valence["soft_missing"] - s.valence_over_weight * valence["soft_excess"])
+
+
+def molecule_rewards(result: FFResult, valence: dict, settings: RewardSettings, valid: bool = True) -> dict:
+    """The rewards of one molecule from its force-field result, its valence report
+    (:func:`~flowrl_ray.envs.molecules.chemistry.valence_report`: EDM stability, atom by atom) and its
+    RDKit validity. Returns ``force_reward`` (eV/Å, <= 0), ``energy_reward`` (eV/atom),
+    ``stability_reward`` (see :func:`stability_reward`; never gated), ``reward`` (the weighted sum of
+    force and energy, for logging), ``force_gated`` / ``energy_gated`` (the channel got its floor
     value instead of its physics), ``reason`` (one of REASONS), ``rms_force`` (unclipped, eV/Å)
     and ``formation_energy_per_atom_eV`` (NaN when the force field failed)."""
     s = settings
     f_floor, e_floor = -s.force_clip, -s.energy_clip
+    r_stab = stability_reward(valence, s)
     if not result.ok:
         f = f_floor - s.invalid_penalty_scale
         e = e_floor - s.invalid_penalty_scale
-        return {"force_reward": f, "energy_reward": e, "reward": s.force_weight * f + s.energy_weight * e,
+        return {"force_reward": f, "energy_reward": e, "stability_reward": r_stab,
+                "reward": s.force_weight * f + s.energy_weight * e,
                 "force_gated": True, "energy_gated": True, "reason": result.reason,
                 "rms_force": math.nan, "formation_energy_per_atom_eV": math.nan}
+    passes = valence["stable_atom_fraction"] >= s.gate_stable_atom_fraction
     norms2 = np.einsum("ij,ij->i", result.forces, result.forces)         # |F_a|^2, [n]
     rms = math.sqrt(norms2.mean())
     e_atom = result.formation_energy_eV / max(result.n_atoms, 1)
@@ -131,10 +174,10 @@ def molecule_rewards(result: FFResult, stable: bool, settings: RewardSettings, v
     else:
         f = -math.sqrt(np.minimum(norms2, s.force_clip ** 2).mean())      # each |F_a| capped at the clip
         e = -min(max(e_atom, -s.energy_clip), s.energy_clip)
-        f_gated = s.force_only_if_stable and not stable
-        e_gated = s.energy_only_if_stable and not stable
+        f_gated = s.force_only_if_stable and not passes
+        e_gated = s.energy_only_if_stable and not passes
         f, e = (f_floor if f_gated else f), (e_floor if e_gated else e)
         reason = "unstable_gated" if (f_gated or e_gated) else "ok"
-    return {"force_reward": f, "energy_reward": e, "reward": s.force_weight * f + s.energy_weight * e,
-            "force_gated": f_gated, "energy_gated": e_gated, "reason": reason,
+    return {"force_reward": f, "energy_reward": e, "stability_reward": r_stab,
+            "reward": s.force_weight * f + s.energy_weight * e, "force_gated": f_gated, "energy_gated": e_gated, "reason": reason,
             "rms_force": rms, "formation_energy_per_atom_eV": e_atom}

@@ -15,9 +15,14 @@ Settings live in the config's ``env.kwargs`` (all optional; see
         energy_clip: 10            # eV/atom
         energy_only_if_stable: false
         force_only_if_stable: false
-        invalid_penalty_scale: 0
+        invalid_penalty_scale: 2
         force_weight: 1            # the logged scalar reward only
         energy_weight: 1
+        gate_stable_atom_fraction: 1.0   # the gates' pass mark (1.0: every atom stable)
+        atom_stability_weight: 1   # stability reward = w_atom * stable fraction
+        valence_under_weight: 1    #   - w_under * missing soft valence - w_over * excess (per atom)
+        valence_over_weight: 1
+        valence_soft_temperature: 0.02   # Å
 
 Per scored molecule the cost is one force-field call in the actor's child process (GFN2: a few
 ms on QM9) plus EDM stability and RDKit validity/SMILES here (about 1 ms). The calls for a whole
@@ -32,7 +37,7 @@ from collections import Counter
 import numpy as np
 
 from flowrl_ray.batch import Batch, BatchMeta
-from flowrl_ray.envs.molecules.chemistry import canonical_smiles, check_stability, rdkit_molecule
+from flowrl_ray.envs.molecules.chemistry import canonical_smiles, valence_report
 from flowrl_ray.envs.molecules.forcefield import ForceField
 from flowrl_ray.envs.molecules.rewards import RewardSettings, molecule_rewards
 
@@ -44,13 +49,17 @@ class MoleculeScorer:
     K arrays [n_i] (indices into ATOM_TYPES)}`` and optionally ``"shaping"``: per molecule a list
     of S (positions [n, 3], atom_types [n]) pairs, the predicted clean molecules at the scheduled
     diffusion steps (same S for every molecule). It returns a :class:`Batch` with, all [K]:
-    ``ids``, ``force_reward`` (eV/Å), ``energy_reward`` (eV/atom), ``reward`` (weighted sum, for
-    logging) (float32); ``energy_eV`` (total), ``formation_energy_per_atom_eV``, ``rms_force``
+    ``ids``, ``force_reward`` (eV/Å), ``energy_reward`` (eV/atom), ``stability_reward``, ``reward``
+    (weighted sum of force and energy, for logging), ``force_gated`` / ``energy_gated`` (0/1)
+    (float32); ``energy_eV`` (total), ``formation_energy_per_atom_eV``, ``rms_force``
     (eV/Å, unclipped) (float64, NaN where the force field failed), ``ff_seconds`` (float64, the
     calculation's time; 0 when rejected before any call); ``stable``,
-    ``stable_atom_fraction``, ``valid`` (float32, 0/1 for the flags); ``smiles`` ("" when
+    ``stable_atom_fraction``, ``under_bonded`` / ``over_bonded`` (atoms whose table bond-order sum
+    is below / above their valence), ``overlap`` (atoms closer than ``min_distance``), ``valid``
+    (float32, 0/1 for the flags); ``smiles`` ("" when
     invalid) and ``reason`` (object arrays of str); with shaping also ``shaping_energy_reward``
-    [K, S] (float32, gated like the final energy reward). ``meta.env_steps`` = K,
+    [K, S] (float32; gated by the final molecule's stability and validity, as its trace is in
+    Elign). ``meta.env_steps`` = K,
     ``meta.episode_returns`` = ``reward``, ``meta.episode_lengths`` = atoms per molecule,
     ``meta.extra``: ``reasons`` (reason -> count), ``shaping_reasons`` (with shaping),
     ``successes`` (stable, per molecule) and ``ff_restarts`` (child restarts so far).
@@ -87,37 +96,39 @@ class MoleculeScorer:
 
         self.ff.submit(molecules + extra_molecules)     # the child computes while we do chemistry
         try:
-            stable_info = [check_stability(p, t) for p, t in molecules]
+            valence = [valence_report(p, t, s.valence_soft_temperature) for p, t in molecules]
             smiles = [canonical_smiles(p, t) for p, t in molecules]
-            # shaping molecules need only what their gating reads
-            shaping_stable = [check_stability(p, t)[0] if s.energy_only_if_stable else True
-                              for p, t in extra_molecules]
-            shaping_valid = [rdkit_molecule(p, t) is not None if s.invalid_penalty_scale > 0 else True
-                             for p, t in extra_molecules]
         finally:
             results = self.ff.collect()
 
-        rewards = [molecule_rewards(r, st[0], s, valid=sm is not None)
-                   for r, st, sm in zip(results[:k], stable_info, smiles)]
+        rewards = [molecule_rewards(r, va, s, valid=sm is not None)
+                   for r, va, sm in zip(results[:k], valence, smiles)]
         f32 = lambda key: np.array([r[key] for r in rewards], dtype=np.float32)   # noqa: E731
         f64 = lambda key: np.array([r[key] for r in rewards], dtype=np.float64)   # noqa: E731
         data = {"ids": ids, "force_reward": f32("force_reward"), "energy_reward": f32("energy_reward"),
-                "reward": f32("reward"),
+                "stability_reward": f32("stability_reward"), "reward": f32("reward"),
+                "force_gated": f32("force_gated"), "energy_gated": f32("energy_gated"),
                 "energy_eV": np.array([r.energy_eV for r in results[:k]], dtype=np.float64),
                 "formation_energy_per_atom_eV": f64("formation_energy_per_atom_eV"),
                 "rms_force": f64("rms_force"),
-                "stable": np.array([st[0] for st in stable_info], dtype=np.float32),
-                "stable_atom_fraction": np.array([st[1] / st[2] if st[2] else 0.0 for st in stable_info],
-                                                 dtype=np.float32),
+                "stable": np.array([va["under_bonded"] + va["over_bonded"] == 0 and va["n"] > 0
+                                    for va in valence], dtype=np.float32),
+                "stable_atom_fraction": np.array([va["stable_atom_fraction"] for va in valence], dtype=np.float32),
+                "under_bonded": np.array([va["under_bonded"] for va in valence], dtype=np.float32),
+                "over_bonded": np.array([va["over_bonded"] for va in valence], dtype=np.float32),
+                "overlap": np.array([r["reason"] == "overlap" for r in rewards], dtype=np.float32),
                 "valid": np.array([sm is not None for sm in smiles], dtype=np.float32),
                 "smiles": np.array([sm or "" for sm in smiles], dtype=object),
                 "reason": np.array([r["reason"] for r in rewards], dtype=object),
                 "ff_seconds": np.array([r.seconds for r in results[:k]], dtype=np.float64)}
         extra = {"reasons": dict(Counter(r["reason"] for r in rewards)),
-                 "successes": [bool(st[0]) for st in stable_info], "ff_restarts": self.ff.restarts}
+                 "successes": [bool(x) for x in data["stable"]], "ff_restarts": self.ff.restarts}
         if shaping is not None:
-            shaped = [molecule_rewards(r, st, s, valid=v)
-                      for r, st, v in zip(results[k:], shaping_stable, shaping_valid)]
+            # a potential Psi_t is gated by the final molecule's stability and validity, as in
+            # Elign (its gate multiplies the whole trace by the final molecule's flag): an
+            # invalid or gated molecule's trace is its floor at every step, so G_t = 0
+            shaped = [molecule_rewards(r, valence[j], s, valid=smiles[j] is not None)
+                      for j, r in zip(np.repeat(np.arange(k), steps), results[k:])]
             data["shaping_energy_reward"] = np.array([r["energy_reward"] for r in shaped],
                                                      dtype=np.float32).reshape(k, steps)
             extra["shaping_reasons"] = dict(Counter(r["reason"] for r in shaped))
@@ -127,7 +138,7 @@ class MoleculeScorer:
             for j in (j for j in range(k) if ids[j] < snapshots):
                 try:
                     extra["snapshots"].append(snapshot_item(
-                        int(ids[j]), positions[j], atom_types[j], bool(stable_info[j][0]), smiles[j] is not None,
+                        int(ids[j]), positions[j], atom_types[j], bool(data["stable"][j]), smiles[j] is not None,
                         float(data["formation_energy_per_atom_eV"][j])))
                 except Exception as e:  # noqa: BLE001 - a picture must never cost the molecule's score
                     extra.setdefault("snapshot_errors", []).append(f"{int(ids[j])}: {type(e).__name__}: {e}")
