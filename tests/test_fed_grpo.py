@@ -11,7 +11,8 @@ import torch
 import yaml
 
 from flowrl_ray.algorithms.advantages import group_normalize
-from flowrl_ray.algorithms.fed_grpo import FEDGRPO, fed_advantages, fed_advantages_pbrs, pbrs_returns
+from flowrl_ray.algorithms.fed_grpo import (FEDGRPO, delta_traces, fed_advantages, fed_advantages_delta,
+                                            fed_advantages_pbrs, pbrs_returns, schedule_steps)
 from flowrl_ray.batch import Batch, BatchMeta
 from flowrl_ray.config import ConfigError, config_from_dict
 from flowrl_ray.envs import EnvSpec
@@ -103,6 +104,45 @@ def test_pbrs_advantages_broadcast_the_force_term_and_normalise_energy_per_step(
     assert torch.allclose(adv, torch.tensor([[-1.5, -1.0], [1.5, 1.0]]), atol=1e-6)
 
 
+def test_shaping_scheduler_selects_steps_by_hand():
+    recorded = list(range(10, 0, -1))                              # t = 10 .. 1
+    assert schedule_steps(recorded, 10, "uniform", stride=3) == [10, 7, 4, 1]
+    assert schedule_steps(recorded, 10, "uniform", stride=4) == [10, 6, 2, 1]          # + the terminal step
+    assert schedule_steps(recorded, 10, "uniform", stride=4, include_terminal=False) == [10, 6, 2]
+    # adaptive: coarse (3) while t > 0.5 * 10, then fine (2): 10, 7, 4 | 2, and the terminal 1
+    assert schedule_steps(recorded, 10, "adaptive", coarse_stride=3, fine_stride=2,
+                          threshold_fraction=0.5) == [10, 7, 4, 2, 1]
+    assert schedule_steps(recorded[4:], 10, "uniform", stride=1) == recorded[4:]     # after a shared prefix
+
+
+def test_delta_traces_and_advantages_by_hand():
+    traces = delta_traces(torch.tensor([[1.0, 2.0, 4.0]]), torch.tensor([5.0]), torch.tensor([5, 3, 1]), gamma=0.5)
+    # D_1 = 0.5^2 * 2 - 1, D_2 = 0.5^2 * 4 - 2, D_3 = R_final
+    assert torch.allclose(traces, torch.tensor([[-0.5, -1.0, 5.0]]))
+    f = torch.tensor([[0.0, 1.0], [2.0, 3.0]])
+    e = torch.tensor([[4.0, 0.0], [0.0, 0.0]])
+    adv = fed_advantages_delta(f, e, torch.tensor([0, 0]), 1.0, 0.5, 5.0, terminal_weight=2.0)
+    # columns normalised separately: a^F = (-1, 1) in both; a^E col 0 = (1, -1), col 1 tied (0)
+    # A = a^F + 0.5 a^E, the terminal column x 2
+    assert torch.allclose(adv, torch.tensor([[-0.5, -2.0], [0.5, 2.0]]), atol=1e-6)
+    with_s = fed_advantages_delta(f, e, torch.tensor([0, 0]), 1.0, 0.5, 5.0, 2.0, torch.tensor([1.0, 0.0]), 1.0)
+    assert torch.allclose(with_s, torch.tensor([[0.5, 0.0], [-0.5, 0.0]]), atol=1e-6)
+
+
+def test_delta_mode_gives_advantages_only_at_scheduled_transitions():
+    algo = _algo(shaping={"mode": "delta", "stride": 2, "terminal_weight": 2.0})
+    chunks = algo.generate(2)
+    scheduled = algo.pending["x0_steps"]
+    assert scheduled == [6, 4, 2, 1]
+    adv = algo.prepare(_scored(chunks, force=[1, 2, 3, 3, 2, 1], energy=[0] * 6))["advantages"]
+    steps = algo.pending["trajectory"]["t"].tolist()
+    for i, t in enumerate(steps):
+        assert (adv[:, i] != 0).any() == (t == 1)                  # zero shaping traces: only the terminal column
+    # terminal column: force normalised in each group of 3, times terminal_weight
+    a_f = torch.tensor([-1.0, 0.0, 1.0]) * math.sqrt(1.5)
+    assert torch.allclose(adv[:, steps.index(1)], 2.0 * torch.cat([a_f, -a_f]), atol=1e-5)
+
+
 # ---------------------------------------------------------------------- the update on a tiny EDM
 
 def _algo(**algo) -> FEDGRPO:
@@ -127,6 +167,7 @@ def _scored(chunks: list[dict], force: list[float], energy: list[float],
                 "smiles": np.array([""] * k, dtype=object), "reason": np.array(["ok"] * k, dtype=object)}
         if "shaping" in chunk:
             data["shaping_energy_reward"] = np.zeros((k, len(chunk["shaping"][0])), np.float32)
+            data["shaping_force_reward"] = np.zeros((k, len(chunk["shaping"][0])), np.float32)
         batches.append(Batch(data, BatchMeta(0, 0, k)))
     return batches
 
@@ -189,7 +230,7 @@ def test_kl_penalty_is_zero_at_the_start_and_grows_after_updates():
 def test_unscored_rows_get_zero_advantage_and_pbrs_gives_per_step_advantages():
     algo = _algo(shaping={"mode": "pbrs_return_to_go", "stride": 2})
     chunks = algo.generate(2)
-    assert len(chunks[0]["shaping"][0]) == 3                      # steps 6, 4, 2 of 6 recorded
+    assert len(chunks[0]["shaping"][0]) == 4                      # steps 6, 4, 2 and the terminal 1
     prepared = algo.prepare(_scored(chunks[:1], force=[1, 2, 3, 0, 0, 0], energy=[0, 1, 0, 0, 0, 0]))
     adv = prepared["advantages"]
     assert adv.shape == (6, 6)

@@ -282,9 +282,13 @@ def test_scorer_on_good_and_bad_molecules():
     d = batch.data
     keys = {"ids", "force_reward", "energy_reward", "reward", "energy_eV", "formation_energy_per_atom_eV", "rms_force",
             "stable", "stable_atom_fraction", "valid", "smiles", "reason", "ff_seconds", "shaping_energy_reward",
-            "stability_reward", "force_gated", "energy_gated", "under_bonded", "over_bonded", "overlap"}
-    assert set(d) == keys and set(plain.data) == keys - {"shaping_energy_reward"}
-    assert all(v.shape == (k,) for name, v in d.items() if name != "shaping_energy_reward")
+            "stability_reward", "force_gated", "energy_gated", "under_bonded", "over_bonded", "overlap",
+            "shaping_force_reward"}
+    shaped = {"shaping_energy_reward", "shaping_force_reward"}
+    assert set(d) == keys and set(plain.data) == keys - shaped
+    assert all(v.shape == (k,) for name, v in d.items() if name not in shaped)
+    assert d["shaping_force_reward"].shape == (k, steps)
+    np.testing.assert_allclose(d["shaping_force_reward"][:6, 0], d["force_reward"][:6], atol=1e-5)
     assert d["shaping_energy_reward"].shape == (k, steps) and d["shaping_energy_reward"].dtype == np.float32
     np.testing.assert_array_equal(d["ids"], np.arange(10, 10 + k))
     assert list(d["reason"][-3:]) == ["overlap", "nan_coordinates", "invalid_atom_type"]

@@ -20,6 +20,12 @@ gradients over its reverse-diffusion transitions, rewarded by a force field.
                              reward of the clean molecule predicted at step t; Psi_0: the final
                              molecule's), z-scored per step within the group; a_F broadcast over t;
                              A_t = clip(w_F a_F + w_E a^E_t + w_S a_S, +-adv_clip_max)
+                         delta mode (ELIGN's per-step traces; force and energy both shaped)
+                             D_j = gamma^(s_j - s_j+1) R(s_j+1) - R(s_j) at the scheduled steps,
+                             D_m = R_final; per column a^F_j, a^E_j = groupnorm(D^F_j), groupnorm(D^E_j)
+                             A_j = clip(w_F a^F_j + w_E a^E_j + w_S a_S (x terminal_weight at j = m)),
+                             0 at unscheduled transitions
+                         (scheduled steps: algo.shaping's uniform or adaptive scheduler, ELIGN's)
     update:              per transition  rho = exp(logp - logp_old)
                          L_t = mean_rows[ -min(rho A, clip(rho, 1 +- eps) A) ]
                                + beta * mean_rows[ ||mu - mu_ref||^2 / (2 sigma_t^2) ]
@@ -51,15 +57,23 @@ from flowrl_ray.config import Config, ConfigError, check
 from flowrl_ray.envs import EnvSpec
 from flowrl_ray.models.edm import EDM, EDMModelConfig, NodeDistribution, reference_kl, step_log_prob
 
-__all__ = ["fed_advantages", "pbrs_returns", "fed_advantages_pbrs", "FEDGRPO", "FEDGRPOConfig"]
+__all__ = ["fed_advantages", "pbrs_returns", "fed_advantages_pbrs", "schedule_steps", "delta_traces",
+           "fed_advantages_delta", "FEDGRPO", "FEDGRPOConfig"]
 
 
 @dataclass
 class ShapingConfig:
-    """``algo.shaping.*``: ELIGN's ``reward.shaping``."""
-    mode: Literal["none", "pbrs_return_to_go"] = "none"
+    """``algo.shaping.*``: ELIGN's ``reward.shaping`` and its step scheduler."""
+    mode: Literal["none", "pbrs_return_to_go", "delta"] = "none"
     gamma: float = field(default=1.0, metadata=check(ge=0, le=1))
-    stride: int = field(default=1, metadata=check(gt=0))      # potentials every `stride` recorded steps
+    scheduler: Literal["uniform", "adaptive"] = "uniform"
+    stride: int = field(default=1, metadata=check(gt=0))          # uniform: every `stride` recorded steps
+    coarse_stride: int = field(default=10, metadata=check(gt=0))  # adaptive: while t > threshold_fraction * T
+    fine_stride: int = field(default=2, metadata=check(gt=0))     # adaptive: below it
+    threshold_fraction: float = field(default=0.25, metadata=check(ge=0, le=1))
+    include_terminal: bool = True                                 # always score the last step (t = 1)
+    terminal_weight: float = field(default=1.0, metadata=check(ge=0))   # delta: the final column's weight
+    only_energy_reshape: bool = False                             # delta: force terminal-only
 
 
 @dataclass
@@ -141,6 +155,67 @@ def fed_advantages_pbrs(force_rewards: torch.Tensor, energy_returns: torch.Tenso
     a_stab = _stability_term(stability_rewards, stability_weight, group_index)
     a_stab = a_stab[:, None] if isinstance(a_stab, torch.Tensor) else a_stab        # [B, 1]
     return (force_weight * a_force + energy_weight * a_energy + a_stab).clamp(-adv_clip_max, adv_clip_max)
+
+
+def schedule_steps(recorded: list[int], total_steps: int, scheduler: str = "uniform", stride: int = 1,
+                   coarse_stride: int = 10, fine_stride: int = 2, threshold_fraction: float = 0.25,
+                   include_terminal: bool = True) -> list[int]:
+    """ELIGN's shaping scheduler: which recorded diffusion steps (t, descending) get a predicted
+    clean molecule scored. ``uniform``: every ``stride``-th from the first; ``adaptive``: every
+    ``coarse_stride``-th while t > threshold_fraction * T, then every ``fine_stride``-th (the
+    end of the chain, where the molecule takes shape, is sampled densely). ``include_terminal``
+    adds the last recorded step."""
+    if scheduler == "uniform":
+        out = recorded[::stride]
+    elif scheduler == "adaptive":
+        out, i = [], 0
+        while i < len(recorded):
+            out.append(recorded[i])
+            i += coarse_stride if recorded[i] > threshold_fraction * total_steps else fine_stride
+    else:
+        raise ValueError(f"unknown shaping scheduler {scheduler!r}")
+    if include_terminal and recorded and out[-1] != recorded[-1]:
+        out.append(recorded[-1])
+    return out
+
+
+def delta_traces(values: torch.Tensor, final: torch.Tensor, steps: torch.Tensor, gamma: float) -> torch.Tensor:
+    """ELIGN's delta shaping trace of one reward (force or energy) at the m scheduled steps
+    s_1 > ... > s_m (values [B, m]: the reward of the clean molecule predicted at s_j; final [B]:
+    the final molecule's reward; steps [m]):
+
+        D_j = gamma^(s_j - s_{j+1}) * R(s_{j+1}) - R(s_j)    for j < m   (the improvement step j made)
+        D_m = R_final                                                     (the terminal column)
+
+    Returns [B, m]."""
+    out = torch.empty_like(values)
+    if values.shape[1] > 1:
+        gap = (steps[:-1] - steps[1:]).to(values.dtype)                         # [m-1]
+        out[:, :-1] = torch.pow(torch.full_like(gap, gamma), gap)[None] * values[:, 1:] - values[:, :-1]
+    out[:, -1] = final
+    return out
+
+
+def fed_advantages_delta(force_traces: torch.Tensor, energy_traces: torch.Tensor, group_index: torch.Tensor,
+                         force_weight: float, energy_weight: float, adv_clip_max: float, terminal_weight: float,
+                         stability_rewards: torch.Tensor | None = None, stability_weight: float = 0.0
+                         ) -> torch.Tensor:
+    """delta mode: per-column advantages [B, m] of the scheduled steps from the force and energy
+    traces [B, m] (:func:`delta_traces`; a force trace of zeros but its last column is
+    terminal-only):
+
+        a^F_j = groupnorm(D^F_j),  a^E_j = groupnorm(D^E_j)       per column, within the group
+        A_j   = w_F a^F_j + w_E a^E_j + w_S a_S    (a_S terminal, on every column)
+        A_m  *= terminal_weight;   A = clip(A, +-adv_clip_max)
+
+    (ELIGN also multiplies the terminal reward by terminal_weight before normalising, which the
+    normalisation cancels.)"""
+    a = force_weight * group_normalize(force_traces, group_index) \
+        + energy_weight * group_normalize(energy_traces, group_index)                 # [B, m]
+    a_stab = _stability_term(stability_rewards, stability_weight, group_index)
+    a = a + (a_stab[:, None] if isinstance(a_stab, torch.Tensor) else a_stab)
+    a[:, -1] = a[:, -1] * terminal_weight
+    return a.clamp(-adv_clip_max, adv_clip_max)
 
 
 # ---------------------------------------------------------------------- checkpoints of the base model
@@ -228,9 +303,11 @@ class FEDGRPO(Algorithm):
 
     # ------------------------------------------------------------------ generation
     def _shaping_steps(self, recorded_steps: list[int]) -> list[int]:
-        if self.c.shaping.mode == "none":
+        sh = self.c.shaping
+        if sh.mode == "none":
             return []
-        return recorded_steps[:: self.c.shaping.stride]
+        return schedule_steps(recorded_steps, self.c.model.diffusion_steps, sh.scheduler, sh.stride,
+                              sh.coarse_stride, sh.fine_stride, sh.threshold_fraction, sh.include_terminal)
 
     @torch.no_grad()
     def generate(self, num_chunks: int, mode: str = "train") -> list[dict]:
@@ -274,12 +351,14 @@ class FEDGRPO(Algorithm):
         out["smiles"], out["reason"] = [""] * n, ["not_scored"] * n
         k_steps = len(self.pending["x0_steps"])
         out["shaping_energy_reward"] = torch.full((n, k_steps), float("nan"))
+        out["shaping_force_reward"] = torch.full((n, k_steps), float("nan"))
         for b in batches:
             ids = torch.as_tensor(np.asarray(b["ids"]), dtype=torch.long)
             for k in numeric:
                 out[k][ids] = torch.as_tensor(np.asarray(b[k], dtype=np.float32))
             if k_steps:
-                out["shaping_energy_reward"][ids] = torch.as_tensor(np.asarray(b["shaping_energy_reward"], dtype=np.float32))
+                for key in ("shaping_energy_reward", "shaping_force_reward"):
+                    out[key][ids] = torch.as_tensor(np.asarray(b[key], dtype=np.float32))
             for j, i in enumerate(ids.tolist()):
                 out["smiles"][i], out["reason"][i] = str(b["smiles"][j]), str(b["reason"][j])
         return out
@@ -302,6 +381,21 @@ class FEDGRPO(Algorithm):
             returns = pbrs_returns(potentials, energy, steps, scheduled, c.shaping.gamma)
             adv = fed_advantages_pbrs(force, returns, group_index, c.force_adv_weight, c.energy_adv_weight,
                                       c.adv_clip_max, stability, c.stability_adv_weight)    # [B, K]
+        elif c.shaping.mode == "delta":
+            steps = traj["t"].cpu()
+            sched = torch.as_tensor(self.pending["x0_steps"], dtype=steps.dtype)               # [m], descending
+            f_ts = delta_traces(torch.nan_to_num(s["shaping_force_reward"]), force, sched, c.shaping.gamma)
+            if c.shaping.only_energy_reshape:
+                f_ts[:, :-1] = 0.0                                                             # force terminal-only
+            e_ts = delta_traces(torch.nan_to_num(s["shaping_energy_reward"]), energy, sched, c.shaping.gamma)
+            cols = fed_advantages_delta(f_ts, e_ts, group_index, c.force_adv_weight, c.energy_adv_weight,
+                                        c.adv_clip_max, c.shaping.terminal_weight,
+                                        stability, c.stability_adv_weight)                    # [B, m]
+            adv = torch.zeros(len(force), k)
+            column = {int(t): j for j, t in enumerate(sched.tolist())}
+            for i, t in enumerate(steps.tolist()):                    # unscheduled transitions: 0
+                if int(t) in column:
+                    adv[:, i] = cols[:, column[int(t)]]
         else:
             adv = fed_advantages(force, energy, group_index, c.force_adv_weight, c.energy_adv_weight,
                                  c.adv_clip_max, stability, c.stability_adv_weight)[:, None].expand(-1, k)  # [B, K]

@@ -57,8 +57,8 @@ class MoleculeScorer:
     ``stable_atom_fraction``, ``under_bonded`` / ``over_bonded`` (atoms whose table bond-order sum
     is below / above their valence), ``overlap`` (atoms closer than ``min_distance``), ``valid``
     (float32, 0/1 for the flags); ``smiles`` ("" when
-    invalid) and ``reason`` (object arrays of str); with shaping also ``shaping_energy_reward``
-    [K, S] (float32; gated by the final molecule's stability and validity, as its trace is in
+    invalid) and ``reason`` (object arrays of str); with shaping also ``shaping_energy_reward`` and
+    ``shaping_force_reward`` [K, S] (float32; gated by the final molecule's stability and validity, as its trace is in
     Elign). ``meta.env_steps`` = K,
     ``meta.episode_returns`` = ``reward``, ``meta.episode_lengths`` = atoms per molecule,
     ``meta.extra``: ``reasons`` (reason -> count), ``shaping_reasons`` (with shaping),
@@ -129,8 +129,8 @@ class MoleculeScorer:
             # invalid or gated molecule's trace is its floor at every step, so G_t = 0
             shaped = [molecule_rewards(r, valence[j], s, valid=smiles[j] is not None)
                       for j, r in zip(np.repeat(np.arange(k), steps), results[k:])]
-            data["shaping_energy_reward"] = np.array([r["energy_reward"] for r in shaped],
-                                                     dtype=np.float32).reshape(k, steps)
+            for key in ("energy_reward", "force_reward"):
+                data[f"shaping_{key}"] = np.array([r[key] for r in shaped], dtype=np.float32).reshape(k, steps)
             extra["shaping_reasons"] = dict(Counter(r["reason"] for r in shaped))
         if snapshots:                 # the molecules with ids < snapshots, drawn by the driver
             from flowrl_ray.envs.molecules.snapshots import snapshot_item
