@@ -313,7 +313,7 @@ def test_scorer_on_good_and_bad_molecules():
     assert np.all(d["stable_atom_fraction"][:6] == 1)
     # shaping step 0 is the final molecule itself (zero noise): the same energy reward
     np.testing.assert_allclose(d["shaping_energy_reward"][:6, 0], d["energy_reward"][:6], atol=1e-5)
-    assert np.all(d["shaping_energy_reward"][6:] == -12)
+    assert np.all(d["shaping_energy_reward"][6:] == 0)      # invalid final molecules: traces zeroed
     assert sum(batch.meta.extra["shaping_reasons"].values()) == k * steps
     assert batch.meta.episode_returns == pytest.approx(d["reward"].tolist())
 
@@ -332,6 +332,15 @@ def test_shaping_potentials_are_gated_by_the_final_molecule():
     assert b["stable"][0] == 1 and alone["stable"][0] == 0 and alone["energy_gated"][0] == 1   # floored alone
     assert b["shaping_energy_reward"][0, 1] != -12 and b.meta.extra["shaping_reasons"] == {"ok": 2}
     assert b["shaping_energy_reward"][0, 1] != alone["energy_reward"][0]
+    # an RDKit-invalid final molecule (penalty on): its trace is zeroed, its own reward the penalty
+    scorer = MoleculeScorer(RewardSettings(invalid_penalty_scale=2.0))
+    try:
+        inv = scorer.score({"ids": np.arange(1), "positions": [stretched[0]], "atom_types": [stretched[1]],
+                            "shaping": [[WATER, stretched]]})
+    finally:
+        scorer.close()
+    assert inv["valid"][0] == 0 and inv["energy_reward"][0] == -12 and inv["force_reward"][0] == -12
+    assert np.all(inv["shaping_energy_reward"] == 0) and np.all(inv["shaping_force_reward"] == 0)
 
 
 def test_scorer_rejects_mismatched_samples():

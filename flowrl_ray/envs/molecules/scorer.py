@@ -124,13 +124,17 @@ class MoleculeScorer:
         extra = {"reasons": dict(Counter(r["reason"] for r in rewards)),
                  "successes": [bool(x) for x in data["stable"]], "ff_restarts": self.ff.restarts}
         if shaping is not None:
-            # a potential Psi_t is gated by the final molecule's stability and validity, as in
-            # Elign (its gate multiplies the whole trace by the final molecule's flag): an
-            # invalid or gated molecule's trace is its floor at every step, so G_t = 0
+            # The predicted molecules along a trajectory are gated by the final molecule, as in
+            # Elign: a stability gate floors the whole trace (its flag multiplies the trace, so
+            # with gamma = 1 the returns G_t are 0); an RDKit-invalid final molecule (penalty on)
+            # has its trace zeroed and only its final reward at the penalty, so its energy
+            # returns G_t = Psi_0 - 0 and its last delta column carry the penalty.
             shaped = [molecule_rewards(r, valence[j], s, valid=smiles[j] is not None)
                       for j, r in zip(np.repeat(np.arange(k), steps), results[k:])]
+            zeroed = np.repeat([s.invalid_penalty_scale > 0 and sm is None for sm in smiles], steps)
             for key in ("energy_reward", "force_reward"):
-                data[f"shaping_{key}"] = np.array([r[key] for r in shaped], dtype=np.float32).reshape(k, steps)
+                trace = np.array([0.0 if z else r[key] for r, z in zip(shaped, zeroed)], dtype=np.float32)
+                data[f"shaping_{key}"] = trace.reshape(k, steps)
             extra["shaping_reasons"] = dict(Counter(r["reason"] for r in shaped))
         if snapshots:                 # the molecules with ids < snapshots, drawn by the driver
             from flowrl_ray.envs.molecules.snapshots import snapshot_item
