@@ -39,8 +39,7 @@ METRICS = [("energy_per_atom_eV", "formation energy (eV/atom)"), ("rms_force_eV_
 def score(cfg, molecules: list) -> dict:
     """The family's scorer on (positions, types) pairs -> fed_grpo.molecule_summary."""
     import numpy as np
-    import torch
-    from flowrl_ray.algorithms.fed_grpo import molecule_summary
+    from flowrl_ray.algorithms.fed_grpo import molecule_summary, scores_of
     from flowrl_ray.envs import env_family
     scorer = env_family(cfg.env.family).make_scorer(cfg.env, cfg.seed, 0)
     try:
@@ -48,11 +47,7 @@ def score(cfg, molecules: list) -> dict:
                           "atom_types": [m[1] for m in molecules]})
     finally:
         scorer.close()
-    s = {k: torch.as_tensor(np.asarray(b[k], dtype=np.float32))
-         for k in ("force_reward", "energy_reward", "formation_energy_per_atom_eV", "rms_force", "stable",
-                   "stable_atom_fraction", "valid")}
-    s["smiles"], s["reason"] = [str(x) for x in b["smiles"]], [str(x) for x in b["reason"]]
-    return molecule_summary(s)
+    return molecule_summary(scores_of(b))
 
 
 def models(cfg, run_dir: Path):

@@ -4,6 +4,7 @@ FED-GRPO -> eval run through the CLI with real GFN2-xTB scorers on a real local 
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -320,6 +321,19 @@ def test_pretrain_train_eval_through_the_cli(tmp_path, capsys):
     assert main(["eval", str(run), "--episodes", "4"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert "validity" in json.dumps(result)
+
+    # the molecule protocol on this run: the base and the run sample the same molecules
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import fed_grpo_protocol
+    out = tmp_path / "results"
+    assert fed_grpo_protocol.main(["--variant", f"tiny={run}", "--molecules", "6", "--n-boot", "100",
+                                   "--results-dir", str(out), "--output", "p"]) == 0
+    saved = json.loads((out / "p.json").read_text())
+    summary = saved["variants"]["tiny"]["summary"]
+    assert summary["molecules"] == 6 and summary["stable_atom_fraction"]["n"] == 6
+    assert len(saved["base"]["outcomes"]["rms_force"]) == 6 and saved["variants"]["tiny"]["runs"][0]["iterations"] == 2
+    assert (out / "p.md").read_text().startswith("# Molecule evaluation protocol")
 
 
 def test_lr_multiplier_warms_up_then_follows_the_cosine_to_its_floor():

@@ -307,3 +307,43 @@ def test_forms_protocol_refuses_a_robot_config_and_a_missing_sft_base(tmp_path, 
     assert fp.main(["--config", str(tmp_path / "c.yaml"), "--seeds", "0", "1", "2"]) == 2
     assert "algo.sft_checkpoint" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
+
+
+# --------------------------------------------------------------------------- the molecule protocol
+
+def test_fed_grpo_protocol_summary_by_hand():
+    import fed_grpo_protocol as mp
+    nan = float("nan")
+    base = {"formation_energy_per_atom_eV": [-4.0, nan, -2.0, -3.0], "rms_force": [2.0, nan, 4.0, 6.0],
+            "stable_atom_fraction": [1.0, 0.5, 0.5, 0.0], "stable": [1, 0, 0, 0], "valid": [1, 0, 1, 0],
+            "under_bonded": [0, 2, 1, 3], "over_bonded": [0, 0, 1, 0]}
+    seed0 = {**base, "formation_energy_per_atom_eV": [-5.0, -1.0, -3.0, nan], "rms_force": [1.0, 1.0, 2.0, nan],
+             "stable_atom_fraction": [1.0, 1.0, 0.5, 0.5], "valid": [1, 1, 1, 0]}
+    seed1 = {**base, "formation_energy_per_atom_eV": [-4.0, -1.0, -4.0, -9.0], "rms_force": [2.0, 1.0, 2.0, 0.5],
+             "stable": [1, 1, 0, 0]}
+    s = mp.summarise(base, [{"outcomes": seed0}, {"outcomes": seed1}], n_boot=200)
+    # physics on the molecules scored for the base and both seeds: 0 and 2
+    assert s["scored_by_all"] == 2 and s["rms_force"]["n"] == 2
+    assert s["rms_force"]["base"] == 3.0 and s["rms_force"]["per_seed"] == [1.5, 2.0]
+    assert s["rms_force"]["change"]["gain"] == pytest.approx((1.5 + 2.0) / 2 - 3.0)
+    assert s["formation_energy_per_atom_eV"]["change"]["gain"] == pytest.approx((-4.0 + -4.0) / 2 - (-3.0))
+    # stability on all 4, in points: base 50; seeds 75 and 50 -> +12.5
+    st = s["stable_atom_fraction"]
+    assert st["n"] == 4 and st["base"] == 50.0 and st["per_seed"] == [75.0, 50.0]
+    assert st["change"]["gain"] == pytest.approx(12.5)
+    assert s["stable"]["change"]["gain"] == pytest.approx(12.5) and s["valid"]["change"]["gain"] == pytest.approx(12.5)
+    assert s["under_bonded"]["unit"] == "atoms" and s["under_bonded"]["change"]["gain"] == 0.0
+
+
+def test_fed_grpo_protocol_refuses_other_algorithms_and_a_missing_base(tmp_path, capsys):
+    import fed_grpo_protocol as mp
+    assert mp.main(["--config", str(REPO / "configs/flow_grpo/forms_small.yaml"), "--seeds", "0"]) == 2
+    assert "molecule protocol is for FED-GRPO" in capsys.readouterr().err
+    cfg = yaml.safe_load((REPO / "configs/fed_grpo/qm9_small.yaml").read_text())
+    cfg["algo"]["base_model"] = str(tmp_path / "missing.pt")
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    assert mp.main(["--config", str(tmp_path / "c.yaml"), "--seeds", "0", "1", "2"]) == 2
+    assert "algo.base_model" in capsys.readouterr().err
+    assert mp.main(["--config", str(tmp_path / "c.yaml"), "--seeds", "0", "--molecules", "0"]) == 2
+    assert "--molecules" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()

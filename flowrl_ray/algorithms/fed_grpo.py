@@ -344,9 +344,7 @@ class FEDGRPO(Algorithm):
     def _scores(self, batches: list[Batch]) -> dict[str, Any]:
         """The scorers' outputs in row order (rows a failed worker never scored keep NaN / "")."""
         n = self.pending["n"]
-        numeric = ("force_reward", "energy_reward", "stability_reward", "energy_eV", "formation_energy_per_atom_eV",
-                   "rms_force", "stable", "stable_atom_fraction", "valid", "force_gated", "energy_gated",
-                   "under_bonded", "over_bonded", "overlap")
+        numeric = SCORE_KEYS
         out: dict[str, Any] = {k: torch.full((n,), float("nan")) for k in numeric}
         out["smiles"], out["reason"] = [""] * n, ["not_scored"] * n
         k_steps = len(self.pending["x0_steps"])
@@ -508,6 +506,20 @@ def _fill_with_group_mean(values: torch.Tensor, group_index: torch.Tensor) -> to
         known = values[rows & ~missing]
         out[rows & missing] = known.mean() if len(known) else 0.0
     return out
+
+
+#: the per-molecule numbers of a molecule scorer's batch that FED-GRPO reads (float, one per row)
+SCORE_KEYS = ("force_reward", "energy_reward", "stability_reward", "energy_eV", "formation_energy_per_atom_eV",
+              "rms_force", "stable", "stable_atom_fraction", "valid", "force_gated", "energy_gated",
+              "under_bonded", "over_bonded", "overlap")
+
+
+def scores_of(batch) -> dict:
+    """One scorer batch as :func:`molecule_summary` reads it: SCORE_KEYS as float tensors [K],
+    ``smiles`` and ``reason`` as lists of str."""
+    s = {k: torch.as_tensor(np.asarray(batch[k], dtype=np.float32)) for k in SCORE_KEYS}
+    s["smiles"], s["reason"] = [str(x) for x in batch["smiles"]], [str(x) for x in batch["reason"]]
+    return s
 
 
 def molecule_summary(s: dict) -> dict[str, float]:
