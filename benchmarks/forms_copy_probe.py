@@ -4,8 +4,11 @@ The masked-diffusion model of a Flow-GRPO config (its size, its tokenizer traine
 pairs) is trained on the auxiliary "repeat the quoted value" pairs alone (:func:`copy_pairs` of
 the SFT task set: names, emails, sentences, numbers, dates ...), with short sequences
 (``--prompt-len`` / ``--gen-len`` tokens), and after every ``--eval-every`` steps it decodes
-(greedy) values of the evaluation task set, which it never saw; reported: the fraction copied
-exactly, with a 95 % bootstrap interval, against the optimiser steps and seconds.
+(greedy) values of the evaluation task set, which it never saw, and as many of its own training
+values; reported against the optimiser steps and seconds: the fraction copied exactly, with a 95 %
+bootstrap interval, and the token accuracy (answer tokens equal to the value's token at the same
+position), for unseen and for training values. Unseen values copied as well as training ones
+mean the model copies; training values far ahead mean it memorises them.
 
     .venv/bin/python benchmarks/forms_copy_probe.py                      # forms_small's model
     .venv/bin/python benchmarks/forms_copy_probe.py --steps 3000 --eval-every 500
@@ -76,18 +79,33 @@ def main(argv=None) -> dict:
                          tokenizer=tokenizer, seed=args.seed)
     rows, curve, t0, done = [], [], time.perf_counter(), 0
 
-    def check() -> None:
+    seen = train[:len(held)]
+
+    def decode(pairs):
         outs = []
-        for i in range(0, len(held), 50):
-            outs += lm.generate_text([p for p, _ in held[i:i + 50]], args.gen_len, steps=args.gen_len // 2,
+        for i in range(0, len(pairs), 50):
+            outs += lm.generate_text([p for p, _ in pairs[i:i + 50]], args.gen_len, steps=args.gen_len // 2,
                                      temperature=0.0, max_prompt_len=args.prompt_len)
-        right = np.array([o.strip() == v for o, (_, v) in zip(outs, held)], float)
+        return [o.strip() for o in outs]
+
+    def token_accuracy(outs, pairs) -> float:
+        enc = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]        # noqa: E731
+        return float(np.mean([sum(a == b for a, b in zip(enc(o), enc(v))) / len(enc(v)) for o, (_, v) in zip(outs, pairs)]))
+
+    def check() -> None:
+        outs, outs_seen = decode(held), decode(seen)
+        right = np.array([o == v for o, (_, v) in zip(outs, held)], float)
         ci = paired_bootstrap_gain(right[None], np.zeros_like(right), n_boot=2000)
         curve.append({"step": done, "seconds": round(time.perf_counter() - t0, 1), "copy_accuracy": float(right.mean()),
                       "ci_low": float(ci["ci_low"]), "ci_high": float(ci["ci_high"]),
+                      "token_accuracy": token_accuracy(outs, held),
+                      "seen_copy_accuracy": float(np.mean([o == v for o, (_, v) in zip(outs_seen, seen)])),
+                      "seen_token_accuracy": token_accuracy(outs_seen, seen),
                       "examples": [(v, o) for o, (_, v) in list(zip(outs, held))[:3]]})
-        print(f"[probe] step {done}: exact copies {right.mean():.3f} [{ci['ci_low']:.3f}, {ci['ci_high']:.3f}] "
-              f"e.g. {curve[-1]['examples'][0]}", flush=True)
+        c = curve[-1]
+        print(f"[probe] step {done}: exact copies {right.mean():.3f} [{ci['ci_low']:.3f}, {ci['ci_high']:.3f}], "
+              f"tokens {c['token_accuracy']:.3f}; training values {c['seen_copy_accuracy']:.3f} / "
+              f"{c['seen_token_accuracy']:.3f}; e.g. {c['examples'][0]}", flush=True)
 
     random.seed(args.seed)
     while done < args.steps:
@@ -98,13 +116,15 @@ def main(argv=None) -> dict:
         check()
     for c in curve:
         rows.append([c["step"], f"{c['seconds'] / 60:.1f}", f"{c['copy_accuracy']:.3f} [{c['ci_low']:.3f}, {c['ci_high']:.3f}]",
+                     f"{c['token_accuracy']:.3f}", f"{c['seen_copy_accuracy']:.3f} / {c['seen_token_accuracy']:.3f}",
                      f"`{c['examples'][0][0]}` -> `{c['examples'][0][1]}`"])
     body = (f"Model of `{args.config}`{' with ' + ' '.join(args.overrides) if args.overrides else ''} ({sum(p.numel() for p in lm.model.parameters()):,} parameters), trained on "
             f"{len(train):,} copy pairs of the SFT task set's values, {args.prompt_len} + {args.gen_len} tokens, "
             f"batch {args.batch_size}, lr {args.lr} (constant within each segment of {args.eval_every} steps); greedy "
             f"decoding of {len(held)} values of the evaluation task set with {args.gen_len // 2} unmasking steps; "
             f"exact copies with 95 % bootstrap intervals.\n\n"
-            + md_table(["optimiser steps", "minutes", "exact copies [95 % CI]", "example (value -> output)"], rows) + "\n")
+            + md_table(["optimiser steps", "minutes", "unseen: exact copies [95 % CI]", "unseen: token accuracy",
+                        "training values: exact / tokens", "example (value -> output)"], rows) + "\n")
     write_results(args.output, "Forms: can the model learn to copy?", body)
     results = {"args": vars(args), "machine": machine_info(), "git": git_revision(), "curve": curve}
     (RESULTS_DIR / f"{args.output}.json").write_text(json.dumps(results, indent=2, default=str))
