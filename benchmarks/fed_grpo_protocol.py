@@ -41,8 +41,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RESULTS_DIR, command_line, git_revision, machine_info, md_table, write_results  # noqa: E402
 from _robot import run_config, write_json  # noqa: E402
-from robot_protocol import (LEVEL, MIN_SEEDS, UsageError, check_launch_args, check_run_dir,  # noqa: E402
-                            launch, log, parse_variant, split_overrides)
+from robot_protocol import (LEVEL, MIN_SEEDS, UsageError, add_shared_arguments, check_launch_args,  # noqa: E402
+                            collect_one_base, launch, log, parse_args)
 
 MIN_MOLECULES = 512
 #: (key, label, unit, scale): physics on the molecules the force field scored, the rest on all
@@ -178,56 +178,20 @@ def report(results: dict, results_dir: Path, output: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--variant", action="append", metavar="NAME=RUN,RUN,...",
-                   help="finished run directories of one variant (repeatable)")
-    p.add_argument("--config", help="launch one run of CONFIG per --seeds value, then evaluate them")
-    p.add_argument("--seeds", nargs="+", type=int, help="with --config: the seeds (>= 3 for a result)")
-    p.add_argument("--name", help="with --config: the variant's name (default: the config's name)")
-    p.add_argument("--parallel", type=int, default=1, help="with --config: runs trained at a time")
-    p.add_argument("--runs-dir", default="runs", help="with --config: where the run directories go")
+    add_shared_arguments(p, "fed_grpo_protocol")
     p.add_argument("--molecules", type=int, default=MIN_MOLECULES, help=f"paired samples (>= {MIN_MOLECULES} for a result)")
     p.add_argument("--eval-seed", type=int, default=1234, help="the evaluation's sampling seed")
-    p.add_argument("--n-boot", type=int, default=10_000, help="bootstrap resamples")
-    p.add_argument("--output", default="fed_grpo_protocol", help="results name: <results-dir>/<output>.{json,md}")
-    p.add_argument("--results-dir", default=str(RESULTS_DIR))
-    p.add_argument("--note", help="a line printed with the results (e.g. 'smoke run: 2 iterations')")
-    p.add_argument("overrides", nargs="*", help="with --config: config overrides (key.sub=value) for every run")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    flags, overrides = split_overrides(parser, sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(flags)
-    args.overrides = [*args.overrides, *overrides]
-    from flowrl_ray.config import ConfigError, load_config
+    args = parse_args(build_parser(), argv)
+    from flowrl_ray.config import ConfigError
     try:
         check_launch_args(args)
         if args.molecules < 1:
             raise UsageError(f"--molecules must be >= 1, got {args.molecules}")
-        if not (args.config or args.variant):
-            raise UsageError("nothing to evaluate: give --config CONFIG --seeds ... or --variant NAME=RUN,...")
-        variants: dict[str, list[Path]] = {}
-        for text in args.variant or []:
-            name, dirs = parse_variant(text)
-            for d in dirs:
-                check_run_dir(f"--variant {name}", d)
-            variants[name] = dirs
-        cfg = None
-        if args.config is not None:
-            cfg = load_config(args.config, [*args.overrides, f"seed={args.seeds[0]}"])   # bad keys stop here
-            name = args.name or cfg.name
-            if name in variants:
-                raise UsageError(f"--name {name}: also the name of a --variant")
-        checked = [run_config(d) for dirs in variants.values() for d in dirs] + ([cfg] if cfg else [])
-        for c in checked:
-            if c.algorithm != "fed_grpo":
-                raise UsageError(f"a {c.algorithm} run or config: the molecule protocol is for FED-GRPO")
-            if not c.algo.base_model or not Path(c.algo.base_model).is_file():
-                raise UsageError(f"algo.base_model {c.algo.base_model!r} is not a file: the base is the "
-                                 "pretrained EDM (`flowrl-ray pretrain CONFIG` makes it)")
-        if len({(c.algo.base_model, str(c.env.kwargs)) for c in checked}) > 1:
-            raise UsageError("the runs differ in base model or scorer settings: one base per protocol")
+        variants, cfg, name = collect_one_base(args, "fed_grpo", "molecule", "algo.base_model", Path.is_file)
     except (UsageError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -125,10 +125,54 @@ def collect_variants(args) -> dict[str, list[Path]]:
         for d in dirs:
             check_run_dir(f"--variant {name}", d)
         variants[name] = dirs
-    for d in map(Path, args.runs or []):
+    for d in map(Path, getattr(args, "runs", None) or []):
         check_run_dir("--runs", d)
         variants.setdefault(run_config(d).name, []).append(d)
     return variants
+
+
+def add_shared_arguments(p: argparse.ArgumentParser, output: str) -> None:
+    """The flags of the protocols that evaluate one base against its fine-tuned runs (forms,
+    molecules): finished runs (--variant) or runs to launch (--config --seeds [--name])."""
+    p.add_argument("--variant", action="append", metavar="NAME=RUN,RUN,...",
+                   help="finished run directories of one variant (repeatable)")
+    p.add_argument("--config", help="launch one run of CONFIG per --seeds value, then evaluate them")
+    p.add_argument("--seeds", nargs="+", type=int, help="with --config: the seeds (>= 3 for a result)")
+    p.add_argument("--name", help="with --config: the variant's name (default: the config's name)")
+    p.add_argument("--parallel", type=int, default=1, help="with --config: runs trained at a time")
+    p.add_argument("--runs-dir", default="runs", help="with --config: where the run directories go")
+    p.add_argument("--n-boot", type=int, default=10_000, help="bootstrap resamples")
+    p.add_argument("--output", default=output, help="results name: <results-dir>/<output>.{json,md,...}")
+    p.add_argument("--results-dir", default=str(RESULTS_DIR))
+    p.add_argument("--note", help="a line printed with the results (e.g. 'smoke run: 2 iterations')")
+    p.add_argument("overrides", nargs="*", help="with --config: config overrides (key.sub=value) for every run")
+
+
+def collect_one_base(args, algorithm: str, protocol: str, base_key: str, base_exists) -> tuple[dict, object, str]:
+    """(variant name -> finished run dirs, the config to launch or None, its variant name) for a
+    protocol of one ``algorithm`` whose runs share one base (the config key ``base_key``, which
+    ``base_exists(path)`` checks) and one env section. Raises UsageError / ConfigError."""
+    from flowrl_ray.config import load_config
+    if not (args.config or args.variant):
+        raise UsageError("nothing to evaluate: give --config CONFIG --seeds ... or --variant NAME=RUN,...")
+    variants = collect_variants(args)
+    cfg = name = None
+    if args.config is not None:
+        cfg = load_config(args.config, [*args.overrides, f"seed={args.seeds[0]}"])   # bad keys stop here
+        name = args.name or cfg.name
+        if name in variants:
+            raise UsageError(f"--name {name}: also the name of a --variant")
+    checked = [run_config(d) for dirs in variants.values() for d in dirs] + ([cfg] if cfg else [])
+    section, key = base_key.split(".")
+    for c in checked:
+        if c.algorithm != algorithm:
+            raise UsageError(f"a {c.algorithm} run or config: the {protocol} protocol is for {algorithm}")
+        path = getattr(getattr(c, section), key)
+        if not path or not base_exists(Path(path)):
+            raise UsageError(f"{base_key} {path!r} does not exist: the base is made by `flowrl-ray pretrain CONFIG`")
+    if len({(getattr(getattr(c, section), key), str(c.env.kwargs)) for c in checked}) > 1:
+        raise UsageError(f"the runs differ in {base_key} or env settings: one base per protocol")
+    return variants, cfg, name
 
 
 # --------------------------------------------------------------------------- launching
@@ -371,26 +415,15 @@ def report(results: dict, results_dir: Path, output: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--variant", action="append", metavar="NAME=RUN,RUN,...",
-                   help="finished run directories of one variant (repeatable)")
+    add_shared_arguments(p, "robot_protocol")
     p.add_argument("--runs", nargs="+", metavar="RUN", help="finished run directories, grouped by config name")
-    p.add_argument("--config", help="launch one run of CONFIG per --seeds value, then evaluate them")
-    p.add_argument("--seeds", nargs="+", type=int, help="with --config: the seeds (>= 3 for a result)")
-    p.add_argument("--name", help="with --config: the variant's name (default: the config's name)")
-    p.add_argument("--parallel", type=int, default=1, help="with --config: runs trained at a time")
-    p.add_argument("--runs-dir", default="runs", help="with --config: where the run directories go")
     p.add_argument("--demos", type=int, default=50, help="with --config: demos made if env.dataset is missing")
     p.add_argument("--pretrain-epochs", type=int, default=20,
                    help="with --config: epochs of the base made if algo.base_policy is missing")
     p.add_argument("--base", help="the base checkpoint (default: the runs' algo.base_policy)")
     p.add_argument("--episodes", type=int, default=100, help="evaluation episodes per sampling rule")
-    p.add_argument("--n-boot", type=int, default=10_000, help="bootstrap resamples")
-    p.add_argument("--output", default="robot_protocol", help="results name: <results-dir>/<output>.{json,md,png}")
-    p.add_argument("--results-dir", default=str(RESULTS_DIR))
     p.add_argument("--reference", metavar="NAME",
                    help="also report every other variant's difference from this one (an ablation)")
-    p.add_argument("--note", help="a line printed with the results (e.g. 'smoke run: 2 iterations')")
-    p.add_argument("overrides", nargs="*", help="with --config: config overrides (key.sub=value) for every run")
     return p
 
 
@@ -411,11 +444,16 @@ def split_overrides(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[l
     return flags, overrides
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """A protocol's flags, with ``key.sub=value`` overrides collected wherever they stand."""
     flags, overrides = split_overrides(parser, sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(flags)
     args.overrides = [*args.overrides, *overrides]
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(build_parser(), argv)
     from flowrl_ray.config import ConfigError, load_config
     try:
         check_launch_args(args)

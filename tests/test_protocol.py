@@ -300,7 +300,7 @@ def test_forms_protocol_checks_its_flags_as_the_robot_protocol_does(tmp_path, ca
 def test_forms_protocol_refuses_a_robot_config_and_a_missing_sft_base(tmp_path, capsys):
     import forms_protocol as fp
     assert fp.main(["--config", str(REPO / "configs/fpopp/lift_state_quickstart.yaml"), "--seeds", "0"]) == 2
-    assert "forms protocol is for Flow-GRPO" in capsys.readouterr().err
+    assert "forms protocol is for flow_grpo" in capsys.readouterr().err
     cfg = yaml.safe_load((REPO / "configs/flow_grpo/forms_small.yaml").read_text())
     cfg["algo"]["sft_checkpoint"] = str(tmp_path / "missing")
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
@@ -338,7 +338,7 @@ def test_fed_grpo_protocol_summary_by_hand():
 def test_fed_grpo_protocol_refuses_other_algorithms_and_a_missing_base(tmp_path, capsys):
     import fed_grpo_protocol as mp
     assert mp.main(["--config", str(REPO / "configs/flow_grpo/forms_small.yaml"), "--seeds", "0"]) == 2
-    assert "molecule protocol is for FED-GRPO" in capsys.readouterr().err
+    assert "molecule protocol is for fed_grpo" in capsys.readouterr().err
     cfg = yaml.safe_load((REPO / "configs/fed_grpo/qm9_small.yaml").read_text())
     cfg["algo"]["base_model"] = str(tmp_path / "missing.pt")
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
