@@ -294,8 +294,8 @@ def test_extending_a_finished_ppo_run_goes_on_from_its_last_lr(tmp_path):
 def test_resume_if_exists_starts_resumes_and_refuses_another_config(tmp_path):
     run = tmp_path / "run"
     # enough iterations that the interrupt below lands before the run ends on its own (a tiny
-    # iteration takes a fraction of a second; 8 were once all done before SIGINT was handled)
-    total = 30
+    # iteration takes a fraction of a second; 8, and later 30, were once all done before SIGINT was handled)
+    total = 80
     launch = ["train", str(PENDULUM), *RUN, f"train.iterations={total}", "--run-dir", str(run),
               "--resume-if-exists"]
     # an earlier launch that died before its first checkpoint left its config and a metrics row
