@@ -119,10 +119,11 @@ def fed_advantages(force_rewards: torch.Tensor, energy_rewards: torch.Tensor, gr
     return (a + _stability_term(stability_rewards, stability_weight, group_index)).clamp(-adv_clip_max, adv_clip_max)
 
 
-def _stability_term(stability_rewards: torch.Tensor | None, weight: float, group_index: torch.Tensor):
-    """w_S a_S [B] (0 without the channel)."""
+def _stability_term(stability_rewards: torch.Tensor | None, weight: float, group_index: torch.Tensor
+                    ) -> torch.Tensor:
+    """w_S a_S [B] (zeros without the channel)."""
     if stability_rewards is None or weight == 0:
-        return 0.0
+        return torch.zeros(group_index.shape[0])
     return weight * group_normalize(stability_rewards, group_index)
 
 
@@ -152,8 +153,7 @@ def fed_advantages_pbrs(force_rewards: torch.Tensor, energy_returns: torch.Tenso
         A_t   = clip(w_F a_F + w_E a^E_t + w_S a_S, +-adv_clip_max)"""
     a_force = group_normalize(force_rewards, group_index)[:, None]                  # [B, 1]
     a_energy = group_normalize(energy_returns, group_index)                         # [B, K]
-    a_stab = _stability_term(stability_rewards, stability_weight, group_index)
-    a_stab = a_stab[:, None] if isinstance(a_stab, torch.Tensor) else a_stab        # [B, 1]
+    a_stab = _stability_term(stability_rewards, stability_weight, group_index)[:, None]   # [B, 1]
     return (force_weight * a_force + energy_weight * a_energy + a_stab).clamp(-adv_clip_max, adv_clip_max)
 
 
@@ -212,8 +212,7 @@ def fed_advantages_delta(force_traces: torch.Tensor, energy_traces: torch.Tensor
     normalisation cancels.)"""
     a = force_weight * group_normalize(force_traces, group_index) \
         + energy_weight * group_normalize(energy_traces, group_index)                 # [B, m]
-    a_stab = _stability_term(stability_rewards, stability_weight, group_index)
-    a = a + (a_stab[:, None] if isinstance(a_stab, torch.Tensor) else a_stab)
+    a = a + _stability_term(stability_rewards, stability_weight, group_index)[:, None]
     a[:, -1] = a[:, -1] * terminal_weight
     return a.clamp(-adv_clip_max, adv_clip_max)
 
