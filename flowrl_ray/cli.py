@@ -79,6 +79,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.dry_run:                 # every check has run (config, env spec, preflight): no Ray
         print(_dry_run_summary(cfg, trainer, run_dir, resume), flush=True)
         return 0
+    # Ctrl-C / SIGINT preempts the run (checkpoint, then stop) also when the process was started
+    # with SIGINT ignored (a shell's background job, or a parent that ignores it): Python then
+    # installs no handler of its own
+    import signal
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         trainer.setup()                  # its first line says which Ray the run uses
         print(f"[flowrl_ray] run directory: {run_dir}", flush=True)

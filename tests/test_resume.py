@@ -294,8 +294,8 @@ def test_extending_a_finished_ppo_run_goes_on_from_its_last_lr(tmp_path):
 def test_resume_if_exists_starts_resumes_and_refuses_another_config(tmp_path):
     run = tmp_path / "run"
     # enough iterations that the interrupt below lands before the run ends on its own (a tiny
-    # iteration takes a fraction of a second; 8, and later 30, were once all done before SIGINT was handled)
-    total = 80
+    # iteration takes a fraction of a second; 8 were once all done before SIGINT was handled)
+    total = 30
     launch = ["train", str(PENDULUM), *RUN, f"train.iterations={total}", "--run-dir", str(run),
               "--resume-if-exists"]
     # an earlier launch that died before its first checkpoint left its config and a metrics row
@@ -303,8 +303,10 @@ def test_resume_if_exists_starts_resumes_and_refuses_another_config(tmp_path):
     (run / "config.yaml").write_text((PENDULUM).read_text())
     (run / "metrics.jsonl").write_text('{"iteration": 1, "env_steps": 1}\n')
     # launch, then "preempt" (SIGINT) once the iteration-3 checkpoint is there
+    # started with SIGINT ignored (a shell's background job; a parent that ignores it): it must
+    # still stop on SIGINT
     proc = subprocess.Popen([*CLI, *launch], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env=ENV)
+                            text=True, env=ENV, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         deadline = time.monotonic() + 240
         while not (run / "checkpoints" / "iter_000003.pt").exists():
