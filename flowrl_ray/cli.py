@@ -336,6 +336,8 @@ def cmd_demos(args: argparse.Namespace) -> int:
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
     data = apply_overrides(read_yaml(args.config), args.overrides)
+    if data.get("algorithm") != "fed_grpo" and (args.curve_every or args.resume):
+        raise UserError("--curve-every and --resume are for FED-GRPO configs (EDM pretraining)")
     if data.get("algorithm") == "flow_grpo":
         return _pretrain_text(args, data)
     if args.tasks_per_form is not None or args.copy_aux:
@@ -398,7 +400,8 @@ def _pretrain_edm(args: argparse.Namespace, data: dict) -> int:
                            batch_size=64 if args.batch_size is None else args.batch_size,
                            lr=1e-4 if args.lr is None else args.lr,
                            seed=cfg.seed if args.seed is None else args.seed,
-                           eval_samples=args.eval_samples, progress=True)
+                           eval_samples=args.eval_samples, curve_every=args.curve_every,
+                           curve_samples=args.curve_samples, resume=args.resume, progress=True)
     print(json.dumps(summary), flush=True)
     return 0
 
@@ -644,6 +647,14 @@ def build_parser() -> argparse.ArgumentParser:
                          "(default 0)")
     pr.add_argument("--eval-samples", type=int, default=0,
                     help="EDM: then sample N molecules and report stability, validity, uniqueness")
+    pr.add_argument("--curve-every", type=int, default=0, metavar="N",
+                    help="EDM: every N steps sample --curve-samples molecules from the EMA weights, log "
+                         "their stability and validity (metrics.jsonl, <stem>.stability.png) and write "
+                         "the checkpoint")
+    pr.add_argument("--curve-samples", type=int, default=200, help="EDM: molecules per curve point")
+    pr.add_argument("--resume", action="store_true",
+                    help="EDM: continue the run whose checkpoint is at the output path (weights, EMA, "
+                         "optimiser, data sampler, curves) up to --steps in all; a new run when there is none")
     pr.add_argument("--seed", type=int, help="default: the config's seed")
     pr.set_defaults(func=cmd_pretrain)
 

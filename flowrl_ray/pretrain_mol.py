@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from flowrl_ray.config import Config
+from flowrl_ray.config import Config, ConfigError
 from flowrl_ray.pretrain import _torch_threads
 from flowrl_ray.utils import atomic_write_bytes, atomic_write_text, format_duration
 
@@ -55,7 +55,20 @@ def evaluate_model(model, histogram: np.ndarray, count: int, seed: int = 0) -> d
 
 
 def pretrain_edm(cfg: Config, out: str | Path | None = None, steps: int = 2000, batch_size: int = 64,
-                 lr: float = 1e-4, seed: int = 0, eval_samples: int = 0, progress: bool = True) -> dict:
+                 lr: float = 1e-4, seed: int = 0, eval_samples: int = 0, curve_every: int = 0,
+                 curve_samples: int = 200, resume: bool = False, progress: bool = True) -> dict:
+    """Train the EDM of ``cfg.algo.model`` on QM9's train split for ``steps`` optimiser steps in all.
+
+    ``curve_every`` > 0: every ``curve_every`` steps the EMA weights sample ``curve_samples``
+    molecules (the same atom counts and noise each time) and EDM's metrics go to
+    ``<stem>.metrics.jsonl`` (rows with ``"atom_stability"``) and ``<stem>.stability.png``, and the
+    checkpoint is written, so a stopped run loses at most ``curve_every`` steps. ``resume``: when
+    ``out`` holds a checkpoint of this verb, its run continues (raw and EMA weights, optimiser,
+    clipping window, data sampler, loss and stability curves) up to ``steps``; the model config
+    must match (ConfigError naming the key). ``eval_samples`` > 0: the final EMA model's metrics on
+    that many samples, beside EDM's published figures.
+    """
+    from flowrl_ray.algorithms.fed_grpo import check_base_model
     from flowrl_ray.envs.molecules.qm9 import atom_count_histogram, load_qm9, qm9_splits
     from flowrl_ray.models.edm import EDM, fit_edm
     from flowrl_ray.plotting import plot_curves
@@ -66,41 +79,98 @@ def pretrain_edm(cfg: Config, out: str | Path | None = None, steps: int = 2000, 
     histogram = atom_count_histogram(train.n_atoms, cfg.algo.model.max_atoms)
     torch.manual_seed(seed)
     model = EDM(cfg.algo.model)
+    generator = torch.Generator().manual_seed(seed)
     log = print if progress else (lambda *a, **k: None)
+    rows: list[dict] = []                 # loss rows {"step", "loss", "time_s"} and curve rows
+    state, done, before_s = None, 0, 0.0
+    if resume and out.is_file():
+        check_base_model(cfg, out)
+        saved = torch.load(out, map_location="cpu", weights_only=False)
+        if "train_state" not in saved:
+            raise ConfigError(f"--resume: {out} holds no training state (written before resumable "
+                              f"pretraining); start a new run with another --out")
+        ts = saved["train_state"]
+        model.load_state_dict(ts["raw_state_dict"])
+        generator.set_state(ts["generator"])
+        state, done, before_s, rows = ts["fit"], int(ts["fit"]["step"]), float(ts["train_s"]), list(ts["rows"])
+        log(f"[pretrain] resuming {out} at step {done}", flush=True)
     log(f"[pretrain] EDM on QM9: {len(train):,} training molecules, "
-        f"{sum(p.numel() for p in model.parameters()):,} parameters, {steps} steps of {batch_size}", flush=True)
-    rows: list[dict] = []
-    start = time.perf_counter()
+        f"{sum(p.numel() for p in model.parameters()):,} parameters, steps {done + 1}-{steps} of {batch_size}",
+        flush=True)
+    start, first = time.perf_counter(), done
+    ema_model = EDM(cfg.algo.model)
+    metrics_path, png_path, curve_png = (out.parent / f"{out.stem}.{s}"
+                                         for s in ("metrics.jsonl", "loss.png", "stability.png"))
+
+    def elapsed() -> float:
+        return before_s + time.perf_counter() - start
 
     def report(step: int, total: int, loss: float) -> None:
-        elapsed = time.perf_counter() - start
-        rows.append({"step": step, "loss": loss, "time_s": round(elapsed, 1)})
-        log(f"[pretrain] step {step}/{total} loss {loss:.4f} ({format_duration(elapsed)}, "
-            f"eta {format_duration(elapsed / step * (total - step))})", flush=True)
+        rows.append({"step": step, "loss": loss, "time_s": round(elapsed(), 1)})
+        run_s = time.perf_counter() - start
+        log(f"[pretrain] step {step}/{steps} loss {loss:.4f} ({format_duration(elapsed())}, "
+            f"eta {format_duration(run_s / max(1, step - first) * (steps - step))})", flush=True)
 
+    def save(fit: dict, final_metrics: dict | None) -> None:
+        losses = [r for r in rows if "loss" in r]
+        curve = [r for r in rows if "atom_stability" in r]
+        atomic_write_text(metrics_path, "".join(json.dumps(r) + "\n" for r in rows))
+        plot_curves({"l2 loss": [(np.array([r["step"] for r in losses]), np.array([r["loss"] for r in losses]))]},
+                    png_path, "step", "EDM l2 loss", "EDM pretraining on QM9")
+        if curve:
+            x = np.array([r["step"] for r in curve])
+            plot_curves({k.replace("_", " "): [(x, 100 * np.array([r[k] for r in curve]))]
+                         for k in ("atom_stability", "molecule_stability", "validity")},
+                        curve_png, "step", f"% of {curve_samples} samples", "EDM samples during pretraining")
+        ckpt = {"state_dict": fit["ema_state_dict"] if fit["ema_state_dict"] is not None
+                else model.state_dict(),
+                "model_config": asdict(cfg.algo.model), "node_histogram": histogram,
+                "steps": fit["state"]["step"], "batch_size": batch_size, "lr": lr,
+                "final_loss": losses[-1]["loss"] if losses else None, "eval": final_metrics,
+                "curve": curve, "config": cfg.to_dict(),
+                "train_state": {"raw_state_dict": model.state_dict(), "fit": fit["state"],
+                                "generator": generator.get_state(), "rows": rows, "train_s": elapsed()}}
+        buf = io.BytesIO()
+        torch.save(ckpt, buf)
+        atomic_write_bytes(out, buf.getvalue())
+
+    skipped, fit = 0, None
     with _torch_threads(cfg.runtime.torch_threads):
-        fit = fit_edm(model, train.positions, train.atom_types, steps=steps, batch_size=batch_size, lr=lr,
-                      generator=torch.Generator().manual_seed(seed), log_every=max(1, min(100, steps // 20)),
-                      progress=report)
-        train_s = time.perf_counter() - start
-        if fit["ema_state_dict"] is not None:
-            model.load_state_dict(fit["ema_state_dict"])
-        metrics = evaluate_model(model, histogram, eval_samples, seed) if eval_samples > 0 else None
-
-    metrics_path, png_path = (out.parent / f"{out.stem}.{s}" for s in ("metrics.jsonl", "loss.png"))
-    atomic_write_text(metrics_path, "".join(json.dumps(r) + "\n" for r in rows))
-    plot_curves({"l2 loss": [(np.array([r["step"] for r in rows]), np.array([r["loss"] for r in rows]))]},
-                png_path, "step", "EDM l2 loss", "EDM pretraining on QM9")
-    ckpt = {"state_dict": model.state_dict(), "model_config": asdict(cfg.algo.model),
-            "node_histogram": histogram, "steps": steps, "batch_size": batch_size, "lr": lr,
-            "final_loss": rows[-1]["loss"] if rows else None, "eval": metrics, "config": cfg.to_dict()}
-    buf = io.BytesIO()
-    torch.save(ckpt, buf)
-    atomic_write_bytes(out, buf.getvalue())
-    summary = {"out": str(out), "molecules": len(train), "steps": steps,
-               "first_loss": rows[0]["loss"] if rows else None, "final_loss": ckpt["final_loss"],
-               "skipped_steps": fit["skipped_steps"], "train_s": round(train_s, 1),
+        chunk = curve_every if curve_every > 0 else max(1, steps - done)
+        while done < steps or fit is None:
+            n = min(chunk, steps - done)
+            fit = fit_edm(model, train.positions, train.atom_types, steps=n, batch_size=batch_size, lr=lr,
+                          generator=generator, log_every=max(1, min(100, n // 20, steps // 20)),
+                          progress=report, state=state)
+            state, done, skipped = fit["state"], fit["state"]["step"], skipped + fit["skipped_steps"]
+            if curve_every > 0 and n > 0:
+                ema_model.load_state_dict(fit["ema_state_dict"] or model.state_dict())
+                point = evaluate_model(ema_model, histogram, curve_samples, seed)
+                rows.append({"step": done, "time_s": round(elapsed(), 1),
+                             **{k: point[k] for k in ("atom_stability", "molecule_stability", "validity",
+                                                      "uniqueness")}})
+                log(f"[pretrain] step {done}: atom stability {100 * point['atom_stability']:.1f} %, "
+                    f"molecule stability {100 * point['molecule_stability']:.1f} %, validity "
+                    f"{100 * point['validity']:.1f} % ({curve_samples} samples, {point['sample_s']} s)", flush=True)
+                save(fit, None)
+            if n == 0:
+                break
+        train_s = elapsed()
+        metrics = None
+        if eval_samples > 0:
+            ema_model.load_state_dict(fit["ema_state_dict"] or model.state_dict())
+            metrics = evaluate_model(ema_model, histogram, eval_samples, seed)
+    save(fit, metrics)
+    losses = [r for r in rows if "loss" in r]
+    summary = {"out": str(out), "molecules": len(train), "steps": done,
+               "first_loss": losses[0]["loss"] if losses else None,
+               "final_loss": losses[-1]["loss"] if losses else None,
+               "skipped_steps": skipped, "train_s": round(train_s, 1),
                "metrics": str(metrics_path), "loss_plot": str(png_path)}
+    curve = [r for r in rows if "atom_stability" in r]
+    if curve:
+        summary["stability_plot"] = str(curve_png)
+        summary["curve"] = curve
     if metrics is not None:
         summary["eval"] = metrics
     return summary

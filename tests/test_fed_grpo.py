@@ -296,6 +296,40 @@ def test_base_model_must_exist_and_match_the_architecture(tmp_path):
 
 # ---------------------------------------------------------------------- end to end
 
+def test_pretraining_resumed_from_its_checkpoint_is_the_uninterrupted_run(tmp_path, capsys):
+    """4 steps in one run and 2 + 2 with --resume give the same weights; the curve rows come with
+    the checkpoint; a checkpoint of another architecture is refused naming the key."""
+    from flowrl_ray.cli import main
+    from flowrl_ray.config import ConfigError, config_from_dict
+    from flowrl_ray.pretrain_mol import pretrain_edm
+    cfg = config_from_dict(_config())
+    whole, parts = tmp_path / "whole.pt", tmp_path / "parts.pt"
+    kw = dict(batch_size=4, lr=1e-3, curve_every=2, curve_samples=2, progress=False)
+    pretrain_edm(cfg, out=whole, steps=4, **kw)
+    pretrain_edm(cfg, out=parts, steps=2, **kw)
+    summary = pretrain_edm(cfg, out=parts, steps=4, resume=True, **kw)
+    a, b = (torch.load(p, weights_only=False) for p in (whole, parts))
+    assert a["steps"] == b["steps"] == summary["steps"] == 4
+    for key in ("state_dict",):
+        for name, value in a[key].items():
+            assert torch.equal(value, b[key][name]), name
+    for name, value in a["train_state"]["raw_state_dict"].items():
+        assert torch.equal(value, b["train_state"]["raw_state_dict"][name]), name
+    assert [r["step"] for r in b["curve"]] == [2, 4] == [r["step"] for r in summary["curve"]]
+    assert {"atom_stability", "molecule_stability", "validity"} <= set(b["curve"][0])
+    assert (tmp_path / "parts.stability.png").is_file()
+    rows = [json.loads(line) for line in (tmp_path / "parts.metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "atom_stability" in r] == [2, 4]
+    # at its end already: nothing more is trained
+    assert pretrain_edm(cfg, out=parts, steps=4, resume=True, **kw)["steps"] == 4
+    wider = config_from_dict(_config(model={**TINY_MODEL, "hidden_size": TINY_MODEL["hidden_size"] + 8}))
+    with pytest.raises(ConfigError, match="algo.model.hidden_size"):
+        pretrain_edm(wider, out=parts, steps=6, resume=True, **kw)
+    forms = Path(__file__).resolve().parent.parent / "configs" / "flow_grpo" / "forms_small.yaml"
+    assert main(["pretrain", str(forms), "--resume"]) == 2
+    assert "--curve-every and --resume are for FED-GRPO configs" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_pretrain_train_eval_through_the_cli(tmp_path, capsys):
     from flowrl_ray.cli import main

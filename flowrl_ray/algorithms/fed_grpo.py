@@ -231,16 +231,18 @@ def load_base_model(path: str | Path) -> dict:
     return ckpt
 
 
-def check_base_model(cfg: Config) -> None:
-    """The base model's architecture must be the config's; ConfigError naming the key."""
-    if cfg.algo.base_model is None:
+def check_base_model(cfg: Config, path: str | Path | None = None) -> None:
+    """The base model's (``path``, default ``algo.base_model``) architecture must be the config's;
+    ConfigError naming the key."""
+    path = cfg.algo.base_model if path is None else path
+    if path is None:
         return
-    saved = load_base_model(cfg.algo.base_model)["model_config"]
+    saved = load_base_model(path)["model_config"]
     mine = asdict(cfg.algo.model)
     for key, value in saved.items():
         if key in mine and mine[key] != value:
             raise ConfigError(f"config key 'algo.model.{key}': {mine[key]!r} does not match the base "
-                              f"model's {value!r} ({cfg.algo.base_model})")
+                              f"model's {value!r} ({path})")
 
 
 # ---------------------------------------------------------------------- the algorithm

@@ -311,16 +311,19 @@ def reference_kl(mu: Tensor, mu_ref: Tensor, sigma, node_mask: Tensor) -> Tensor
 
 def fit_edm(model: EDM, positions, atom_types, *, steps: int, batch_size: int, lr: float = 1e-4,
             ema_decay: float = 0.999, generator: Optional[torch.Generator] = None, log_every: int = 50,
-            progress: Optional[Callable[[int, int, float], None]] = None) -> dict:
+            progress: Optional[Callable[[int, int, float], None]] = None, state: Optional[dict] = None) -> dict:
     """Train on ``positions [M, N, 3]`` / ``atom_types [M, N]`` (-1 padding) with EDM's recipe.
 
     AdamW (amsgrad, weight decay 1e-12, as EDM's ``get_optim``), EDM's adaptive gradient clipping
     (max norm = 1.5 mean + 2 std of the last 50 norms, seeded with 3000), random batches trimmed
     to their largest molecule (its last real slot), an EMA of the weights (``ema_decay`` 0/None:
     none). A step whose gradient norm is not finite is skipped. Every ``log_every`` steps
-    ``progress(step, steps, mean recent loss)`` is called (printed when None). Returns
-    ``{"loss_history": [one float per step], "ema_state_dict": state_dict or None,
-    "skipped_steps": int}``; the model keeps its raw (non-EMA) weights."""
+    ``progress(step, last step, mean recent loss)`` is called (printed when None), steps counted
+    from the run's start. ``state``, the ``"state"`` an earlier call returned (with the model's raw
+    weights as that call left them), continues that run: optimiser moments, EMA, the clipping
+    window and the step count; ``steps`` more steps are taken. Returns ``{"loss_history": [one
+    float per step of this call], "ema_state_dict": state_dict or None, "skipped_steps": int,
+    "state": {"optimizer", "ema", "norms", "step"}}``; the model keeps its raw (non-EMA) weights."""
     pos = torch.as_tensor(np.asarray(positions)) if not isinstance(positions, Tensor) else positions
     types = torch.as_tensor(np.asarray(atom_types)) if not isinstance(atom_types, Tensor) else atom_types
     pos, types = pos.detach().to("cpu", model.dtype), types.detach().cpu().long()
@@ -329,6 +332,15 @@ def fit_edm(model: EDM, positions, atom_types, *, steps: int, batch_size: int, l
     opt = torch.optim.AdamW(model.parameters(), lr=lr, amsgrad=True, weight_decay=1e-12)
     ema = ({k: v.detach().clone() for k, v in model.state_dict().items()} if ema_decay else None)
     norms: deque = deque([3000.0], maxlen=50)
+    first = 0                                                          # steps taken before this call
+    if state is not None:
+        opt.load_state_dict(state["optimizer"])
+        for group in opt.param_groups:                                 # this call's learning rate
+            group["lr"] = lr
+        if ema is not None and state.get("ema") is not None:
+            ema = {k: v.detach().clone().to(model.device) for k, v in state["ema"].items()}
+        norms = deque(state["norms"], maxlen=50)
+        first = int(state["step"])
     history: list[float] = []
     skipped = 0
     was_training = model.training
@@ -359,8 +371,9 @@ def fit_edm(model: EDM, positions, atom_types, *, steps: int, batch_size: int, l
         if step % log_every == 0 or step == steps:
             recent = float(np.mean(history[-log_every:]))
             if progress is not None:
-                progress(step, steps, recent)
+                progress(first + step, first + steps, recent)
             else:
-                print(f"fit_edm step {step}/{steps} loss {recent:.4f}", file=sys.stdout, flush=True)
+                print(f"fit_edm step {first + step}/{first + steps} loss {recent:.4f}", file=sys.stdout, flush=True)
     model.train(was_training)
-    return {"loss_history": history, "ema_state_dict": ema, "skipped_steps": skipped}
+    return {"loss_history": history, "ema_state_dict": ema, "skipped_steps": skipped,
+            "state": {"optimizer": opt.state_dict(), "ema": ema, "norms": list(norms), "step": first + steps}}
