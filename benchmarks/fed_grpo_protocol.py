@@ -20,15 +20,18 @@ reverse-step noise (``--eval-seed``): molecule m of a policy and molecule m of t
 pair. Every molecule is scored by the runs' own scorer settings (``env.kwargs``: GFN2-xTB by
 default) in this process.
 
-Reported (``<results-dir>/<output>.{json,md}``, ``<output>_molecules_<model>.png``): per variant,
+Reported (``<results-dir>/<output>.{json,md}``, ``<output>_molecules_<model>.png``,
+``<output>_<metric>_curve.png``): per variant,
 per metric, the base, each seed, and the mean change over seeds with a 95 % percentile-bootstrap
 CI over molecules (:func:`flowrl_ray.stats.paired_bootstrap_gain`): formation energy per atom
 (eV/atom) and RMS force (eV/Å) on the molecules that the force field scored for the base and
 for every seed of the variant (their count is reported: a policy that makes more molecules
 unscorable shows in the scoring outcomes, not in these means); atom stability, molecule
 stability and RDKit validity (points) and under- / over-bonded atoms per molecule on all of
-them; the scoring outcomes (reasons) per model; training wall-clock per run. The pictures: the
-first molecules of the base and of each variant's first seed, marked stable/valid.
+them; the scoring outcomes (reasons) per model; training wall-clock per run; the runs' periodic
+evaluation (RMS force, formation energy, atom stability, validity against molecules trained, mean
++- std over seeds). The pictures: the first molecules of the base and of each variant's first
+seed, marked stable/valid.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RESULTS_DIR, command_line, git_revision, machine_info, md_table, write_results  # noqa: E402
 from _robot import run_config, write_json  # noqa: E402
 from robot_protocol import (LEVEL, MIN_SEEDS, UsageError, add_shared_arguments, check_launch_args,  # noqa: E402
-                            collect_one_base, launch, log, parse_args)
+                            collect_one_base, launch, log, metric_curve, parse_args, plot_run_curves)
 
 MIN_MOLECULES = 512
 #: (key, label, unit, scale): physics on the molecules the force field scored, the rest on all
@@ -125,11 +128,21 @@ def reasons(outcomes: dict) -> dict[str, float]:
     return {k: v / n for k, v in sorted(Counter(outcomes["reason"]).items())}
 
 
+#: the runs' periodic evaluation (eval.episodes molecules, eval.interval) drawn against molecules trained:
+#: (metrics key, curve name, y label, scale)
+CURVES = (("eval/rms_force_eV_per_A", "force_curve", "RMS force (eV/Å)", 1.0),
+          ("eval/energy_per_atom_eV", "energy_curve", "formation energy (eV/atom)", 1.0),
+          ("eval/atom_stability", "atom_stability_curve", "atom stability (%)", 100.0),
+          ("eval/validity", "validity_curve", "RDKit validity (%)", 100.0))
+
+
 def run_info(run_dir: Path) -> dict:
+    """The run's length, training wall-clock and its periodic evaluation curves (CURVES)."""
     from flowrl_ray.runtime.metrics import read_metrics
     rows = read_metrics(run_dir)
     last = rows[-1] if rows else {}
-    return {"iterations": last.get("iteration"), "molecules_trained": last.get("env_steps"), "time_s": last.get("time_s")}
+    return {"iterations": last.get("iteration"), "molecules_trained": last.get("env_steps"), "time_s": last.get("time_s"),
+            **{name: metric_curve(rows, key, scale=scale) for key, name, _, scale in CURVES}}
 
 
 # --------------------------------------------------------------------------- output
@@ -141,6 +154,13 @@ def pictures(items: list[dict], results_dir: Path, output: str, label: str) -> s
     path = results_dir / f"{output}_molecules_{label}.png"
     path.write_bytes(grid_png(items))
     return str(path)
+
+
+def plot(variants: dict, results_dir: Path, output: str) -> list[str]:
+    written = [plot_run_curves(variants, name, results_dir / f"{output}_{name}.png", "molecules trained", label,
+                               f"FED-GRPO periodic evaluation ({label.split(' (')[0]})")
+               for _, name, label, _ in CURVES]
+    return [w for w in written if w]
 
 
 def report(results: dict, results_dir: Path, output: str) -> None:
@@ -170,6 +190,8 @@ def report(results: dict, results_dir: Path, output: str) -> None:
             + "\n\nScoring outcomes:\n\n" + md_table(["model", "fractions"], outcome_rows)
             + "\n\nRuns:\n\n" + md_table(["variant", "seed", "run", "iterations", "molecules trained", "training"], runs)
             + "\n\nPictures: " + ", ".join(f"`{Path(x).name}`" for x in results["pictures"] if x)
+            + "\n\nCurves (the runs' periodic evaluation, mean +- std over seeds): "
+            + (", ".join(f"`{Path(x).name}`" for x in results["plots"]) or "none")
             + f"\n\nEvaluation time: {results['eval_time_s'] / 60:.1f} min.\n")
     write_results(output, "Molecule evaluation protocol (FED-GRPO)", body, results_dir=results_dir)
 
@@ -237,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
                "base": {"base_model": base_cfg.algo.base_model, "reasons": reasons(base),
                         "outcomes": {k: v for k, v in base.items() if k != "pictures"}},
                "variants": evaluated, "pictures": pics, "eval_time_s": round(time.perf_counter() - t0, 1)}
+    results["plots"] = plot(evaluated, results_dir, args.output)
     write_json(results_dir / f"{args.output}.json", results)
     report(results, results_dir, args.output)
     return 0

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RESULTS_DIR, command_line, git_revision, machine_info, md_table, write_results  # noqa: E402
 from _robot import run_config, write_json  # noqa: E402
 from robot_protocol import (LEVEL, MIN_SEEDS, UsageError, add_shared_arguments, check_launch_args,  # noqa: E402
-                            collect_one_base, launch, log, parse_args)
+                            collect_one_base, launch, log, metric_curve, parse_args, plot_run_curves)
 
 METRICS = ("field_accuracy", "task_completion", "rewards")
 KINDS = ("all", "heldout_values", "heldout_forms")
@@ -106,30 +106,18 @@ def run_curve(run_dir: Path) -> dict:
     """The run's periodic held-out evaluation ([episodes, value]) and its training wall-clock."""
     from flowrl_ray.runtime.metrics import read_metrics
     rows = read_metrics(run_dir)
-    curve = [(r["env_steps"], r["eval/return_mean"]) for r in rows if r.get("eval/return_mean") is not None]
-    field = [(r["env_steps"], r["eval/field_accuracy"]) for r in rows if r.get("eval/field_accuracy") is not None]
     last = rows[-1]
-    return {"eval_curve": curve, "eval_field_curve": field, "episodes": last.get("env_steps"),
+    return {"eval_curve": metric_curve(rows, "eval/return_mean"),
+            "eval_field_curve": metric_curve(rows, "eval/field_accuracy"), "episodes": last.get("env_steps"),
             "iterations": last.get("iteration"), "time_s": last.get("time_s")}
 
 
 # --------------------------------------------------------------------------- output
 
 def plot(variants: dict, results_dir: Path, output: str) -> list[str]:
-    import numpy as np
-
-    from flowrl_ray.plotting import plot_curves
-    data = {name: [(np.array([x for x, _ in r["eval_curve"]], float), np.array([y for _, y in r["eval_curve"]], float))
-                   for r in v["runs"] if r["eval_curve"]]
-            for name, v in variants.items()}
-    data = {k: runs for k, runs in data.items() if runs}
-    if not data:
-        log("no periodic evaluation in the runs' metrics: plot skipped")
-        return []
-    path = results_dir / f"{output}_eval.png"
-    plot_curves(data, path, "episodes", "held-out reward (greedy)",
-                "Flow-GRPO periodic held-out evaluation: mean +- std over seeds")
-    return [str(path)]
+    written = plot_run_curves(variants, "eval_curve", results_dir / f"{output}_eval.png", "episodes",
+                              "held-out reward (greedy)", "Flow-GRPO periodic held-out evaluation")
+    return [written] if written else []
 
 
 def report(results: dict, results_dir: Path, output: str) -> None:

@@ -336,24 +336,34 @@ def _mean(xs) -> float:
 
 # --------------------------------------------------------------------------- output
 
-def plot(variants: dict, results_dir: Path, output: str) -> list[str]:
+def plot_run_curves(variants: dict, key: str, path: Path, xlabel: str, ylabel: str, title: str) -> str | None:
+    """One line per variant, mean +- std over its runs, of the ``[(x, y), ...]`` each run holds
+    under ``key`` (``variants[name]["runs"][i][key]``); None (and a log line) when no run has one."""
+    import numpy as np
+
     from flowrl_ray.plotting import plot_curves
-    written = []
-    for key, fname, title in (("train_curve", "train", "training success (last 100 episodes, random sampling)"),
-                              ("eval_curve", "eval", "periodic eval success (config's eval.sampling)")):
-        import numpy as np
-        data = {name: [(np.array([x for x, _ in r[key]], float), np.array([y for _, y in r[key]], float))
-                       for r in v["runs"] if len(r[key]) >= 1]
-                for name, v in variants.items()}
-        data = {k: runs for k, runs in data.items() if runs}
-        if not data:
-            log(f"no {key.replace('_', ' ')} in the runs' metrics: {fname} plot skipped")
-            continue
-        path = results_dir / f"{output}_{fname}.png"
-        plot_curves(data, path, "env steps (chunks)", "success rate",
-                    f"{title}: mean +- std over seeds")
-        written.append(str(path))
-    return written
+    data = {name: [(np.array([x for x, _ in r[key]], float), np.array([y for _, y in r[key]], float))
+                   for r in v["runs"] if r.get(key)]
+            for name, v in variants.items()}
+    data = {k: runs for k, runs in data.items() if runs}
+    if not data:
+        log(f"no {key.replace('_', ' ')} in the runs' metrics: {path.name} skipped")
+        return None
+    plot_curves(data, path, xlabel, ylabel, f"{title}: mean +- std over seeds")
+    return str(path)
+
+
+def metric_curve(rows: list[dict], key: str, x: str = "env_steps", scale: float = 1.0) -> list[tuple[float, float]]:
+    """``[(row[x], scale * row[key]), ...]`` over the metrics rows that have ``key``."""
+    return [(r[x], scale * r[key]) for r in rows if r.get(key) is not None]
+
+
+def plot(variants: dict, results_dir: Path, output: str) -> list[str]:
+    written = [plot_run_curves(variants, key, results_dir / f"{output}_{fname}.png", "env steps (chunks)",
+                               "success rate", title)
+               for key, fname, title in (("train_curve", "train", "training success (last 100 episodes, random sampling)"),
+                                         ("eval_curve", "eval", "periodic eval success (config's eval.sampling)"))]
+    return [w for w in written if w]
 
 
 def reference_table(variants: dict, pct, pts) -> str:

@@ -368,6 +368,12 @@ def test_pretrain_train_eval_through_the_cli(tmp_path, capsys):
     assert summary["molecules"] == 6 and summary["stable_atom_fraction"]["n"] == 6
     assert len(saved["base"]["outcomes"]["rms_force"]) == 6 and saved["variants"]["tiny"]["runs"][0]["iterations"] == 2
     assert (out / "p.md").read_text().startswith("# Molecule evaluation protocol")
+    # the periodic evaluation (at iterations 0 and 2, 6 molecules each) drawn against molecules trained
+    first = saved["variants"]["tiny"]["runs"][0]
+    evals = [r for r in rows if "eval/atom_stability" in r]
+    assert [x for x, _ in first["atom_stability_curve"]] == [r["env_steps"] for r in evals] == [0, 12]
+    assert [y for _, y in first["atom_stability_curve"]] == pytest.approx([100 * r["eval/atom_stability"] for r in evals])
+    assert (out / "p_atom_stability_curve.png").is_file() and (out / "p_force_curve.png").is_file()
 
 
 def test_lr_multiplier_warms_up_then_follows_the_cosine_to_its_floor():
