@@ -82,7 +82,7 @@ def pretrain_edm(cfg: Config, out: str | Path | None = None, steps: int = 2000, 
     generator = torch.Generator().manual_seed(seed)
     log = print if progress else (lambda *a, **k: None)
     rows: list[dict] = []                 # loss rows {"step", "loss", "time_s"} and curve rows
-    state, done, before_s = None, 0, 0.0
+    state, done, before_s, prior_eval = None, 0, 0.0, None
     if resume and out.is_file():
         check_base_model(cfg, out)
         saved = torch.load(out, map_location="cpu", weights_only=False)
@@ -93,6 +93,7 @@ def pretrain_edm(cfg: Config, out: str | Path | None = None, steps: int = 2000, 
         model.load_state_dict(ts["raw_state_dict"])
         generator.set_state(ts["generator"])
         state, done, before_s, rows = ts["fit"], int(ts["fit"]["step"]), float(ts["train_s"]), list(ts["rows"])
+        prior_eval = saved.get("eval")
         log(f"[pretrain] resuming {out} at step {done}", flush=True)
     log(f"[pretrain] EDM on QM9: {len(train):,} training molecules, "
         f"{sum(p.numel() for p in model.parameters()):,} parameters, steps {done + 1}-{steps} of {batch_size}",
@@ -157,7 +158,9 @@ def pretrain_edm(cfg: Config, out: str | Path | None = None, steps: int = 2000, 
                 break
         train_s = elapsed()
         metrics = None
-        if eval_samples > 0:
+        if done == first and prior_eval and prior_eval.get("num_molecules") == eval_samples:
+            metrics = prior_eval                    # a finished run resumed: its evaluation stands
+        elif eval_samples > 0:
             ema_model.load_state_dict(fit["ema_state_dict"] or model.state_dict())
             metrics = evaluate_model(ema_model, histogram, eval_samples, seed)
     save(fit, metrics)

@@ -296,7 +296,34 @@ def test_base_model_must_exist_and_match_the_architecture(tmp_path):
 
 # ---------------------------------------------------------------------- end to end
 
-def test_pretraining_resumed_from_its_checkpoint_is_the_uninterrupted_run(tmp_path, capsys):
+def test_the_committed_base_edm_loads_into_qm9_small_and_samples_molecules():
+    """pretrained/qm9_small_edm.pt (made by the command in docs/results.md) is the base of
+    configs/fed_grpo/qm9_small.yaml: same architecture, QM9's atom-count histogram, a stability
+    curve; it samples molecules of QM9's atom types with finite coordinates."""
+    from flowrl_ray.algorithms.fed_grpo import check_base_model, load_base_model
+    from flowrl_ray.config import load_config
+    from flowrl_ray.envs.molecules.chemistry import ATOM_TYPES
+    from flowrl_ray.models.edm import EDM
+    from flowrl_ray.pretrain_mol import sample_molecules
+    root = Path(__file__).resolve().parent.parent
+    cfg = load_config(root / "configs" / "fed_grpo" / "qm9_small.yaml")
+    path = root / cfg.algo.base_model
+    check_base_model(cfg, path)                                   # ConfigError on another architecture
+    ckpt = load_base_model(path)
+    assert ckpt["steps"] >= 6000 and ckpt["curve"] and ckpt["curve"][-1]["step"] == ckpt["steps"]
+    histogram = np.asarray(ckpt["node_histogram"])
+    assert histogram.sum() == pytest.approx(1.0)                  # QM9: 3 to 29 atoms, most often 19
+    assert list(np.nonzero(histogram)[0][[0, -1]]) == [3, 29] and histogram.argmax() == 19
+    model = EDM(cfg.algo.model)
+    model.load_state_dict(ckpt["state_dict"])
+    mols = sample_molecules(model, histogram, 3, seed=0)
+    assert len(mols) == 3
+    for positions, types in mols:
+        assert 3 <= len(types) <= 29 and positions.shape == (len(types), 3) and np.isfinite(positions).all()
+        assert ((types >= 0) & (types < len(ATOM_TYPES))).all()
+
+
+def test_pretraining_resumed_from_its_checkpoint_is_the_uninterrupted_run(tmp_path, capsys, monkeypatch):
     """4 steps in one run and 2 + 2 with --resume give the same weights; the curve rows come with
     the checkpoint; a checkpoint of another architecture is refused naming the key."""
     from flowrl_ray.cli import main
@@ -307,7 +334,7 @@ def test_pretraining_resumed_from_its_checkpoint_is_the_uninterrupted_run(tmp_pa
     kw = dict(batch_size=4, lr=1e-3, curve_every=2, curve_samples=2, progress=False)
     pretrain_edm(cfg, out=whole, steps=4, **kw)
     pretrain_edm(cfg, out=parts, steps=2, **kw)
-    summary = pretrain_edm(cfg, out=parts, steps=4, resume=True, **kw)
+    summary = pretrain_edm(cfg, out=parts, steps=4, resume=True, eval_samples=2, **kw)
     a, b = (torch.load(p, weights_only=False) for p in (whole, parts))
     assert a["steps"] == b["steps"] == summary["steps"] == 4
     for key in ("state_dict",):
@@ -320,8 +347,11 @@ def test_pretraining_resumed_from_its_checkpoint_is_the_uninterrupted_run(tmp_pa
     assert (tmp_path / "parts.stability.png").is_file()
     rows = [json.loads(line) for line in (tmp_path / "parts.metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "atom_stability" in r] == [2, 4]
-    # at its end already: nothing more is trained
-    assert pretrain_edm(cfg, out=parts, steps=4, resume=True, **kw)["steps"] == 4
+    # at its end already: nothing is trained or sampled again, its evaluation stands
+    import flowrl_ray.pretrain_mol as pm
+    monkeypatch.setattr(pm, "evaluate_model", lambda *a, **k: pytest.fail("sampled again"))
+    again = pretrain_edm(cfg, out=parts, steps=4, resume=True, eval_samples=2, **kw)
+    assert again["steps"] == 4 and again["eval"] == summary["eval"]
     wider = config_from_dict(_config(model={**TINY_MODEL, "hidden_size": TINY_MODEL["hidden_size"] + 8}))
     with pytest.raises(ConfigError, match="algo.model.hidden_size"):
         pretrain_edm(wider, out=parts, steps=6, resume=True, **kw)
