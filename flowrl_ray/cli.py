@@ -336,8 +336,8 @@ def cmd_demos(args: argparse.Namespace) -> int:
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
     data = apply_overrides(read_yaml(args.config), args.overrides)
-    if data.get("algorithm") != "fed_grpo" and (args.curve_every or args.resume):
-        raise UserError("--curve-every and --resume are for FED-GRPO configs (EDM pretraining)")
+    if data.get("algorithm") != "fed_grpo" and (args.curve_every or args.resume or args.device != "auto"):
+        raise UserError("--curve-every, --resume and --device are for FED-GRPO configs (EDM pretraining)")
     if data.get("algorithm") == "flow_grpo":
         return _pretrain_text(args, data)
     if args.tasks_per_form is not None or args.copy_aux:
@@ -401,7 +401,8 @@ def _pretrain_edm(args: argparse.Namespace, data: dict) -> int:
                            lr=1e-4 if args.lr is None else args.lr,
                            seed=cfg.seed if args.seed is None else args.seed,
                            eval_samples=args.eval_samples, curve_every=args.curve_every,
-                           curve_samples=args.curve_samples, resume=args.resume, progress=True)
+                           curve_samples=args.curve_samples, resume=args.resume, device=args.device,
+                           progress=True)
     print(json.dumps(summary), flush=True)
     return 0
 
@@ -645,8 +646,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--copy-aux", type=float, default=0.0, metavar="F",
                     help="language model: add F auxiliary 'repeat the quoted value' pairs per task pair "
                          "(default 0)")
-    pr.add_argument("--eval-samples", type=int, default=0,
-                    help="EDM: then sample N molecules and report stability, validity, uniqueness")
+    pr.add_argument("--eval-samples", type=int, default=1000,
+                    help="EDM: then sample N molecules and report EDM's stability, validity and uniqueness "
+                         "(0: skip)")
     pr.add_argument("--curve-every", type=int, default=0, metavar="N",
                     help="EDM: every N steps sample --curve-samples molecules from the EMA weights, log "
                          "their stability and validity (metrics.jsonl, <stem>.stability.png) and write "
@@ -655,6 +657,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--resume", action="store_true",
                     help="EDM: continue the run whose checkpoint is at the output path (weights, EMA, "
                          "optimiser, data sampler, curves) up to --steps in all; a new run when there is none")
+    pr.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                    help="EDM: where to train (auto: CUDA when there is one)")
     pr.add_argument("--seed", type=int, help="default: the config's seed")
     pr.set_defaults(func=cmd_pretrain)
 

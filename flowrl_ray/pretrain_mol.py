@@ -56,7 +56,8 @@ def evaluate_model(model, histogram: np.ndarray, count: int, seed: int = 0) -> d
 
 def pretrain_edm(cfg: Config, out: str | Path | None = None, steps: int = 2000, batch_size: int = 64,
                  lr: float = 1e-4, seed: int = 0, eval_samples: int = 0, curve_every: int = 0,
-                 curve_samples: int = 200, resume: bool = False, progress: bool = True) -> dict:
+                 curve_samples: int = 200, resume: bool = False, device: str = "auto",
+                 progress: bool = True) -> dict:
     """Train the EDM of ``cfg.algo.model`` on QM9's train split for ``steps`` optimiser steps in all.
 
     ``curve_every`` > 0: every ``curve_every`` steps the EMA weights sample ``curve_samples``
@@ -66,7 +67,8 @@ def pretrain_edm(cfg: Config, out: str | Path | None = None, steps: int = 2000, 
     ``out`` holds a checkpoint of this verb, its run continues (raw and EMA weights, optimiser,
     clipping window, data sampler, loss and stability curves) up to ``steps``; the model config
     must match (ConfigError naming the key). ``eval_samples`` > 0: the final EMA model's metrics on
-    that many samples, beside EDM's published figures.
+    that many samples, beside EDM's published figures. ``device``: ``"auto"`` trains on CUDA when
+    there is one.
     """
     from flowrl_ray.algorithms.fed_grpo import check_base_model
     from flowrl_ray.envs.molecules.qm9 import atom_count_histogram, load_qm9, qm9_splits
@@ -78,8 +80,9 @@ def pretrain_edm(cfg: Config, out: str | Path | None = None, steps: int = 2000, 
     train = data.subset(qm9_splits(len(data), seed=0)["train"])
     histogram = atom_count_histogram(train.n_atoms, cfg.algo.model.max_atoms)
     torch.manual_seed(seed)
-    model = EDM(cfg.algo.model)
-    generator = torch.Generator().manual_seed(seed)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    model = EDM(cfg.algo.model).to(device)
+    generator = torch.Generator().manual_seed(seed)                  # the data sampler's, on the CPU
     log = print if progress else (lambda *a, **k: None)
     rows: list[dict] = []                 # loss rows {"step", "loss", "time_s"} and curve rows
     state, done, before_s, prior_eval = None, 0, 0.0, None
@@ -96,10 +99,11 @@ def pretrain_edm(cfg: Config, out: str | Path | None = None, steps: int = 2000, 
         prior_eval = saved.get("eval")
         log(f"[pretrain] resuming {out} at step {done}", flush=True)
     log(f"[pretrain] EDM on QM9: {len(train):,} training molecules, "
-        f"{sum(p.numel() for p in model.parameters()):,} parameters, steps {done + 1}-{steps} of {batch_size}",
+        f"{sum(p.numel() for p in model.parameters()):,} parameters on {device}, steps {done + 1}-{steps} of "
+        f"{batch_size}",
         flush=True)
     start, first = time.perf_counter(), done
-    ema_model = EDM(cfg.algo.model)
+    ema_model = EDM(cfg.algo.model).to(device)
     metrics_path, png_path, curve_png = (out.parent / f"{out.stem}.{s}"
                                          for s in ("metrics.jsonl", "loss.png", "stability.png"))
 

@@ -357,7 +357,7 @@ def test_pretraining_resumed_from_its_checkpoint_is_the_uninterrupted_run(tmp_pa
         pretrain_edm(wider, out=parts, steps=6, resume=True, **kw)
     forms = Path(__file__).resolve().parent.parent / "configs" / "flow_grpo" / "forms_small.yaml"
     assert main(["pretrain", str(forms), "--resume"]) == 2
-    assert "--curve-every and --resume are for FED-GRPO configs" in capsys.readouterr().err
+    assert "--curve-every, --resume and --device are for FED-GRPO configs" in capsys.readouterr().err
 
 
 @pytest.mark.slow
