@@ -53,6 +53,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def token_accuracy(encode, outputs: list[str], values: list[str]) -> float:
+    """Mean over values of the fraction of the value's tokens (``encode(str) -> ids``) that the
+    output has at the same position; an empty value counts 1 when the output is empty too."""
+    scores = []
+    for out, value in zip(outputs, values, strict=True):
+        o, v = encode(out), encode(value)
+        scores.append(sum(a == b for a, b in zip(o, v)) / len(v) if v else float(not o))
+    return sum(scores) / len(scores) if scores else float("nan")
+
+
+def exact_copies(outputs: list[str], values: list[str]) -> list[float]:
+    """1.0 where the output is the value exactly, else 0.0."""
+    return [float(o == v) for o, v in zip(outputs, values, strict=True)]
+
+
 def main(argv=None) -> dict:
     import numpy as np
     import torch
@@ -88,19 +103,19 @@ def main(argv=None) -> dict:
                                      temperature=0.0, max_prompt_len=args.prompt_len)
         return [o.strip() for o in outs]
 
-    def token_accuracy(outs, pairs) -> float:
-        enc = lambda s: tokenizer(s, add_special_tokens=False)["input_ids"]        # noqa: E731
-        return float(np.mean([sum(a == b for a, b in zip(enc(o), enc(v))) / len(enc(v)) for o, (_, v) in zip(outs, pairs)]))
+    def encode(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def check() -> None:
         outs, outs_seen = decode(held), decode(seen)
-        right = np.array([o == v for o, (_, v) in zip(outs, held)], float)
+        held_values, seen_values = [v for _, v in held], [v for _, v in seen]
+        right = np.array(exact_copies(outs, held_values))
         ci = paired_bootstrap_gain(right[None], np.zeros_like(right), n_boot=2000)
         curve.append({"step": done, "seconds": round(time.perf_counter() - t0, 1), "copy_accuracy": float(right.mean()),
                       "ci_low": float(ci["ci_low"]), "ci_high": float(ci["ci_high"]),
-                      "token_accuracy": token_accuracy(outs, held),
-                      "seen_copy_accuracy": float(np.mean([o == v for o, (_, v) in zip(outs_seen, seen)])),
-                      "seen_token_accuracy": token_accuracy(outs_seen, seen),
+                      "token_accuracy": token_accuracy(encode, outs, held_values),
+                      "seen_copy_accuracy": float(np.mean(exact_copies(outs_seen, seen_values))),
+                      "seen_token_accuracy": token_accuracy(encode, outs_seen, seen_values),
                       "examples": [(v, o) for o, (_, v) in list(zip(outs, held))[:3]]})
         c = curve[-1]
         print(f"[probe] step {done}: exact copies {right.mean():.3f} [{ci['ci_low']:.3f}, {ci['ci_high']:.3f}], "

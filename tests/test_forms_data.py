@@ -206,3 +206,19 @@ def test_sft_uses_its_own_tasks_and_copy_pairs_quote_their_answer(catalog):
     assert copy_pairs([], catalog, 5) == []
     with pytest.raises(ValueError, match="copy_aux"):
         sft_pairs(cfg.env, tasks_per_form=1, copy_aux=-1)
+
+
+def test_copy_probe_scores_tokens_by_position_and_copies_exactly():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "forms_copy_probe.py"
+    spec = importlib.util.spec_from_file_location("forms_copy_probe", path)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    outputs, values = ["abc", "axc", "ab", "bcd"], ["abc", "abc", "abcd", "abc"]
+    # characters as tokens: 3/3, 2/3 (x at position 1), 2/4 (a short output), 0/3 (shifted by one)
+    assert probe.token_accuracy(list, outputs, values) == pytest.approx((1 + 2 / 3 + 2 / 4 + 0) / 4)
+    assert probe.exact_copies(outputs, values) == [1.0, 0.0, 0.0, 0.0]
+    assert probe.token_accuracy(list, ["", "a"], ["", ""]) == 0.5
+    with pytest.raises(ValueError):                                   # outputs and values must pair up
+        probe.token_accuracy(list, ["a"], ["a", "b"])
