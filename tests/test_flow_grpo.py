@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 
-from flowrl_ray.algorithms.flow_grpo import FlowGRPO, group_advantages, k3_kl
+from flowrl_ray.algorithms.flow_grpo import FlowGRPO, group_advantages, k3_kl, kl_penalty
 from flowrl_ray.batch import Batch, BatchMeta
 from flowrl_ray.config import ConfigError, config_from_dict
 from flowrl_ray.envs import EnvSpec
@@ -27,6 +27,21 @@ def test_k3_is_zero_for_identical_models_and_matches_the_formula():
     value = k3_kl(torch.tensor([0.0]), torch.tensor([math.log(0.5)]))
     assert value.item() == pytest.approx(0.5 + math.log(2.0) - 1.0, abs=1e-7)
     assert (k3_kl(torch.tensor([-1.0, -2.0]), torch.tensor([-2.0, -1.0])) > 0).all()
+
+
+def test_kl_penalty_of_a_step_jointly_and_per_token_by_hand():
+    # two tokens unmasked at positions 1 and 2; d_j = ref_j - logp_j
+    logp = torch.tensor([[0.0, -1.0, -1.0, 0.0]], dtype=torch.float64)
+    ref = torch.tensor([[0.0, -2.0, 0.0, 0.0]], dtype=torch.float64)      # d = (-1, +1): they cancel
+    assert float(kl_penalty(logp, ref, "step")) == pytest.approx(0.0, abs=1e-12)           # k3(0)
+    by_hand = (math.exp(-1) + 1 - 1) + (math.exp(1) - 1 - 1)                              # 1.0862
+    assert float(kl_penalty(logp, ref, "token")) == pytest.approx(by_hand, rel=1e-12)
+    ref = torch.tensor([[0.0, 1.0, 1.0, 0.0]], dtype=torch.float64)       # d = (2, 2)
+    assert float(kl_penalty(logp, ref, "step")) == pytest.approx(math.exp(4) - 4 - 1, rel=1e-12)   # 49.6
+    assert float(kl_penalty(logp, ref, "token")) == pytest.approx(2 * (math.exp(2) - 2 - 1), rel=1e-12)  # 8.78
+    assert torch.equal(kl_penalty(ref, ref, "token"), torch.zeros(1, dtype=torch.float64))
+    with pytest.raises(ValueError, match="kl_estimator"):
+        kl_penalty(logp, ref, "joint")
 
 
 def test_group_advantages_use_the_population_std_and_zero_a_tied_group():
@@ -92,9 +107,10 @@ def test_recorded_behaviour_log_probs_give_first_epoch_ratios_of_one(sft_dir):
     assert torch.allclose(recomputed, traj["logp"], rtol=8 * eps, atol=1e-5)
 
 
-def test_tied_rewards_leave_the_model_unchanged(sft_dir):
+@pytest.mark.parametrize("kl_estimator", ["step", "token"])
+def test_tied_rewards_leave_the_model_unchanged(sft_dir, kl_estimator):
     # A = 0 for every rollout and k3's gradient is 0 while theta == ref: no update at all.
-    algo = _algorithm(sft_dir, learning_rate=1e-2)
+    algo = _algorithm(sft_dir, learning_rate=1e-2, kl_estimator=kl_estimator)
     before = {k: v.clone() for k, v in algo.lm.model.state_dict().items()}
     chunks = algo.generate(1, "train")
     metrics = algo.update(algo.prepare(_scored(algo, chunks, [0.5, 0.5, 0.5, 0.5])))
@@ -149,6 +165,10 @@ def test_config_mistakes_name_the_key(sft_dir):
     short["algo"]["model"]["max_len"] = 200
     with pytest.raises(ConfigError, match="algo.model.max_len"):
         config_from_dict(short)
+    estimator = _config(None, sft_dir)
+    estimator["algo"]["kl_estimator"] = "joint"
+    with pytest.raises(ConfigError, match="algo.kl_estimator"):
+        config_from_dict(estimator)
     typo = _config(None, sft_dir)
     typo["algo"]["kl_coef"] = 0.1
     with pytest.raises(ConfigError, match="kl_coeff"):

@@ -191,6 +191,27 @@ def test_recorded_log_probs_equal_recomputation(lm, temperature):
     torch.testing.assert_close(flat.view(S, B), traj["logp"], atol=1e-5, rtol=0)
 
 
+def test_step_token_log_probs_are_the_terms_of_the_step_log_prob(lm):
+    """Per position: log softmax(logits / tau)[token] where the step unmasked, exactly 0 elsewhere,
+    and their float64 sum is the step's log-prob."""
+    ids, mask = prompts(lm)
+    _, traj = md.generate_with_trajectory(lm.model, ids, mask, 6, 3, 1.0, lm.mask_token_id,
+                                          torch.Generator().manual_seed(0))
+    s, tau = 1, 0.7
+    args = (lm.model, traj["states"][s], traj["attention_mask"], traj["unmasked"][s], traj["tokens"][s])
+    with torch.no_grad():
+        tok = md.step_token_log_probs64(*args, tau)                               # [B, L]
+        logits = md.masked_lm_logits(lm.model, traj["states"][s], traj["attention_mask"])
+    unmasked = traj["unmasked"][s]
+    assert tok.dtype == torch.float64 and tok.shape == unmasked.shape
+    assert (tok[~unmasked] == 0).all() and (tok[unmasked] < 0).all()
+    b, i = unmasked.nonzero()[0].tolist()
+    by_hand = torch.log_softmax(logits[b, i] / tau, -1)[traj["tokens"][s][b, i]]
+    assert float(tok[b, i]) == pytest.approx(float(by_hand), abs=1e-5)
+    assert torch.allclose(tok.sum(-1), md.step_log_prob64(*args, tau), rtol=0, atol=1e-12)
+    assert torch.allclose(tok.sum(-1).float(), md.step_log_prob(*args, tau), atol=1e-4)
+
+
 def test_step_log_prob_has_gradients(lm):
     ids, mask = prompts(lm)
     _, traj = md.generate_with_trajectory(lm.model, ids, mask, 6, 3, 1.0, lm.mask_token_id,

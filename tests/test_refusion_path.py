@@ -200,7 +200,7 @@ def sft_dir(tmp_path_factory, tok_dir):
 def _reference_logp(algo: FlowGRPO) -> torch.Tensor:
     traj = algo.pending["trajectory"]
     rows = torch.arange(traj["states"].shape[1])
-    return torch.stack([algo._reference_log_prob(traj, s, rows) for s in range(traj["states"].shape[0])])
+    return torch.stack([algo._reference_log_probs(traj, s, rows).sum(-1) for s in range(traj["states"].shape[0])])
 
 
 def test_flow_grpo_with_lora_keeps_the_sft_model_as_its_reference(sft_dir):

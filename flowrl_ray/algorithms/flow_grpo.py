@@ -21,8 +21,10 @@ its own generation trajectory.
                          takes one optimiser step over its T:
                          per step  rho_s = exp(logp_s - logp_old_s)
                          L = 1/K sum_{s in T} mean_{valid rollouts} [ -min(rho_s A, clip(rho_s, 1 +- eps) A)
-                                                                     + kl_coeff * k3(logp_s, logp_ref_s) ]
-                         k3 = exp(ref - logp) - (ref - logp) - 1, ref = the frozen SFT model
+                                                                     + kl_coeff * KL_s ]
+                         k3(logp, ref) = exp(ref - logp) - (ref - logp) - 1, ref = the frozen SFT model
+                         KL_s = k3(logp_s, logp_ref_s)                      (kl_estimator: step, the spec's)
+                         KL_s = sum_{j in U_s} k3(logp_j, logp_ref_j)       (kl_estimator: token)
                          gradients accumulated step by step (one graph per step), grad-norm clip,
                          a non-finite loss or gradient skips (and counts) the step.
 
@@ -59,7 +61,8 @@ from flowrl_ray.batch import Batch
 from flowrl_ray.config import Config, ConfigError, check
 from flowrl_ray.envs import EnvSpec
 
-__all__ = ["group_advantages", "k3_kl", "FlowGRPO", "FlowGRPOConfig"]
+__all__ = ["group_advantages", "k3_kl", "kl_penalty", "FlowGRPO", "FlowGRPOConfig"]
+KL_ESTIMATORS = ("step", "token")
 
 
 @dataclass
@@ -93,6 +96,8 @@ class FlowGRPOConfig:
     timestep_fraction: float = field(default=1.0, metadata=check(gt=0, le=1))      # of the unmasking
     #                                          steps in each minibatch's loss (Flow-GRPO's name)
     kl_coeff: float = field(default=0.04, metadata=check(ge=0))
+    kl_estimator: str = "step"                 # step: k3 of the step's joint log-ratio (the spec's);
+    #                                          token: the sum of the step's per-token k3 (see kl_penalty)
     clip_range: float = field(default=0.2, metadata=check(gt=0))
     adv_clip_max: float = field(default=5.0, metadata=check(gt=0))
     grad_clip: float = field(default=1.0, metadata=check(gt=0))
@@ -109,6 +114,24 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     ``exp(ref - logp) - (ref - logp) - 1`` (>= 0, exactly 0 where the two agree)."""
     d = ref_logp - logp
     return torch.exp(d) - d - 1.0
+
+
+def kl_penalty(token_logp: torch.Tensor, ref_token_logp: torch.Tensor, estimator: str) -> torch.Tensor:
+    """KL(pi || ref) of one unmasking step per rollout, from the log-probs of the step's sampled
+    tokens (token_logp, ref_token_logp [B, L], 0 off the step's positions) -> [B]:
+
+        step:   k3(sum_j logp_j, sum_j ref_j)        the spec's: k3 of the joint log-ratio
+        token:  sum_j k3(logp_j, ref_j)              per token, as GRPO and d1 penalise
+
+    The step's tokens are drawn independently given the state, so its KL is the sum of the
+    per-token KLs and both are unbiased estimates of it. The joint one exponentiates the sum of
+    the log-ratios: with d_j = 2 nats on each of 5 tokens it is e^10 - 11 = 22,015 where the
+    per-token sum is 5 (e^2 - 3) = 21.9."""
+    if estimator == "step":
+        return k3_kl(token_logp.sum(-1), ref_token_logp.sum(-1))
+    if estimator == "token":
+        return k3_kl(token_logp, ref_token_logp).sum(-1)     # 0 off the step: k3(0, 0) = 0
+    raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
 
 
 def warn_if_cut(lm, tasks: list, catalog, max_prompt_len: int, gen_length: int, name: str) -> tuple[int, int]:
@@ -150,6 +173,9 @@ class FlowGRPO(Algorithm):
         from flowrl_ray.models.masked_diffusion import SAMPLERS
         if c.sampler not in SAMPLERS:
             raise ConfigError(f"config key 'algo.sampler': {c.sampler!r} is not one of {', '.join(SAMPLERS)}")
+        if c.kl_estimator not in KL_ESTIMATORS:
+            raise ConfigError(f"config key 'algo.kl_estimator': {c.kl_estimator!r} is not one of "
+                              f"{', '.join(KL_ESTIMATORS)}")
         if c.num_generation_steps > c.gen_length:
             raise ConfigError(f"config key 'algo.num_generation_steps': {c.num_generation_steps} steps "
                               f"for {c.gen_length} tokens (algo.gen_length)")
@@ -275,19 +301,24 @@ class FlowGRPO(Algorithm):
                   for _ in range(c.epochs)]
         return minibatches, epochs
 
-    def _step_log_prob(self, model: torch.nn.Module, traj: dict, s: int, rows: torch.Tensor) -> torch.Tensor:
-        """log pi(step s) of ``rows`` under ``model`` (float64 [len(rows)]), dropout off."""
-        from flowrl_ray.models.masked_diffusion import step_log_prob64
+    def _token_log_probs(self, model: torch.nn.Module, traj: dict, s: int, rows: torch.Tensor) -> torch.Tensor:
+        """log pi of each token step s unmasked in ``rows`` under ``model`` (float64
+        [len(rows), L], 0 elsewhere; their sum is log pi(step s)), dropout off."""
+        from flowrl_ray.models.masked_diffusion import step_token_log_probs64
         temp = self.c.generation_temperature or 1.0
         with dropout_off(model):
-            return step_log_prob64(model, traj["states"][s][rows], traj["attention_mask"][rows],
-                                   traj["unmasked"][s][rows], traj["tokens"][s][rows], temp)
+            return step_token_log_probs64(model, traj["states"][s][rows], traj["attention_mask"][rows],
+                                          traj["unmasked"][s][rows], traj["tokens"][s][rows], temp)
+
+    def _step_log_prob(self, model: torch.nn.Module, traj: dict, s: int, rows: torch.Tensor) -> torch.Tensor:
+        """log pi(step s) of ``rows`` under ``model`` (float64 [len(rows)]), dropout off."""
+        return self._token_log_probs(model, traj, s, rows).sum(-1)
 
     @torch.no_grad()
-    def _reference_log_prob(self, traj: dict, s: int, rows: torch.Tensor) -> torch.Tensor:
-        """log pi_ref(step s) of ``rows`` (float64 [len(rows)]): the KL reference's forward."""
+    def _reference_log_probs(self, traj: dict, s: int, rows: torch.Tensor) -> torch.Tensor:
+        """The KL reference's :meth:`_token_log_probs` (float64 [len(rows), L])."""
         with self.reference.model() as ref:
-            return self._step_log_prob(ref, traj, s, rows)
+            return self._token_log_probs(ref, traj, s, rows)
 
     def update(self, p: dict) -> dict[str, float]:
         c, traj = self.c, p["trajectory"]
@@ -303,7 +334,7 @@ class FlowGRPO(Algorithm):
         # minibatch of the first epoch comes before any step: its own forward pass gives them.
         first_mb, first_steps = epochs[0][0]
         old: dict[tuple[int, int], torch.Tensor] = {}
-        ref: dict[tuple[int, int], torch.Tensor] = {}         # the frozen reference: on first use
+        ref: dict[tuple[int, int], torch.Tensor] = {}         # the frozen reference per token [mb, L]: on first use
         with torch.no_grad():
             for key in sorted({(m, s) for plan in epochs for m, ss in plan for s in ss}):
                 if key[0] != first_mb or key[1] not in first_steps:
@@ -323,8 +354,9 @@ class FlowGRPO(Algorithm):
                         continue
                     weight = weight / weight.sum() / len(picked)              # mean over rows, 1/K over steps
                     if c.kl_coeff > 0 and (mb, s) not in ref:              # before the graph is built:
-                        ref[mb, s] = self._reference_log_prob(traj, s, rows)   # (adapters switch)
-                    logp = self._step_log_prob(model, traj, s, rows)         # [mb] with gradients
+                        ref[mb, s] = self._reference_log_probs(traj, s, rows)  # (adapters switch)
+                    token_logp = self._token_log_probs(model, traj, s, rows)  # [mb, L] with gradients
+                    logp = token_logp.sum(-1)                                  # [mb] log pi(step s)
                     if (mb, s) not in old:                                     # no step taken yet
                         old[mb, s] = logp.detach()
                     if plan is epochs[0]:
@@ -333,7 +365,8 @@ class FlowGRPO(Algorithm):
                     log_ratio = logp - old[mb, s]
                     ratio = torch.exp(log_ratio)
                     pg = -ppo_clip_objective(ratio, a, c.clip_range)
-                    kl = k3_kl(logp, ref[mb, s]) if c.kl_coeff > 0 else torch.zeros_like(logp)
+                    kl = (kl_penalty(token_logp, ref[mb, s], c.kl_estimator) if c.kl_coeff > 0
+                          else torch.zeros_like(logp))
                     loss = ((pg + c.kl_coeff * kl) * weight).sum()
                     if not torch.isfinite(loss):
                         finite = False

@@ -831,17 +831,27 @@ def step_log_prob(model: nn.Module, state: torch.Tensor, attention_mask: torch.T
     return torch.where(unmasked[:, start:], lp, 0.0).sum(-1)                  # [B]
 
 
+def step_token_log_probs64(model: nn.Module, state: torch.Tensor, attention_mask: torch.Tensor,
+                           unmasked: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0
+                           ) -> torch.Tensor:
+    """The terms of :func:`step_log_prob`, one per position: ``log softmax(logits(state) / tau)_i
+    [tokens_i]`` where ``unmasked_i``, 0 elsewhere -> [B, L] float64 (computed in float32).
+    Their sum over L is the step's log-prob; a per-token KL reads them one by one."""
+    cols = unmasked.any(dim=0).nonzero()
+    start = int(cols[0, 0]) if cols.numel() else state.shape[1] - 1
+    logits = masked_lm_logits(model, state, attention_mask, start=start)     # [B, L - start, V]
+    lp = _token_log_probs(logits, tokens[:, start:], temperature).double()    # [B, L - start]
+    lp = torch.where(unmasked[:, start:], lp, 0.0)
+    return F.pad(lp, (start, 0))                                              # [B, L]
+
+
 def step_log_prob64(model: nn.Module, state: torch.Tensor, attention_mask: torch.Tensor,
                     unmasked: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0
                     ) -> torch.Tensor:
     """:func:`step_log_prob` with the sum over the step's tokens taken in float64 -> [B] float64
     (the per-token log-probs stay float32): ratios ``exp(logp - logp_old)`` of long steps lose no
     precision to the sum's rounding."""
-    cols = unmasked.any(dim=0).nonzero()
-    start = int(cols[0, 0]) if cols.numel() else state.shape[1] - 1
-    logits = masked_lm_logits(model, state, attention_mask, start=start)     # [B, L - start, V]
-    lp = _token_log_probs(logits, tokens[:, start:], temperature).double()    # [B, L - start]
-    return torch.where(unmasked[:, start:], lp, 0.0).sum(-1)                  # [B]
+    return step_token_log_probs64(model, state, attention_mask, unmasked, tokens, temperature).sum(-1)
 
 
 def trajectory_log_probs(model: nn.Module, trajectory: Mapping, temperature: float,
