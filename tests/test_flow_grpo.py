@@ -434,3 +434,17 @@ def test_a_non_finite_loss_skips_and_counts_the_minibatch_step(sft_dir):
     assert metrics["flow_grpo/skipped_updates"] == 2 == metrics["flow_grpo/optimizer_steps"]   # 1 minibatch x 2 epochs
     after = algo.lm.model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_the_kl_estimator_setting_reaches_the_update(sft_dir):
+    """Same seed, same batch, same rewards: the first optimiser step is the same (both penalties
+    and their gradients are 0 at the reference); the second epoch's penalty, once the policy has
+    moved, is the chosen estimator's, so the logged KL and the weights differ."""
+    logged, weights = {}, {}
+    for estimator in ("step", "token"):
+        algo = _algorithm(sft_dir, learning_rate=1e-2, kl_coeff=1.0, kl_estimator=estimator)
+        chunks = algo.generate(1, "train")
+        logged[estimator] = algo.update(algo.prepare(_scored(algo, chunks, [1.0, 0.0, 1.0, 0.0])))["flow_grpo/kl"]
+        weights[estimator] = {k: v.clone() for k, v in algo.lm.model.state_dict().items()}
+    assert logged["step"] > 0 and logged["token"] > 0 and logged["step"] != pytest.approx(logged["token"])
+    assert any(not torch.equal(weights["step"][k], weights["token"][k]) for k in weights["step"])
