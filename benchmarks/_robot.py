@@ -92,7 +92,8 @@ def base_policy(cfg, path: str | None = None):
     spec = env_family(cfg.env.family).spec(cfg.env)
     policy = get_algorithm(cfg.algorithm).make_policy(cfg, spec)
     state = torch.load(path or cfg.algo.base_policy, map_location="cpu", weights_only=False)
-    policy.load_state_dict(state["policy"])
+    # a policy with parts the base does not have (ReinFlow's noise net) loads it with load_base
+    getattr(policy, "load_base", policy.load_state_dict)(state["policy"])
     return policy.eval()
 
 

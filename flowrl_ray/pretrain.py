@@ -110,7 +110,7 @@ def pretrain(cfg: Config, dataset: str | Path | None = None, out: str | Path | N
                           f"family, got {cfg.env.family!r}")
     if not all(hasattr(cfg.algo, k) for k in FLOW_KEYS):
         raise ConfigError(f"config key 'algorithm': {cfg.algorithm!r} has no flow policy to pretrain "
-                          f"(use fpopp or flowsar)")
+                          f"(use fpopp, reinflow or flowsar)")
     dataset = dataset if dataset is not None else cfg.env.dataset
     if dataset is None:
         raise ConfigError("config key 'env.dataset': no dataset to pretrain on (set it or pass --dataset)")

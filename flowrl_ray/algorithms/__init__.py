@@ -13,6 +13,7 @@ import importlib
 BUILTIN_ALGORITHMS = {"ppo": "flowrl_ray.algorithms.ppo:PPO",
                       "cma_ppo": "flowrl_ray.algorithms.cma_ppo:CMAPPO",
                       "fpopp": "flowrl_ray.algorithms.fpopp:FPOPP",
+                      "reinflow": "flowrl_ray.algorithms.reinflow:ReinFlow",
                       "flowsar": "flowrl_ray.algorithms.flowsar:FlowSAR",
                       "flow_grpo": "flowrl_ray.algorithms.flow_grpo:FlowGRPO",
                       "fed_grpo": "flowrl_ray.algorithms.fed_grpo:FEDGRPO"}

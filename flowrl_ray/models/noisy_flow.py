@@ -90,19 +90,21 @@ def noisy_flow_sample(velocity_fn: VelocityFn, log_std_fn: LogStdFn, cond: torch
 
 
 def chain_log_prob(velocity_fn: VelocityFn, log_std_fn: LogStdFn, cond: torch.Tensor, chain: torch.Tensor,
-                   row_mask: torch.Tensor | None = None) -> torch.Tensor:
+                   row_mask: torch.Tensor | None = None, per_row: bool = False) -> torch.Tensor:
     """log pi(x_1 .. x_K | x_0, o) of chains [B, K + 1, Ta, Da] -> [B]: the Gaussian transitions'
     log-densities summed over the K steps, the action dims and the rows ``row_mask`` [B, Ta]
-    keeps (1: the env executed the row; None: every row). With gradients when the nets have them."""
+    keeps (1: the env executed the row; None: every row). ``per_row``: [B, Ta] before the sum
+    over rows (for a caller that learns the mask later). With gradients when the nets have them."""
     steps = chain.shape[1] - 1
-    total = chain.new_zeros(chain.shape[0])
+    total = chain.new_zeros(chain.shape[0], chain.shape[2])                          # [B, Ta]
     for k in range(steps):
         x, nxt = chain[:, k], chain[:, k + 1]
         tau = _taus(x, k, steps)
         mean = _mean(velocity_fn, x, tau, cond, steps)
-        rows = diag_gaussian_log_prob(nxt, mean, log_std_fn(tau, cond))              # [B, Ta]
-        total = total + (rows if row_mask is None else rows * row_mask.to(rows.dtype)).sum(-1)
-    return total
+        total = total + diag_gaussian_log_prob(nxt, mean, log_std_fn(tau, cond))     # [B, Ta]
+    if per_row:
+        return total
+    return (total if row_mask is None else total * row_mask.to(total.dtype)).sum(-1)
 
 
 def chain_entropy(log_std_fn: LogStdFn, cond: torch.Tensor, chain: torch.Tensor,

@@ -1,0 +1,336 @@
+"""ReinFlow (Zhang et al., 2025, "ReinFlow: Fine-tuning Flow Matching Policy with Online
+Reinforcement Learning"): PPO for a flow-matching action policy made stochastic by a learnable
+Gaussian noise at each of its K Euler steps (:mod:`flowrl_ray.models.noisy_flow`).
+
+    rollout (worker): x_0 ~ N(0, I), then K steps
+                          mu_k = clip(x_k + v(x_k, k/K | o) / K, -1, 1)
+                          x_{k+1} = mu_k + sigma_phi(k/K | o) * z_k,   z_k ~ N(0, I)
+                      the env executes clip(x_K, -1, 1); the chain x_0 .. x_K is recorded; the env
+                      reports how many rows of the chunk it executed
+    prepare:          V(o_t), GAE -> flat [M] advantages, returns; the row mask [M, Ta]; then
+                          log pi_old = sum_k sum_{executed rows} sum_d log N(x_{k+1}; mu_k, sigma_k^2)
+                      under the rollout weights (sync: the learner's weights are the rollout
+                      weights, so every ratio is exactly 1 before the first step; async: the
+                      workers record each row's log-prob at sampling time)
+    update:           rho = exp(s * (log pi_new - log pi_old)),   s = 1 or 1 / ((K + 1) Ta Da)
+                      maximise mean PPO-clip(rho, A) + ent_coef * s * H(chain)
+                      - vf_coef * value loss; critic warm-up (actor frozen), target-KL stop,
+                      grad clip; the velocity net, the noise net and the critic each with their
+                      own learning rate.
+
+``logprob_scale``: "joint" uses the chain's log-probability itself (s = 1). "reference" divides
+it by (K + 1) * Ta * Da, the number of Gaussian entries of the chain with its initial noise, as
+the ReinFlow release does; the release's clip (0.01), target KL and entropy coefficient are in
+that scale. The release also clamps each normalised log-prob to [-1, 1] and truncates the noise
+to +-3 sigma; neither is done here (the ratio is the chain's exact one).
+
+Evaluation turns the noise off, as the release does: x_0 ~ N(0, I) (or x_0 = 0 with
+``eval.sampling: zero``) and the mean chain. Only the entropy term and the log-probs' sigma
+reach the noise network; the velocity network gets the log-probs' means.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
+
+import numpy as np
+import torch
+
+from flowrl_ray.algorithms.advantages import explained_variance, normalize
+from flowrl_ray.algorithms.base import Algorithm
+from flowrl_ray.algorithms.fpopp import check_base_policy, executed_row_mask, image_shape, load_base_policy
+from flowrl_ray.algorithms.losses import approx_kl, ppo_clip_objective, value_loss
+from flowrl_ray.algorithms.onpolicy import advantages_from_rollouts
+from flowrl_ray.batch import Batch, map_obs
+from flowrl_ray.config import Config, ConfigError, check, check_layer_sizes, check_minibatch_size
+from flowrl_ray.envs import EnvSpec
+from flowrl_ray.models.flow import FlowPolicy, Obs, ValueMLP, obs_batch_size
+from flowrl_ray.models.noisy_flow import NoiseStdNet, chain_entropy, chain_log_prob, noisy_flow_sample
+from flowrl_ray.optim import load_scheduler, lr_multiplier, optimizer_step
+
+
+@dataclass
+class ReinFlowConfig:
+    base_policy: Optional[str] = None   # a `flowrl-ray pretrain` checkpoint; None: random init
+    # the flow policy (must match the base policy's; `flowrl-ray pretrain` reads the same keys)
+    hidden_sizes: list = field(default_factory=lambda: [512, 512, 512])
+    time_dim: int = field(default=32, metadata=check(gt=0))
+    feature_dim: int = field(default=64, metadata=check(gt=0))      # image encoder output
+    flow_steps: int = field(default=4, metadata=check(gt=0))        # K denoising steps (paper: 1-4)
+    # the noise network sigma_phi(tau | o): per-entry std in [min_noise_std, max_noise_std]
+    min_noise_std: float = field(default=0.08, metadata=check(gt=0))
+    max_noise_std: float = field(default=0.14, metadata=check(gt=0))
+    noise_hidden_sizes: list = field(default_factory=lambda: [128, 128])
+    noise_time_dim: int = field(default=16, metadata=check(gt=0))
+    # PPO on the chain's log-probability
+    logprob_scale: Literal["joint", "reference"] = "joint"
+    clip: float = field(default=0.2, metadata=check(gt=0))
+    ent_coef: float = field(default=0.0, metadata=check(ge=0))
+    gamma: float = field(default=0.99, metadata=check(ge=0, le=1))
+    gae_lambda: float = field(default=0.95, metadata=check(ge=0, le=1))
+    reward_scale: float = field(default=1.0, metadata=check(gt=0))
+    bootstrap_truncated: bool = True
+    epochs: int = field(default=5, metadata=check(gt=0))
+    minibatch_size: int = field(default=500, metadata=check(gt=0))
+    normalize_advantages: bool = True
+    actor_lr: float = field(default=4.5e-5, metadata=check(gt=0))   # the velocity network
+    noise_lr: Optional[float] = field(default=None, metadata=check(gt=0))   # None: actor_lr
+    critic_lr: float = field(default=6.5e-4, metadata=check(gt=0))
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    actor_lr_warmup_iters: int = field(default=0, metadata=check(ge=0))
+    weight_decay: float = field(default=0.0, metadata=check(ge=0))
+    vf_coef: float = field(default=0.5, metadata=check(ge=0))
+    max_grad_norm: float = field(default=1.0, metadata=check(gt=0))
+    target_kl: Optional[float] = field(default=None, metadata=check(gt=0))
+    critic_warmup_iters: int = field(default=2, metadata=check(ge=0))
+    critic_hidden_sizes: list = field(default_factory=lambda: [256, 256, 256])
+
+
+class NoisyFlowPolicy(FlowPolicy):
+    """A :class:`FlowPolicy` (same encoder, velocity net and state-dict keys, so a pretraining
+    checkpoint loads into it with :meth:`load_base`) plus ReinFlow's noise network ``noise``.
+
+    ``act``: training samples (``record``) run the noisy chain from x_0 ~ N(0, I) and record it
+    (``chains`` [N, K + 1, Ta, Da]; with ``record_old_logp`` also each row's log-prob
+    ``logp_old`` [N, Ta]); evaluation (``record=False``) runs the mean chain from x_0 ~ N(0, I),
+    ``deterministic`` from x_0 = 0."""
+
+    def __init__(self, state_dim: int, action_dim: int, horizon_steps: int, hidden_sizes: list[int],
+                 time_dim: int, flow_steps: int, image_shape, feature_dim: int, noise_hidden_sizes: list[int],
+                 min_std: float, max_std: float, noise_time_dim: int = 16, record_old_logp: bool = False):
+        super().__init__(state_dim, action_dim, horizon_steps, hidden_sizes, time_dim, flow_steps, n_mc=0,
+                         image_shape=image_shape, feature_dim=feature_dim, record_old_losses=False)
+        self.noise = NoiseStdNet(self.encoder.out_dim, horizon_steps, action_dim, noise_hidden_sizes,
+                                 min_std, max_std, noise_time_dim)
+        self.record_old_logp = record_old_logp
+
+    def log_std(self, tau: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
+        """log sigma(tau | o) [B, Ta, Da]; the noise net reads the condition without sending
+        gradients into the encoder (which only the velocity's log-prob means train)."""
+        return self.noise(tau, cond.detach())
+
+    def load_base(self, state: dict[str, torch.Tensor]) -> None:
+        """Load a pretraining checkpoint's FlowPolicy weights; the noise network keeps its init.
+        Every other key must match exactly."""
+        missing, unexpected = self.load_state_dict(state, strict=False)
+        missing = [k for k in missing if not k.startswith("noise.")]
+        if missing or unexpected:
+            raise RuntimeError(f"base policy does not match the flow policy: missing {missing}, "
+                               f"unexpected {unexpected}")
+
+    def sample(self, obs: Obs, eps: torch.Tensor, steps: int | None = None) -> torch.Tensor:
+        """The mean chain (noise off) from eps [B, Ta, Da] -> actions [B, Ta, Da] in [-1, 1]."""
+        action, _ = noisy_flow_sample(self.velocity, self.log_std, self.encoder(obs), eps,
+                                      steps or self.flow_steps, deterministic=True)
+        return action
+
+    def chain_log_prob(self, obs: Obs, chains: torch.Tensor, row_mask: torch.Tensor | None = None,
+                       per_row: bool = False) -> torch.Tensor:
+        """log pi of chains [B, K + 1, Ta, Da] -> [B] (``per_row``: [B, Ta])."""
+        return chain_log_prob(self.velocity, self.log_std, self.encoder(obs), chains, row_mask, per_row)
+
+    def chain_entropy(self, obs: Obs, chains: torch.Tensor, row_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Entropy of the chains' Gaussian transitions [B] (the noise net only)."""
+        return chain_entropy(self.log_std, self.encoder(obs), chains, row_mask)
+
+    @torch.no_grad()
+    def act(self, obs: Obs, deterministic: bool = False, generator: torch.Generator | None = None,
+            record: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        n = obs_batch_size(obs)
+        shape = (n, *self.chunk_shape)
+        x0 = torch.zeros(shape) if deterministic else torch.randn(shape, generator=generator)
+        noisy = record and not deterministic
+        cond = self.encoder(obs)
+        actions, chain = noisy_flow_sample(self.velocity, self.log_std, cond, x0, self.flow_steps,
+                                           deterministic=not noisy, generator=generator)
+        out = {"actions": actions}
+        if noisy:
+            out["chains"] = chain                                                 # [N, K + 1, Ta, Da]
+            if self.record_old_logp:
+                out["logp_old"] = chain_log_prob(self.velocity, self.log_std, cond, chain, per_row=True)
+        return actions, out
+
+
+def make_noisy_flow_policy(cfg: Config, spec: EnvSpec) -> NoisyFlowPolicy:
+    c = cfg.algo
+    return NoisyFlowPolicy(spec.obs_dim, spec.action_dim, cfg.env.horizon_steps, c.hidden_sizes, c.time_dim,
+                           c.flow_steps, image_shape(cfg), c.feature_dim, c.noise_hidden_sizes,
+                           c.min_noise_std, c.max_noise_std, c.noise_time_dim,
+                           record_old_logp=cfg.runtime.mode == "async")
+
+
+class ReinFlow(Algorithm):
+    name = "reinflow"
+    config_class = ReinFlowConfig
+
+    @staticmethod
+    def validate_config(cfg: Config) -> None:
+        c: ReinFlowConfig = cfg.algo
+        check_layer_sizes(c.hidden_sizes, "algo.hidden_sizes")
+        check_layer_sizes(c.critic_hidden_sizes, "algo.critic_hidden_sizes")
+        check_layer_sizes(c.noise_hidden_sizes, "algo.noise_hidden_sizes")
+        check_minibatch_size(cfg, c.minibatch_size)
+        if cfg.env.family == "gym":
+            raise ConfigError("config key 'env.family': ReinFlow emits action chunks [horizon_steps, A]; "
+                              "the gym family takes single actions (use the robot family)")
+        if c.min_noise_std > c.max_noise_std:
+            raise ConfigError(f"config key 'algo.min_noise_std': {c.min_noise_std} is above "
+                              f"algo.max_noise_std {c.max_noise_std}")
+
+    @staticmethod
+    def preflight(cfg: Config, spec: EnvSpec) -> None:
+        check_base_policy(cfg)
+
+    def __init__(self, cfg: Config, spec: EnvSpec, device: torch.device):
+        super().__init__(cfg, spec, device)
+        c: ReinFlowConfig = cfg.algo
+        self.c = c
+        self._policy = self.make_policy(cfg, spec).to(device)
+        if c.base_policy is not None:
+            self._policy.load_base(load_base_policy(c.base_policy)["policy"])
+        self.critic = ValueMLP(spec.obs_dim, c.critic_hidden_sizes, image_shape(cfg), c.feature_dim).to(device)
+        noise_params = list(self._policy.noise.parameters())
+        flow_params = [p for n, p in self._policy.named_parameters() if not n.startswith("noise.")]
+        # one optimiser for the actor (its grad norm is clipped as one), the velocity and the
+        # noise network in two groups with their own learning rates
+        self.actor_opt = torch.optim.AdamW(
+            [{"params": flow_params, "lr": c.actor_lr},
+             {"params": noise_params, "lr": c.noise_lr if c.noise_lr is not None else c.actor_lr}],
+            weight_decay=c.weight_decay)
+        self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=c.critic_lr, weight_decay=c.weight_decay)
+        actor_iterations = max(1, cfg.train.iterations - c.critic_warmup_iters)
+        actor_schedule = lr_multiplier(c.lr_schedule, actor_iterations, c.actor_lr_warmup_iters)
+        critic_schedule = lr_multiplier(c.lr_schedule, cfg.train.iterations)
+        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(self.actor_opt, actor_schedule),
+                           torch.optim.lr_scheduler.LambdaLR(self.critic_opt, critic_schedule)]
+        # s: 1, or the release's 1 / ((K + 1) Ta Da)
+        self.scale = 1.0 if c.logprob_scale == "joint" else \
+            1.0 / ((c.flow_steps + 1) * cfg.env.act_steps * spec.action_dim)
+        self.generator = torch.Generator().manual_seed(cfg.seed)      # minibatch shuffling
+        self.iteration = 0
+        self.skipped_updates = 0
+
+    @staticmethod
+    def make_policy(cfg: Config, spec: EnvSpec) -> NoisyFlowPolicy:
+        return make_noisy_flow_policy(cfg, spec)
+
+    @property
+    def policy(self) -> NoisyFlowPolicy:
+        return self._policy
+
+    def values(self, obs) -> torch.Tensor:
+        """V(o) for obs [T, N, ...] (or [K, ...]) -> [T, N] (or [K])."""
+        lead = (obs["state"] if isinstance(obs, dict) else obs).shape[:-1]
+        flat = map_obs(lambda x: x.reshape(-1, *x.shape[len(lead):]), obs)
+        return self.critic(flat).reshape(lead)
+
+    # ------------------------------------------------------------------ prepare
+    def prepare(self, batches: list[Batch]) -> dict:
+        c = self.c
+        b = advantages_from_rollouts(batches, self.values, c.gamma, c.gae_lambda, c.reward_scale, self.device,
+                                     c.bootstrap_truncated)
+        m = b["advantages"].shape[0]
+        b["row_mask"] = executed_row_mask(b.pop("executed_rows", None), m, self.cfg.env.horizon_steps,
+                                          self.cfg.env.act_steps, self.device)            # [M, Ta]
+        if "logp_old" in b:                            # async: the worker's per-row log-probs
+            b["logp_old"] = (b["logp_old"] * b["row_mask"]).sum(-1)                        # [M]
+        else:                                          # sync: these weights sampled the batch
+            b["logp_old"] = self._old_log_probs(b)                                         # [M]
+        return b
+
+    @torch.no_grad()
+    def _old_log_probs(self, b: dict) -> torch.Tensor:
+        out = []
+        for i in range(0, b["chains"].shape[0], self.c.minibatch_size):
+            sl = slice(i, i + self.c.minibatch_size)
+            out.append(self._policy.chain_log_prob(map_obs(lambda x: x[sl], b["obs"]), b["chains"][sl],
+                                                   b["row_mask"][sl]))
+        return torch.cat(out)
+
+    # ------------------------------------------------------------------ update
+    def _losses(self, b: dict, idx: torch.Tensor, train_actor: bool) -> tuple[torch.Tensor, dict]:
+        c = self.c
+        obs = map_obs(lambda x: x[idx], b["obs"])
+        v_loss = value_loss(self.critic(obs), b["returns"][idx]).mean()
+        if not train_actor:                            # critic warm-up: the actor is frozen
+            return c.vf_coef * v_loss, {"v_loss": v_loss.detach()}
+        chains, mask = b["chains"][idx], b["row_mask"][idx]                        # [mb, K+1, Ta, Da], [mb, Ta]
+        logp = self._policy.chain_log_prob(obs, chains, mask)                     # [mb]
+        log_ratio = self.scale * (logp - b["logp_old"][idx])                      # [mb]
+        ratio = log_ratio.exp()
+        adv = b["advantages"][idx]
+        adv = normalize(adv) if c.normalize_advantages else adv
+        pg_loss = -ppo_clip_objective(ratio, adv, c.clip).mean()
+        entropy = self.scale * self._policy.chain_entropy(obs, chains, mask)      # [mb]
+        loss = pg_loss - c.ent_coef * entropy.mean() + c.vf_coef * v_loss
+        with torch.no_grad():
+            log_std = self._policy.log_std(torch.zeros(len(idx)), self._policy.encoder(obs))
+            stats = {"pg_loss": pg_loss.detach(), "v_loss": v_loss.detach(), "entropy": entropy.mean(),
+                     "ratio_mean": ratio.mean(), "ratio_std": ratio.std(), "ratio_min": ratio.min(),
+                     "ratio_max": ratio.max(), "clipfrac": ((ratio - 1.0).abs() > c.clip).float().mean(),
+                     "approx_kl": approx_kl(log_ratio), "noise_std": log_std.exp().mean()}
+        return loss, stats
+
+    def update(self, b: dict) -> dict[str, float]:
+        c, m = self.c, b["advantages"].shape[0]
+        train_actor = self.iteration >= c.critic_warmup_iters
+        actor_active = train_actor
+        stats: dict[str, list[float]] = {}
+        actor_steps = critic_steps = 0
+        early_stop = False
+        for _ in range(c.epochs):
+            perm = torch.randperm(m, generator=self.generator).to(self.device)
+            for start in range(0, m, c.minibatch_size):
+                idx = perm[start:start + c.minibatch_size]
+                optimizers = [self.actor_opt, self.critic_opt] if actor_active else [self.critic_opt]
+                loss, mb_stats = self._losses(b, idx, actor_active)
+                norms, stepped = optimizer_step(loss, optimizers, c.max_grad_norm)
+                self.skipped_updates += int(not stepped)
+                actor_steps += int(actor_active)
+                critic_steps += 1
+                if actor_active:
+                    stats.setdefault("actor_grad_norm", []).append(norms[0])
+                stats.setdefault("critic_grad_norm", []).append(norms[-1])
+                for k, v in mb_stats.items():
+                    stats.setdefault(k, []).append(float(v))
+                if actor_active and c.target_kl is not None and float(mb_stats["approx_kl"]) > c.target_kl:
+                    actor_active, early_stop = False, True   # the critic goes on with its epochs
+        lrs = {"reinflow/actor_lr": self.actor_opt.param_groups[0]["lr"],
+               "reinflow/noise_lr": self.actor_opt.param_groups[1]["lr"],
+               "reinflow/critic_lr": self.critic_opt.param_groups[0]["lr"]}
+        for opt, sched in zip((self.actor_opt, self.critic_opt), self.schedulers):
+            if opt is self.critic_opt or train_actor:
+                sched.step()
+        self.iteration += 1
+        out = {k: float(np.mean(v)) for k, v in stats.items() if not k.endswith("grad_norm")}
+        out.update(lrs)
+        out.update({f"reinflow/{k}": float(np.mean(stats[k])) if k in stats else float("nan")
+                    for k in ("actor_grad_norm", "critic_grad_norm")})
+        out.update({"reinflow/explained_variance": explained_variance(b["returns"], b["values_old"]),
+                    "reinflow/actor_steps": actor_steps, "reinflow/critic_steps": critic_steps,
+                    "reinflow/early_stopped": float(early_stop), "reinflow/actor_frozen": float(not train_actor),
+                    "reinflow/skipped_updates": self.skipped_updates,
+                    "reinflow/advantage_mean": float(b["advantages"].mean()),
+                    "reinflow/advantage_std": float(b["advantages"].std()),
+                    "reinflow/return_mean": float(b["returns"].mean())})
+        return out
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        return {"policy": self._policy.state_dict(), "critic": self.critic.state_dict(),
+                "actor_opt": self.actor_opt.state_dict(), "critic_opt": self.critic_opt.state_dict(),
+                "schedulers": [s.state_dict() for s in self.schedulers],
+                "generator": self.generator.get_state(), "iteration": self.iteration,
+                "skipped_updates": self.skipped_updates}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._policy.load_state_dict(state["policy"])
+        self.critic.load_state_dict(state["critic"])
+        self.actor_opt.load_state_dict(state["actor_opt"])
+        self.critic_opt.load_state_dict(state["critic_opt"])
+        actor, critic = self.schedulers
+        self.resume_notes = tuple(load_scheduler(actor, state["schedulers"][0], "reinflow actor lr", "actor iteration")
+                                  + load_scheduler(critic, state["schedulers"][1], "reinflow critic lr"))
+        self.generator.set_state(state["generator"])
+        self.iteration, self.skipped_updates = state["iteration"], state["skipped_updates"]
