@@ -207,3 +207,17 @@ def test_state_dict_round_trip_gives_the_same_next_update_bit_for_bit():
     assert ma == mb
     for k, v in a.state_dict()["policy"].items():
         assert torch.equal(v, b.state_dict()["policy"][k]), k
+
+
+def test_an_imported_reinflow_architecture_builds_and_loads_into_the_noisy_policy():
+    arch = {"time_embedding": "reinflow", "velocity_mlp": "residual", "velocity_activation": "relu",
+            "hidden_sizes": [32, 32, 32]}
+    cfg = robot_cfg(**arch)
+    flow = FPOPP.make_policy(robot_cfg(algorithm="fpopp", **arch), _spec(cfg))
+    policy = ReinFlow.make_policy(cfg, _spec(cfg))
+    assert type(policy.velocity.net).__name__ == "ResidualMLP" and policy.velocity.time_embedding == "reinflow"
+    policy.load_base(flow.state_dict())
+    x, tau, cond = torch.randn(3, 4, 7), torch.rand(3), torch.randn(3, _spec(cfg).obs_dim)
+    torch.testing.assert_close(policy.velocity(x, tau, cond), flow.velocity(x, tau, cond), rtol=0, atol=0)
+    with pytest.raises(ConfigError, match="algo.hidden_sizes"):
+        ReinFlow.validate_config(robot_cfg(velocity_mlp="residual", hidden_sizes=[32, 32]))

@@ -40,7 +40,8 @@ from flowrl_ray.algorithms.advantages import gae
 from flowrl_ray.algorithms.base import Algorithm
 from flowrl_ray.optim import optimizer_step
 from flowrl_ray.algorithms.episodes import EpisodeAssembler
-from flowrl_ray.algorithms.fpopp import check_base_policy, image_shape, load_base_policy, make_flow_policy
+from flowrl_ray.algorithms.fpopp import (check_base_policy, check_flow_arch, image_shape, load_base_policy,
+                                         make_flow_policy)
 from flowrl_ray.algorithms.losses import value_loss
 from flowrl_ray.batch import Batch, map_obs
 from flowrl_ray.config import Config, ConfigError, check, check_layer_sizes, check_minibatch_size
@@ -82,6 +83,12 @@ class FlowSARConfig:
     time_dim: int = field(default=32, metadata=check(gt=0))
     feature_dim: int = field(default=64, metadata=check(gt=0))
     flow_steps: int = field(default=10, metadata=check(gt=0))
+    # the velocity network's form and the Euler sampler (as FPO++'s: see FPOPPConfig)
+    time_embedding: Literal["flowrl", "reinflow"] = "flowrl"
+    velocity_mlp: Literal["plain", "residual"] = "plain"
+    velocity_activation: Literal["mish", "relu", "tanh", "elu", "gelu", "silu", "softplus"] = "mish"
+    flow_time_grid: Literal["left", "linspace"] = "left"
+    flow_clip_intermediate: bool = False
     # "VLA-style": the observation encoder (the pretrained policy's) stays frozen and only the
     # velocity network (the action expert) trains. State policies have no encoder weights.
     freeze_encoder: bool = False
@@ -245,6 +252,7 @@ class FlowSAR(Algorithm):
         h = c.flowsar
         check_layer_sizes(c.hidden_sizes, "algo.hidden_sizes")
         check_layer_sizes(c.critic_hidden_sizes, "algo.critic_hidden_sizes")
+        check_flow_arch(cfg)
         check_minibatch_size(cfg, c.minibatch_size)
         if cfg.env.family == "gym":
             raise ConfigError("config key 'env.family': FlowSAR trains a flow policy on action chunks and "

@@ -42,7 +42,7 @@ from flowrl_ray.algorithms.onpolicy import advantages_from_rollouts
 from flowrl_ray.batch import Batch, map_obs
 from flowrl_ray.config import Config, ConfigError, check, check_layer_sizes, check_minibatch_size
 from flowrl_ray.envs import EnvSpec
-from flowrl_ray.models.flow import FlowPolicy, ValueMLP, random_shift, sum_rows
+from flowrl_ray.models.flow import FLOW_ARCH_DEFAULTS, FlowPolicy, ValueMLP, random_shift, sum_rows
 
 
 @dataclass
@@ -53,6 +53,15 @@ class FPOPPConfig:
     time_dim: int = field(default=32, metadata=check(gt=0))
     feature_dim: int = field(default=64, metadata=check(gt=0))      # image encoder output
     flow_steps: int = field(default=10, metadata=check(gt=0))       # K Euler steps
+    # the velocity network's form (defaults: this package's; a base from `flowrl-ray
+    # import-reinflow` needs the ReinFlow FlowMLP's, which that command prints)
+    time_embedding: Literal["flowrl", "reinflow"] = "flowrl"
+    velocity_mlp: Literal["plain", "residual"] = "plain"
+    velocity_activation: Literal["mish", "relu", "tanh", "elu", "gelu", "silu", "softplus"] = "mish"
+    # the Euler sampler: tau_k = k / K ("left") or linspace(0, 1, K) (the ReFlow release's), and
+    # whether every intermediate x is clipped to [-1, 1] (the release's default)
+    flow_time_grid: Literal["left", "linspace"] = "left"
+    flow_clip_intermediate: bool = False
     # FPO++
     n_mc: int = field(default=8, metadata=check(gt=0))              # (tau, eps) pairs per action
     clip: float = field(default=0.05, metadata=check(gt=0))
@@ -96,7 +105,19 @@ class FPOPPConfig:
     augment: bool = True
 
 
-ARCH_KEYS = ("hidden_sizes", "time_dim", "feature_dim")
+ARCH_KEYS = ("hidden_sizes", "time_dim", "feature_dim", *FLOW_ARCH_DEFAULTS)
+
+
+def check_flow_arch(cfg: Config) -> None:
+    """The flow policy's keys that no field check covers: a residual velocity MLP needs an odd
+    number of equal hidden sizes (the input layer's, then one pair per residual block)."""
+    c = cfg.algo
+    hidden = list(c.hidden_sizes)
+    if getattr(c, "velocity_mlp", "plain") == "residual" and (len(hidden) % 2 == 0 or len(set(hidden)) != 1):
+        raise ConfigError(f"config key 'algo.hidden_sizes': a residual velocity MLP needs an odd number of "
+                          f"equal sizes (e.g. [512, 512, 512]), got {hidden}")
+    if getattr(c, "time_embedding", "flowrl") == "reinflow" and c.time_dim < 4:
+        raise ConfigError(f"config key 'algo.time_dim': the reinflow time embedding needs >= 4, got {c.time_dim}")
 
 
 def image_shape(cfg: Config) -> tuple[int, int, int] | None:
@@ -110,10 +131,15 @@ def make_flow_policy(cfg: Config, spec: EnvSpec) -> FlowPolicy:
     """The flow policy a config describes (pretraining builds the same one)."""
     c = cfg.algo
     # n_mc: the (tau, eps) pairs FPO++ records per action; other algorithms record none.
+    # The architecture and sampler options default to this package's network where a config
+    # has no such keys.
     return FlowPolicy(spec.obs_dim, spec.action_dim, cfg.env.horizon_steps, c.hidden_sizes, c.time_dim,
                       c.flow_steps, getattr(c, "n_mc", 0), image_shape(cfg), c.feature_dim,
                       getattr(c, "cfm_huber_delta", 0.0), getattr(c, "cfm_reduction", "mean_dims"),
-                      record_old_losses=records_old_losses(cfg))
+                      record_old_losses=records_old_losses(cfg),
+                      **{k: getattr(c, k, default) for k, default in FLOW_ARCH_DEFAULTS.items()},
+                      time_grid=getattr(c, "flow_time_grid", "left"),
+                      clip_intermediate=getattr(c, "flow_clip_intermediate", False))
 
 
 def records_old_losses(cfg: Config) -> bool:
@@ -147,7 +173,10 @@ def check_base_policy(cfg: Config) -> None:
         return
     arch = load_base_policy(c.base_policy)["arch"]
     mine = policy_arch(cfg)
-    for key, value in arch.items():
+    # the architecture options are recorded only where they differ from the defaults
+    theirs = {**arch, **{k: arch.get(k, default) for k, default in FLOW_ARCH_DEFAULTS.items()}}
+    mine = {**mine, **{k: mine.get(k, default) for k, default in FLOW_ARCH_DEFAULTS.items()}}
+    for key, value in theirs.items():
         if key in mine and mine[key] != value:
             where = {"image_shape": "env.cameras/env.image_size"}.get(
                 key, f"algo.{key}" if key in ARCH_KEYS else f"env.{key}")
@@ -204,6 +233,7 @@ class FPOPP(Algorithm):
         c: FPOPPConfig = cfg.algo
         check_layer_sizes(c.hidden_sizes, "algo.hidden_sizes")
         check_layer_sizes(c.critic_hidden_sizes, "algo.critic_hidden_sizes")
+        check_flow_arch(cfg)
         check_minibatch_size(cfg, c.minibatch_size)
         if cfg.env.family == "gym":
             raise ConfigError("config key 'env.family': FPO++ emits action chunks [horizon_steps, A]; "
@@ -403,8 +433,14 @@ class FPOPP(Algorithm):
 
 
 def policy_arch(cfg: Config) -> dict:
-    """What a base policy and the config must agree on."""
+    """What a base policy and the config must agree on. The velocity network's architecture
+    options (:data:`FLOW_ARCH_DEFAULTS`) appear only where they differ from their defaults, so the
+    dict of a default network is what it always was."""
     c = cfg.algo
-    return {"hidden_sizes": list(c.hidden_sizes), "time_dim": c.time_dim, "feature_dim": c.feature_dim,
+    arch = {"hidden_sizes": list(c.hidden_sizes), "time_dim": c.time_dim, "feature_dim": c.feature_dim,
             "horizon_steps": cfg.env.horizon_steps, "obs_mode": cfg.env.obs_mode,
             "image_shape": list(image_shape(cfg)) if image_shape(cfg) else None}
+    for key, default in FLOW_ARCH_DEFAULTS.items():
+        if getattr(c, key, default) != default:
+            arch[key] = getattr(c, key)
+    return arch

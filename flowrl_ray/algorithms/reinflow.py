@@ -39,13 +39,14 @@ import torch
 
 from flowrl_ray.algorithms.advantages import explained_variance, normalize
 from flowrl_ray.algorithms.base import Algorithm
-from flowrl_ray.algorithms.fpopp import check_base_policy, executed_row_mask, image_shape, load_base_policy
+from flowrl_ray.algorithms.fpopp import (check_base_policy, check_flow_arch, executed_row_mask, image_shape,
+                                         load_base_policy)
 from flowrl_ray.algorithms.losses import approx_kl, ppo_clip_objective, value_loss
 from flowrl_ray.algorithms.onpolicy import advantages_from_rollouts
 from flowrl_ray.batch import Batch, map_obs
 from flowrl_ray.config import Config, ConfigError, check, check_layer_sizes, check_minibatch_size
 from flowrl_ray.envs import EnvSpec
-from flowrl_ray.models.flow import FlowPolicy, Obs, ValueMLP, obs_batch_size
+from flowrl_ray.models.flow import FLOW_ARCH_DEFAULTS, FlowPolicy, Obs, ValueMLP, obs_batch_size
 from flowrl_ray.models.noisy_flow import NoiseStdNet, chain_entropy, chain_log_prob, noisy_flow_sample
 from flowrl_ray.optim import load_scheduler, lr_multiplier, optimizer_step
 
@@ -58,6 +59,11 @@ class ReinFlowConfig:
     time_dim: int = field(default=32, metadata=check(gt=0))
     feature_dim: int = field(default=64, metadata=check(gt=0))      # image encoder output
     flow_steps: int = field(default=4, metadata=check(gt=0))        # K denoising steps (paper: 1-4)
+    # the velocity network's form (as FPO++'s; a base from `flowrl-ray import-reinflow` needs the
+    # ReinFlow FlowMLP's, which that command prints)
+    time_embedding: Literal["flowrl", "reinflow"] = "flowrl"
+    velocity_mlp: Literal["plain", "residual"] = "plain"
+    velocity_activation: Literal["mish", "relu", "tanh", "elu", "gelu", "silu", "softplus"] = "mish"
     # the noise network sigma_phi(tau | o): per-entry std in [min_noise_std, max_noise_std]
     min_noise_std: float = field(default=0.08, metadata=check(gt=0))
     max_noise_std: float = field(default=0.14, metadata=check(gt=0))
@@ -98,9 +104,11 @@ class NoisyFlowPolicy(FlowPolicy):
 
     def __init__(self, state_dim: int, action_dim: int, horizon_steps: int, hidden_sizes: list[int],
                  time_dim: int, flow_steps: int, image_shape, feature_dim: int, noise_hidden_sizes: list[int],
-                 min_std: float, max_std: float, noise_time_dim: int = 16, record_old_logp: bool = False):
+                 min_std: float, max_std: float, noise_time_dim: int = 16, record_old_logp: bool = False,
+                 **arch):
+        # arch: the velocity network's options (FLOW_ARCH_DEFAULTS); the chain has its own grid
         super().__init__(state_dim, action_dim, horizon_steps, hidden_sizes, time_dim, flow_steps, n_mc=0,
-                         image_shape=image_shape, feature_dim=feature_dim, record_old_losses=False)
+                         image_shape=image_shape, feature_dim=feature_dim, record_old_losses=False, **arch)
         self.noise = NoiseStdNet(self.encoder.out_dim, horizon_steps, action_dim, noise_hidden_sizes,
                                  min_std, max_std, noise_time_dim)
         self.record_old_logp = record_old_logp
@@ -157,7 +165,8 @@ def make_noisy_flow_policy(cfg: Config, spec: EnvSpec) -> NoisyFlowPolicy:
     return NoisyFlowPolicy(spec.obs_dim, spec.action_dim, cfg.env.horizon_steps, c.hidden_sizes, c.time_dim,
                            c.flow_steps, image_shape(cfg), c.feature_dim, c.noise_hidden_sizes,
                            c.min_noise_std, c.max_noise_std, c.noise_time_dim,
-                           record_old_logp=cfg.runtime.mode == "async")
+                           record_old_logp=cfg.runtime.mode == "async",
+                           **{k: getattr(c, k) for k in FLOW_ARCH_DEFAULTS})
 
 
 class ReinFlow(Algorithm):
@@ -170,6 +179,7 @@ class ReinFlow(Algorithm):
         check_layer_sizes(c.hidden_sizes, "algo.hidden_sizes")
         check_layer_sizes(c.critic_hidden_sizes, "algo.critic_hidden_sizes")
         check_layer_sizes(c.noise_hidden_sizes, "algo.noise_hidden_sizes")
+        check_flow_arch(cfg)
         check_minibatch_size(cfg, c.minibatch_size)
         if cfg.env.family == "gym":
             raise ConfigError("config key 'env.family': ReinFlow emits action chunks [horizon_steps, A]; "

@@ -10,6 +10,14 @@ dataset-normalised [-1, 1] range.
 
 Written once and shared: :func:`cfm_losses` is behaviour cloning's loss (pretraining), FPO++'s
 likelihood surrogate and FlowSAR's energy; :func:`euler_sample` is every flow policy's sampler.
+
+The velocity network has a few architecture options (:data:`FLOW_ARCH_DEFAULTS`; the defaults are
+this package's network, unchanged) so that the ReinFlow / ReFlow release's ``FlowMLP`` is
+represented exactly (:mod:`flowrl_ray.models.reinflow_import` converts its checkpoints):
+``time_embedding`` (:data:`TIME_EMBEDDINGS`), ``velocity_mlp`` (:data:`VELOCITY_MLPS`) and
+``velocity_activation``; the sampler has the release's time grid and per-step clipping as options
+(:data:`TIME_GRIDS`). The release uses the same time convention as this package (t = 0 noise,
+t = 1 data, x_t = t a + (1 - t) eps, target a - eps), so no time is flipped.
 """
 
 from __future__ import annotations
@@ -21,12 +29,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flowrl_ray.models.mlp import mlp
+from flowrl_ray.models.mlp import ResidualMLP, mlp
 
 #: an observation batch: a state tensor [B, D], or {"state": [B, D], "rgb": [B, C, H, W] uint8}
 Obs = Union[torch.Tensor, dict]
 #: velocity_fn(x [B, Ta, Da], tau [B], cond [B, ...]) -> v [B, Ta, Da]
 VelocityFn = Callable[[torch.Tensor, torch.Tensor, Obs], torch.Tensor]
+
+#: the velocity network's time features: "flowrl" (:func:`sinusoidal_embedding`: sin/cos of
+#: 1000 tau) or "reinflow" (:func:`diffuser_time_embedding`: sin/cos of tau itself, the ReinFlow /
+#: ReFlow FlowMLP's, from Diffuser); either goes through the same Linear-Mish-Linear time MLP
+TIME_EMBEDDINGS = ("flowrl", "reinflow")
+#: the velocity network's body: "plain" (:func:`~flowrl_ray.models.mlp.mlp`: Linear, act, ..,
+#: Linear) or "residual" (:class:`~flowrl_ray.models.mlp.ResidualMLP`, ReinFlow's residual_style)
+VELOCITY_MLPS = ("plain", "residual")
+#: the Euler sampler's times: "left" tau_k = k / K (every sampler of this package) or "linspace"
+#: tau_k = k / (K - 1), i.e. torch.linspace(0, 1, K) (the ReFlow release's sampler; its last step
+#: is evaluated at tau = 1, its step stays 1 / K; tau_0 = 0 for K = 1)
+TIME_GRIDS = ("left", "linspace")
+#: the architecture options and their defaults (this package's network); a checkpoint's "arch"
+#: names an option only when it differs, so every older checkpoint means the defaults
+FLOW_ARCH_DEFAULTS = {"time_embedding": "flowrl", "velocity_mlp": "plain", "velocity_activation": "mish"}
 
 
 def repeat_obs(obs: Obs, n: int) -> Obs:
@@ -89,13 +112,22 @@ def sum_rows(rows: torch.Tensor, row_mask: torch.Tensor | None = None) -> torch.
     return rows.sum(-1)
 
 
-def euler_sample(velocity_fn: VelocityFn, obs: Obs, eps: torch.Tensor, steps: int) -> torch.Tensor:
+def euler_sample(velocity_fn: VelocityFn, obs: Obs, eps: torch.Tensor, steps: int,
+                 time_grid: str = "left", clip_intermediate: bool = False) -> torch.Tensor:
     """Integrate the flow from ``x_0 = eps`` [B, Ta, Da] to tau = 1 with ``steps`` Euler steps:
-    ``x_{k+1} = x_k + v(x_k, k / K | o) / K``. Returns [B, Ta, Da] (unclipped)."""
+    ``x_{k+1} = x_k + v(x_k, tau_k | o) / K`` with ``tau_k = k / K`` (``time_grid`` "left") or
+    ``k / (K - 1)`` ("linspace", the ReFlow release's grid). ``clip_intermediate``: clamp every
+    x_{k+1} to [-1, 1] (the release's default). Returns [B, Ta, Da] (the last step unclipped)."""
+    if time_grid not in TIME_GRIDS:
+        raise ValueError(f"time grid must be one of {TIME_GRIDS}, got {time_grid!r}")
     x, dt = eps, 1.0 / steps
+    grid = torch.linspace(0.0, 1.0, steps, dtype=x.dtype) if time_grid == "linspace" else None
     for k in range(steps):
-        tau = torch.full((x.shape[0],), k * dt, dtype=x.dtype, device=x.device)
+        t = k * dt if grid is None else grid[k].item()
+        tau = torch.full((x.shape[0],), t, dtype=x.dtype, device=x.device)
         x = x + dt * velocity_fn(x, tau, obs)
+        if clip_intermediate and k < steps - 1:
+            x = x.clamp(-1.0, 1.0)
     return x
 
 
@@ -108,22 +140,52 @@ def sinusoidal_embedding(tau: torch.Tensor, dim: int, max_period: float = 10_000
     return torch.cat([angles.sin(), angles.cos()], dim=-1)
 
 
+def diffuser_time_embedding(tau: torch.Tensor, dim: int, max_period: float = 10_000.0) -> torch.Tensor:
+    """tau [B] in [0, 1] -> [B, dim]: the ReinFlow / ReFlow FlowMLP's time features (Diffuser's
+    SinusoidalPosEmb): [sin(tau f_k), cos(tau f_k)] with f_k = exp(-ln(max_period) k / (half - 1)),
+    k = 0 .. half - 1, on tau itself (not scaled)."""
+    half = dim // 2
+    if half < 2:
+        raise ValueError(f"the reinflow time embedding needs time_dim >= 4, got {dim}")
+    freqs = torch.exp(torch.arange(half, dtype=tau.dtype, device=tau.device) * (-math.log(max_period) / (half - 1)))
+    angles = tau[:, None] * freqs[None]
+    return torch.cat([angles.sin(), angles.cos()], dim=-1)
+
+
 class VelocityMLP(nn.Module):
-    """v(x, tau | cond): an MLP on [flattened chunk, time embedding, condition] (DPPO's FlowMLP
-    shape). x [B, Ta, Da], tau [B], cond [B, C] -> [B, Ta, Da]."""
+    """v(x, tau | cond): an MLP on [flattened chunk, time embedding, condition] (DPPO's and
+    ReinFlow's FlowMLP shape). x [B, Ta, Da], tau [B], cond [B, C] -> [B, Ta, Da].
+
+    The time embedding is sin/cos features (``time_embedding``, see :data:`TIME_EMBEDDINGS`)
+    through Linear(time_dim, 2 time_dim), Mish, Linear(2 time_dim, time_dim); the body is a plain
+    or residual MLP (``velocity_mlp``, :data:`VELOCITY_MLPS`) with ``activation`` between layers."""
 
     def __init__(self, cond_dim: int, horizon_steps: int, action_dim: int, hidden_sizes: list[int],
-                 time_dim: int = 32, activation: str = "mish"):
+                 time_dim: int = 32, activation: str = "mish", time_embedding: str = "flowrl",
+                 velocity_mlp: str = "plain"):
         super().__init__()
+        if time_embedding not in TIME_EMBEDDINGS:
+            raise ValueError(f"time embedding must be one of {TIME_EMBEDDINGS}, got {time_embedding!r}")
+        if velocity_mlp not in VELOCITY_MLPS:
+            raise ValueError(f"velocity MLP must be one of {VELOCITY_MLPS}, got {velocity_mlp!r}")
         self.horizon_steps, self.action_dim, self.time_dim = horizon_steps, action_dim, time_dim
+        self.time_embedding = time_embedding
         self.time_mlp = nn.Sequential(nn.Linear(time_dim, 2 * time_dim), nn.Mish(),
                                       nn.Linear(2 * time_dim, time_dim))
         chunk = horizon_steps * action_dim
-        self.net = mlp([chunk + time_dim + cond_dim, *hidden_sizes, chunk], activation, out_gain=0.01)
+        sizes = [chunk + time_dim + cond_dim, *hidden_sizes, chunk]
+        body = mlp if velocity_mlp == "plain" else ResidualMLP
+        self.net = body(sizes, activation, out_gain=0.01)
+
+    def time_features(self, tau: torch.Tensor) -> torch.Tensor:
+        """tau [B] -> the time MLP's input [B, time_dim]."""
+        if self.time_embedding == "reinflow":
+            return diffuser_time_embedding(tau, self.time_dim)
+        return sinusoidal_embedding(tau, self.time_dim)
 
     def forward(self, x: torch.Tensor, tau: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
-        temb = self.time_mlp(sinusoidal_embedding(tau, self.time_dim))
-        out = self.net(torch.cat([x.flatten(1), temb, cond], dim=-1))
+        temb = self.time_mlp(self.time_features(tau))                               # [B, time_dim]
+        out = self.net(torch.cat([x.flatten(1), temb, cond], dim=-1))              # [B, Ta * Da]
         return out.view(x.shape)
 
 
@@ -185,16 +247,25 @@ class FlowPolicy(nn.Module):
     (``deterministic``: FPO++'s zero-sampling), clips to [-1, 1] and, when sampling for
     training, draws ``n_mc`` pairs (tau_i, eps_i) and records their CFM losses under the
     sampling weights (FPO++'s "old" losses, computed once).
+
+    ``time_embedding``, ``velocity_mlp``, ``velocity_activation``: the velocity network's
+    architecture options (:class:`VelocityMLP`; defaults :data:`FLOW_ARCH_DEFAULTS`);
+    ``time_grid`` and ``clip_intermediate``: the sampler's (:func:`euler_sample`).
     """
 
     def __init__(self, state_dim: int, action_dim: int, horizon_steps: int, hidden_sizes: list[int],
                  time_dim: int = 32, flow_steps: int = 10, n_mc: int = 8,
                  image_shape: tuple[int, int, int] | None = None, feature_dim: int = 64,
                  cfm_huber_delta: float = 0.0, cfm_reduction: str = "mean_dims",
-                 record_old_losses: bool = True):
+                 record_old_losses: bool = True, time_embedding: str = "flowrl",
+                 velocity_mlp: str = "plain", velocity_activation: str = "mish",
+                 time_grid: str = "left", clip_intermediate: bool = False):
         super().__init__()
         self.action_dim, self.horizon_steps = action_dim, horizon_steps
         self.flow_steps, self.n_mc = flow_steps, n_mc
+        if time_grid not in TIME_GRIDS:
+            raise ValueError(f"time grid must be one of {TIME_GRIDS}, got {time_grid!r}")
+        self.time_grid, self.clip_intermediate = time_grid, clip_intermediate
         # the error of the recorded and the recomputed CFM losses (0: squared; behaviour cloning
         # always uses the squared error)
         self.cfm_huber_delta = cfm_huber_delta
@@ -206,7 +277,8 @@ class FlowPolicy(nn.Module):
         # sampling weights computes them itself, on the images its update sees)
         self.record_old_losses = record_old_losses
         self.encoder = ObsEncoder(state_dim, image_shape, feature_dim)
-        self.velocity = VelocityMLP(self.encoder.out_dim, horizon_steps, action_dim, hidden_sizes, time_dim)
+        self.velocity = VelocityMLP(self.encoder.out_dim, horizon_steps, action_dim, hidden_sizes, time_dim,
+                                    velocity_activation, time_embedding, velocity_mlp)
 
     @property
     def chunk_shape(self) -> tuple[int, int]:
@@ -215,7 +287,8 @@ class FlowPolicy(nn.Module):
     def sample(self, obs: Obs, eps: torch.Tensor, steps: int | None = None) -> torch.Tensor:
         """Actions [B, Ta, Da] in [-1, 1] from initial noise eps [B, Ta, Da]."""
         cond = self.encoder(obs)
-        return euler_sample(self.velocity, cond, eps, steps or self.flow_steps).clamp(-1.0, 1.0)
+        x = euler_sample(self.velocity, cond, eps, steps or self.flow_steps, self.time_grid, self.clip_intermediate)
+        return x.clamp(-1.0, 1.0)
 
     def cfm_losses(self, obs: Obs, actions: torch.Tensor, taus: torch.Tensor, eps: torch.Tensor,
                    augment: bool = False, huber_delta: float | None = None, reduction: str | None = None,

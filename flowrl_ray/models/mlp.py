@@ -7,7 +7,8 @@ import math
 import torch
 from torch import nn
 
-ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "mish": nn.Mish}
+ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "mish": nn.Mish,
+               "elu": nn.ELU, "gelu": nn.GELU, "silu": nn.SiLU, "softplus": nn.Softplus}
 
 
 def mlp(sizes: list[int], activation: str = "tanh", out_gain: float = 1.0) -> nn.Sequential:
@@ -23,6 +24,51 @@ def mlp(sizes: list[int], activation: str = "tanh", out_gain: float = 1.0) -> nn
         if not last:
             layers.append(ACTIVATIONS[activation]())
     return nn.Sequential(*layers)
+
+
+class ResidualBlock(nn.Module):
+    """A pre-activation residual pair of layers: x + fc2(act(fc1(act(x)))). [B, H] -> [B, H]."""
+
+    def __init__(self, width: int, activation: str):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(width, width), nn.Linear(width, width)
+        self.act = ACTIVATIONS[activation]()
+        for linear in (self.fc1, self.fc2):
+            nn.init.orthogonal_(linear.weight, gain=math.sqrt(2))
+            nn.init.zeros_(linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(self.act(self.fc1(self.act(x))))
+
+
+class ResidualMLP(nn.Module):
+    """The residual MLP of IBC / d3il (ReinFlow's and DPPO's ``residual_style`` networks):
+
+        h = first(x);  h = block_j(h) for each block (:class:`ResidualBlock`);  y = last(h)
+
+    ``sizes`` = [in, H, H, .., H, out] with an odd number of equal hidden widths: the first H is
+    the input layer's, each further pair of H's one block ((len(hidden) - 1) / 2 blocks). There is
+    no activation between the last block and the output layer (the blocks pre-activate).
+    Orthogonal init as :func:`mlp` (gain sqrt(2) hidden, ``out_gain`` output, zero biases)."""
+
+    def __init__(self, sizes: list[int], activation: str = "mish", out_gain: float = 1.0):
+        super().__init__()
+        hidden = sizes[1:-1]
+        if not hidden or len(hidden) % 2 == 0 or len(set(hidden)) != 1:
+            raise ValueError(f"a residual MLP needs an odd number of equal hidden sizes, got {hidden}")
+        width = hidden[0]
+        self.first = nn.Linear(sizes[0], width)
+        self.blocks = nn.ModuleList(ResidualBlock(width, activation) for _ in range((len(hidden) - 1) // 2))
+        self.last = nn.Linear(width, sizes[-1])
+        for linear, gain in ((self.first, math.sqrt(2)), (self.last, out_gain)):
+            nn.init.orthogonal_(linear.weight, gain=gain)
+            nn.init.zeros_(linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.first(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.last(h)
 
 
 class RunningNorm(nn.Module):
