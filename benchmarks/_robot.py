@@ -124,7 +124,8 @@ def run_config(run_dir: Path):
 def run_summary(run_dir: Path) -> dict:
     """Env steps, training wall-clock (``time_s``: the iterations' time, without Ray's start),
     iterations, the training success (last 100 training episodes, random sampling) first and
-    last, its curve and the periodic-eval curve ([env steps, success] pairs), up to the last
+    last, its curve and the periodic-eval curve ([env steps, success] pairs), the training curve
+    against wall-clock minutes, the mean learner update and rollout seconds per iteration, up to the last
     checkpoint (an interrupted run's policy is its last checkpoint's)."""
     from flowrl_ray.checkpoint import latest_checkpoint, load_checkpoint
     from flowrl_ray.runtime.metrics import read_metrics
@@ -134,7 +135,13 @@ def run_summary(run_dir: Path) -> dict:
     last = rows[-1]
     train = [(r["env_steps"], r["success_rate"]) for r in rows if r.get("success_rate") is not None]
     evals = [(r["env_steps"], r["eval/success_rate"]) for r in rows if r.get("eval/success_rate") is not None]
+    mean = lambda key: (sum(r[key] for r in rows if r.get(key) is not None)        # noqa: E731
+                        / max(1, sum(r.get(key) is not None for r in rows)))
     return {"env_steps": last["env_steps"], "time_s": last["time_s"], "iterations": last["iteration"],
+            # seconds per iteration: the learner's update (prepare + update) and the rollouts
+            "update_time_s": mean("learner/update_time_s"), "sample_time_s": mean("sample_time_s"),
+            "train_curve_time": [(r["time_s"] / 60, r["success_rate"]) for r in rows
+                                 if r.get("success_rate") is not None],
             "train_success_first": train[0][1] if train else None,
             "train_success_last": train[-1][1] if train else None,
             "train_curve": train, "eval_curve": evals, "name": run_config(run_dir).name}

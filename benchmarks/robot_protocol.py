@@ -38,8 +38,11 @@ random sampling) and periodic-eval success vs env steps as the mean over seeds w
 are chunk steps, each up to ``env.act_steps`` low-level 20 Hz robosuite steps. With
 ``--reference NAME`` also each other variant's difference from that one: the mean over its seeds
 minus the mean over the reference's seeds, with the same episode-paired bootstrap CI (the
-reference's per-episode mean success takes the base's place). Variants with another base setting
-(base policy, env section or flow steps) are listed as not compared.
+reference's per-episode mean success takes the base's place). Variants with another env section
+(other episodes) are listed as not compared; another base setting (base policy, algorithm, flow
+steps) is compared and marked, since the final policies meet the same episodes. Per run also the
+learner's and the rollouts' seconds per iteration, and the training curve against wall-clock
+(``<output>_train_wallclock.png``).
 """
 
 from __future__ import annotations
@@ -110,8 +113,9 @@ def check_run_dir(flag: str, run_dir: Path) -> None:
 
 def base_id(cfg, base_path: str) -> str:
     """What makes two base evaluations the same: the weights, the env section (task, chunking,
-    observations) and the sampler's flow steps."""
-    return json.dumps({"base": str(base_path), "env": dataclasses.asdict(cfg.env),
+    observations), the algorithm (its policy's sampler: FPO++'s Euler steps, ReinFlow's mean
+    chain) and the sampler's flow steps."""
+    return json.dumps({"base": str(base_path), "env": dataclasses.asdict(cfg.env), "algorithm": cfg.algorithm,
                        "flow_steps": cfg.algo.flow_steps}, sort_keys=True, default=str)
 
 
@@ -318,12 +322,13 @@ def summarise(bases: dict, variants: dict, n_boot: int, reference: str | None = 
     for name, v in variants.items():
         if name == reference:
             continue
-        if v["base"] != ref["base"]:
-            # Another base policy, env section or flow steps: a sweep may mix such variants with
-            # the reference's (flow steps beside N_mc); they keep their gain over their own base.
+        if json.loads(v["base"])["env"] != json.loads(ref["base"])["env"]:
+            # Another env section: other episodes, nothing to pair.
             v["vs_reference"] = {"reference": reference, "compared": False}
             continue
-        v["vs_reference"] = {"reference": reference, "compared": True}
+        # Same env section, so the same seeded episodes: the final policies pair by episode even
+        # where the base settings differ (another algorithm or flow steps: FPO++ vs ReinFlow).
+        v["vs_reference"] = {"reference": reference, "compared": True, "same_base": v["base"] == ref["base"]}
         for s in SAMPLING_RULES:
             ref_mean = np.mean([r["outcomes"][s]["successes"] for r in ref["runs"]], axis=0)   # [E]
             v["vs_reference"][s] = paired_bootstrap_gain([r["outcomes"][s]["successes"] for r in v["runs"]],
@@ -363,6 +368,9 @@ def plot(variants: dict, results_dir: Path, output: str) -> list[str]:
                                "success rate", title)
                for key, fname, title in (("train_curve", "train", "training success (last 100 episodes, random sampling)"),
                                          ("eval_curve", "eval", "periodic eval success (config's eval.sampling)"))]
+    written.append(plot_run_curves(variants, "train_curve_time", results_dir / f"{output}_train_wallclock.png",
+                                   "wall-clock (min)", "success rate",
+                                   "training success (last 100 episodes) vs wall-clock"))
     return [w for w in written if w]
 
 
@@ -379,15 +387,16 @@ def reference_table(variants: dict, pct, pts) -> str:
         ref = variants[d["reference"]]
         for s in SAMPLING_RULES:
             g = d[s]
-            rows.append([name, d["reference"], s, pct(ref["success"][s]["mean"]), pct(v["success"][s]["mean"]),
+            rows.append([name, d["reference"], s, "yes" if d.get("same_base", True) else "no",
+                         pct(ref["success"][s]["mean"]), pct(v["success"][s]["mean"]),
                          f"{pts(g['gain'])} [{pts(g['ci_low'])}, {pts(g['ci_high'])}]"])
-    note = (f"\n\nNot compared with the reference (another base setting: base policy, env section or "
-            f"flow steps): {', '.join(skipped)}." if skipped else "")
+    note = (f"\n\nNot compared with the reference (another env section, so other episodes): "
+            f"{', '.join(skipped)}." if skipped else "")
     if not rows:
         return note
     return ("\n\nAgainst the reference (mean over its seeds minus the reference's, in points; CI: bootstrap over "
             "episodes, paired; it does not resample the training seeds, whose spread is in the table above):\n\n"
-            + md_table(["variant", "reference", "sampling", "reference mean", "variant mean",
+            + md_table(["variant", "reference", "sampling", "same base setting", "reference mean", "variant mean",
                         "difference [95 % CI], points"], rows)) + note
 
 
@@ -402,8 +411,9 @@ def report(results: dict, results_dir: Path, output: str) -> None:
                          pct(succ["mean"]), f"{pts(g['gain'])} [{pts(g['ci_low'])}, {pts(g['ci_high'])}]"])
         for r in v["runs"]:
             wall = "-" if r["launch_wall_s"] is None else f"{r['launch_wall_s'] / 60:.1f} min"
+            per_it = lambda k: "-" if r.get(k) is None else f"{r[k]:.1f} s"            # noqa: E731
             runs.append([name, r["seed"], r["run_dir"], r["iterations"], f"{r['env_steps']:,}",
-                         f"{r['time_s'] / 60:.1f} min", wall])
+                         f"{r['time_s'] / 60:.1f} min", wall, per_it("update_time_s"), per_it("sample_time_s")])
     p = results["protocol"]
     body = (f"Protocol: every policy and its base evaluated in one process on the same {p['episodes']} seeded "
             f"episodes per sampling rule (evaluation seed {p['eval_seed']}, {p['eval_envs']} envs); gain = mean "
@@ -415,7 +425,8 @@ def report(results: dict, results_dir: Path, output: str) -> None:
                        rows)
             + "\n\nRuns (env steps = chunk steps, each up to `env.act_steps` robosuite steps; training = the "
               "iterations' time; launch = the whole `flowrl-ray train` process, Ray's start included):\n\n"
-            + md_table(["variant", "seed", "run", "iterations", "env steps", "training", "launch"], runs)
+            + md_table(["variant", "seed", "run", "iterations", "env steps", "training", "launch",
+                        "learner s/iteration", "rollout s/iteration"], runs)
             + reference_table(results["variants"], pct, pts)
             + f"\n\nEvaluation time: {results['eval_time_s'] / 60:.1f} min.\n")
     write_results(output, "Robot evaluation protocol", body, results_dir=results_dir)

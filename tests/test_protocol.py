@@ -138,11 +138,17 @@ def test_reference_difference_is_the_mean_over_seeds_minus_the_references_by_han
     def runs(*per_seed):     # the same outcomes under both sampling rules
         return [{"outcomes": {s: {"successes": list(x)} for s in rp.SAMPLING_RULES}} for x in per_seed]
 
-    bases = {"b": {"outcomes": {s: {"successes": [1, 0, 1, 0]} for s in rp.SAMPLING_RULES}},
-             "other": {"outcomes": {s: {"successes": [0, 0, 0, 0]} for s in rp.SAMPLING_RULES}}}
-    variants = {"ref": {"base": "b", "runs": runs([1, 0, 0, 0], [1, 1, 0, 0])},     # per episode 1, .5, 0, 0
-                "a": {"base": "b", "runs": runs([1, 1, 1, 0], [1, 1, 0, 0])},       # per episode 1, 1, .5, 0
-                "all": {"base": "b", "runs": runs([1, 1, 1, 1], [1, 1, 1, 1])}}
+    def bid(env="lift", algorithm="fpopp", flow_steps=10):      # base ids as base_id writes them
+        return json.dumps({"base": "p.pt", "env": {"id": env}, "algorithm": algorithm, "flow_steps": flow_steps},
+                          sort_keys=True)
+
+    b, other, elsewhere = bid(), bid(algorithm="reinflow", flow_steps=4), bid(env="can")
+    bases = {b: {"outcomes": {s: {"successes": [1, 0, 1, 0]} for s in rp.SAMPLING_RULES}},
+             other: {"outcomes": {s: {"successes": [0, 0, 0, 0]} for s in rp.SAMPLING_RULES}},
+             elsewhere: {"outcomes": {s: {"successes": [0, 0, 0, 0]} for s in rp.SAMPLING_RULES}}}
+    variants = {"ref": {"base": b, "runs": runs([1, 0, 0, 0], [1, 1, 0, 0])},     # per episode 1, .5, 0, 0
+                "a": {"base": b, "runs": runs([1, 1, 1, 0], [1, 1, 0, 0])},       # per episode 1, 1, .5, 0
+                "all": {"base": b, "runs": runs([1, 1, 1, 1], [1, 1, 1, 1])}}
     rp.summarise(bases, variants, n_boot=2000, reference="ref")
     assert "vs_reference" not in variants["ref"]
     d = variants["a"]["vs_reference"]["zero"]
@@ -153,10 +159,18 @@ def test_reference_difference_is_the_mean_over_seeds_minus_the_references_by_han
     assert d["gain"] == pytest.approx(0.625) and d["seeds"] == 2 and d["episodes"] == 4
     table = rp.reference_table(variants, lambda v: f"{100 * v:.0f} %", lambda v: f"{100 * v:+.1f}")
     assert "| a " in table and "+25.0" in table and "| ref " not in table.split("reference mean")[1].split("\n| a")[0]
-    variants["a"]["base"] = "other"          # e.g. other flow steps: listed, not compared
+    # another algorithm and flow steps on the same env: the same episodes, compared and marked
+    variants["a"]["base"] = other
+    rp.summarise(bases, variants, n_boot=2000, reference="ref")
+    assert variants["a"]["vs_reference"]["compared"] and not variants["a"]["vs_reference"]["same_base"]
+    assert variants["a"]["vs_reference"]["zero"]["gain"] == pytest.approx(0.25)
+    assert variants["a"]["gain"]["zero"]["gain"] == pytest.approx(0.625)        # over its own base: 0
+    table = rp.reference_table(variants, lambda v: f"{100 * v:.0f} %", lambda v: f"{100 * v:+.1f}")
+    assert "| no " in table and "| yes " in table                        # the "same base setting" column
+    variants["a"]["base"] = elsewhere        # another env section: other episodes, not compared
     rp.summarise(bases, variants, n_boot=10, reference="ref")
     assert variants["a"]["vs_reference"] == {"reference": "ref", "compared": False}
-    assert variants["all"]["vs_reference"]["compared"]
+    assert variants["all"]["vs_reference"]["compared"] and variants["all"]["vs_reference"]["same_base"]
     table = rp.reference_table(variants, lambda v: f"{100 * v:.0f} %", lambda v: f"{100 * v:+.1f}")
     assert "| all " in table and "| a " not in table and "Not compared with the reference" in table
     assert table.rstrip().endswith(": a.")
