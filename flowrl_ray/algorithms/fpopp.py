@@ -36,9 +36,9 @@ import torch
 
 from flowrl_ray.algorithms.advantages import explained_variance, normalize
 from flowrl_ray.algorithms.base import Algorithm
-from flowrl_ray.optim import load_scheduler, lr_multiplier, optimizer_step
+from flowrl_ray.optim import load_scheduler, lr_multiplier
 from flowrl_ray.algorithms.losses import approx_kl, aspo_objective, ppo_clip_objective, value_loss
-from flowrl_ray.algorithms.onpolicy import advantages_from_rollouts
+from flowrl_ray.algorithms.onpolicy import actor_critic_epochs, advantages_from_rollouts, critic_values
 from flowrl_ray.batch import Batch, map_obs
 from flowrl_ray.config import Config, ConfigError, check, check_layer_sizes, check_minibatch_size
 from flowrl_ray.envs import EnvSpec
@@ -282,9 +282,7 @@ class FPOPP(Algorithm):
 
     def values(self, obs) -> torch.Tensor:
         """V(o) for obs [T, N, ...] (or [K, ...]) -> [T, N] (or [K])."""
-        lead = (obs["state"] if isinstance(obs, dict) else obs).shape[:-1]
-        flat = map_obs(lambda x: x.reshape(-1, *x.shape[len(lead):]), obs)
-        return self.critic(flat).reshape(lead)
+        return critic_values(self.critic, obs)
 
     # ------------------------------------------------------------------ prepare
     def prepare(self, batches: list[Batch]) -> dict:
@@ -356,39 +354,15 @@ class FPOPP(Algorithm):
     def update(self, b: dict) -> dict[str, float]:
         c, m = self.c, b["advantages"].shape[0]
         train_actor = self.iteration >= c.critic_warmup_iters
-        actor_active = train_actor              # until the critic warm-up ends or target KL is hit
-        stats: dict[str, list[float]] = {}
-        actor_steps = critic_steps = 0
-        early_stop = False
-        for _ in range(c.epochs):
-            perm = torch.randperm(m, generator=self.generator).to(self.device)
-            for start in range(0, m, c.minibatch_size):
-                idx = perm[start:start + c.minibatch_size]
-                optimizers = [self.actor_opt, self.critic_opt] if actor_active else [self.critic_opt]
-                # Gradient accumulation: the minibatch in parts (memory), one optimiser step.
-                parts = idx.chunk(c.grad_accumulation)
-                total_loss, mb_stats = 0.0, {}
-                for part in parts:
-                    loss, part_stats = self._losses(b, part, actor_active)
-                    total_loss = total_loss + loss * (len(part) / len(idx))
-                    for k, v in part_stats.items():
-                        mb_stats[k] = mb_stats.get(k, 0.0) + float(v) * len(part) / len(idx)
-                # Actor and critic each clipped by their own norm (the release clips both
-                # separately): a large critic gradient does not shrink the actor's step.
-                norms, stepped = optimizer_step(total_loss, optimizers, c.max_grad_norm)
-                self.skipped_updates += int(not stepped)
-                actor_steps += int(actor_active)
-                critic_steps += 1
-                if actor_active:
-                    stats.setdefault("actor_grad_norm", []).append(norms[0])
-                stats.setdefault("critic_grad_norm", []).append(norms[-1])
-                mb_stats["grad_norm"] = float(np.sqrt(np.sum(np.square(norms))))   # of both together
-                for k, v in mb_stats.items():
-                    stats.setdefault(k, []).append(v)
-                if actor_active and c.target_kl is not None and mb_stats["approx_kl"] > c.target_kl:
-                    # Past the trust region: the actor stops for this iteration; the critic
-                    # goes on with its epochs (its targets do not depend on the actor).
-                    actor_active, early_stop = False, True
+        # Actor and critic each clipped by their own norm (the release clips both separately):
+        # a large critic gradient does not shrink the actor's step.
+        run = actor_critic_epochs(m, lambda idx, actor: self._losses(b, idx, actor), self.actor_opt,
+                                  self.critic_opt, epochs=c.epochs, minibatch_size=c.minibatch_size,
+                                  generator=self.generator, device=self.device, max_grad_norm=c.max_grad_norm,
+                                  train_actor=train_actor, target_kl=c.target_kl,
+                                  grad_accumulation=c.grad_accumulation)
+        self.skipped_updates += run.skipped
+        stats, actor_steps, critic_steps, early_stop = run.stats, run.actor_steps, run.critic_steps, run.early_stop
         lrs = {"fpopp/actor_lr": self.actor_opt.param_groups[0]["lr"],
                "fpopp/critic_lr": self.critic_opt.param_groups[0]["lr"]}
         # The actor's schedule starts with its first step (after the critic warm-up).

@@ -1,14 +1,18 @@
-"""The part of `prepare` every env-step actor-critic shares: values on the learner, GAE with
-termination vs truncation, flattened to [T*N] training tensors."""
+"""What the env-step actor-critics share: `prepare`'s values on the learner, GAE with termination
+vs truncation, flattened to [T*N] training tensors; the critic's values of time-major
+observations; PPO's epochs over minibatches with an actor and a critic optimiser."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 
 from flowrl_ray.algorithms.advantages import gae
 from flowrl_ray.batch import Batch, concat_time_major, gather_obs, map_obs
+from flowrl_ray.optim import optimizer_step
 
 #: Batch keys the runner writes itself; every other key is the policy's per-step record
 ROLLOUT_KEYS = ("obs", "rewards", "terminated", "truncated", "final_obs", "last_obs")
@@ -54,4 +58,68 @@ def advantages_from_rollouts(batches: list[Batch], values_fn: Callable, gamma: f
     flat = lambda x: x.reshape(-1, *x.shape[2:])               # [T, N, ...] -> [T*N, ...]
     out = {k: flat(_as_float(v)) for k, v in d.items() if not _is_rollout_key(k)}
     out.update(obs=map_obs(flat, obs), values_old=flat(values), advantages=flat(adv), returns=flat(ret))
+    return out
+
+
+def critic_values(critic: Callable, obs) -> torch.Tensor:
+    """V(o) for obs [T, N, ...] (or [K, ...]; a dict for image policies) -> [T, N] (or [K]):
+    the leading dims flattened for the critic and restored."""
+    lead = (obs["state"] if isinstance(obs, dict) else obs).shape[:-1]
+    flat = map_obs(lambda x: x.reshape(-1, *x.shape[len(lead):]), obs)
+    return critic(flat).reshape(lead)
+
+
+@dataclass
+class EpochsResult:
+    """What :func:`actor_critic_epochs` did: per-minibatch statistics (each key a list), optimiser
+    steps of the actor and the critic, whether the target-KL stop ended the actor's epochs, and
+    how many steps were skipped for a non-finite loss or gradient."""
+    stats: dict[str, list[float]] = field(default_factory=dict)
+    actor_steps: int = 0
+    critic_steps: int = 0
+    early_stop: bool = False
+    skipped: int = 0
+
+
+def actor_critic_epochs(m: int, losses: Callable[[torch.Tensor, bool], tuple[torch.Tensor, dict]],
+                        actor_opt: torch.optim.Optimizer, critic_opt: torch.optim.Optimizer, *, epochs: int,
+                        minibatch_size: int, generator: torch.Generator, device: torch.device,
+                        max_grad_norm: float, train_actor: bool, target_kl: float | None,
+                        grad_accumulation: int = 1) -> EpochsResult:
+    """PPO's epochs for an actor and a critic with their own optimisers (FPO++, ReinFlow):
+
+        for each epoch: shuffle the M samples; for each minibatch of ``minibatch_size``:
+            loss = sum over its ``grad_accumulation`` parts of losses(part, actor_active) * |part| / |mb|
+            one optimiser step (each optimiser clipped by its own norm; non-finite: skipped)
+            target-KL stop: once a minibatch's ``approx_kl`` > target_kl, the actor stops for the
+            rest of the iteration and the critic goes on (its targets do not depend on the actor)
+
+    ``losses(idx, train_actor) -> (loss, stats)``: with ``train_actor`` False (critic warm-up or
+    after the stop) the critic's loss alone. Statistics are averaged over the parts; ``grad_norm``
+    is the norm of both gradients together, ``actor_grad_norm`` / ``critic_grad_norm`` each's."""
+    out = EpochsResult()
+    actor_active = train_actor
+    for _ in range(epochs):
+        perm = torch.randperm(m, generator=generator).to(device)
+        for start in range(0, m, minibatch_size):
+            idx = perm[start:start + minibatch_size]
+            optimizers = [actor_opt, critic_opt] if actor_active else [critic_opt]
+            total_loss, mb_stats = 0.0, {}
+            for part in idx.chunk(grad_accumulation):          # the minibatch in parts (memory)
+                loss, part_stats = losses(part, actor_active)
+                total_loss = total_loss + loss * (len(part) / len(idx))
+                for k, v in part_stats.items():
+                    mb_stats[k] = mb_stats.get(k, 0.0) + float(v) * len(part) / len(idx)
+            norms, stepped = optimizer_step(total_loss, optimizers, max_grad_norm)
+            out.skipped += int(not stepped)
+            out.actor_steps += int(actor_active)
+            out.critic_steps += 1
+            if actor_active:
+                out.stats.setdefault("actor_grad_norm", []).append(norms[0])
+            out.stats.setdefault("critic_grad_norm", []).append(norms[-1])
+            mb_stats["grad_norm"] = float(np.sqrt(np.sum(np.square(norms))))
+            for k, v in mb_stats.items():
+                out.stats.setdefault(k, []).append(v)
+            if actor_active and target_kl is not None and mb_stats["approx_kl"] > target_kl:
+                actor_active, out.early_stop = False, True
     return out

@@ -42,13 +42,13 @@ from flowrl_ray.algorithms.base import Algorithm
 from flowrl_ray.algorithms.fpopp import (check_base_policy, check_flow_arch, executed_row_mask, image_shape,
                                          load_base_policy)
 from flowrl_ray.algorithms.losses import approx_kl, ppo_clip_objective, value_loss
-from flowrl_ray.algorithms.onpolicy import advantages_from_rollouts
+from flowrl_ray.algorithms.onpolicy import actor_critic_epochs, advantages_from_rollouts, critic_values
 from flowrl_ray.batch import Batch, map_obs
 from flowrl_ray.config import Config, ConfigError, check, check_layer_sizes, check_minibatch_size
 from flowrl_ray.envs import EnvSpec
 from flowrl_ray.models.flow import FLOW_ARCH_DEFAULTS, FlowPolicy, Obs, ValueMLP, obs_batch_size
 from flowrl_ray.models.noisy_flow import NoiseStdNet, chain_entropy, chain_log_prob, noisy_flow_sample
-from flowrl_ray.optim import load_scheduler, lr_multiplier, optimizer_step
+from flowrl_ray.optim import load_scheduler, lr_multiplier
 
 
 @dataclass
@@ -231,9 +231,7 @@ class ReinFlow(Algorithm):
 
     def values(self, obs) -> torch.Tensor:
         """V(o) for obs [T, N, ...] (or [K, ...]) -> [T, N] (or [K])."""
-        lead = (obs["state"] if isinstance(obs, dict) else obs).shape[:-1]
-        flat = map_obs(lambda x: x.reshape(-1, *x.shape[len(lead):]), obs)
-        return self.critic(flat).reshape(lead)
+        return critic_values(self.critic, obs)
 
     # ------------------------------------------------------------------ prepare
     def prepare(self, batches: list[Batch]) -> dict:
@@ -285,27 +283,12 @@ class ReinFlow(Algorithm):
     def update(self, b: dict) -> dict[str, float]:
         c, m = self.c, b["advantages"].shape[0]
         train_actor = self.iteration >= c.critic_warmup_iters
-        actor_active = train_actor
-        stats: dict[str, list[float]] = {}
-        actor_steps = critic_steps = 0
-        early_stop = False
-        for _ in range(c.epochs):
-            perm = torch.randperm(m, generator=self.generator).to(self.device)
-            for start in range(0, m, c.minibatch_size):
-                idx = perm[start:start + c.minibatch_size]
-                optimizers = [self.actor_opt, self.critic_opt] if actor_active else [self.critic_opt]
-                loss, mb_stats = self._losses(b, idx, actor_active)
-                norms, stepped = optimizer_step(loss, optimizers, c.max_grad_norm)
-                self.skipped_updates += int(not stepped)
-                actor_steps += int(actor_active)
-                critic_steps += 1
-                if actor_active:
-                    stats.setdefault("actor_grad_norm", []).append(norms[0])
-                stats.setdefault("critic_grad_norm", []).append(norms[-1])
-                for k, v in mb_stats.items():
-                    stats.setdefault(k, []).append(float(v))
-                if actor_active and c.target_kl is not None and float(mb_stats["approx_kl"]) > c.target_kl:
-                    actor_active, early_stop = False, True   # the critic goes on with its epochs
+        run = actor_critic_epochs(m, lambda idx, actor: self._losses(b, idx, actor), self.actor_opt,
+                                  self.critic_opt, epochs=c.epochs, minibatch_size=c.minibatch_size,
+                                  generator=self.generator, device=self.device, max_grad_norm=c.max_grad_norm,
+                                  train_actor=train_actor, target_kl=c.target_kl)
+        self.skipped_updates += run.skipped
+        stats = run.stats
         lrs = {"reinflow/actor_lr": self.actor_opt.param_groups[0]["lr"],
                "reinflow/noise_lr": self.actor_opt.param_groups[1]["lr"],
                "reinflow/critic_lr": self.critic_opt.param_groups[0]["lr"]}
@@ -316,10 +299,10 @@ class ReinFlow(Algorithm):
         out = {k: float(np.mean(v)) for k, v in stats.items() if not k.endswith("grad_norm")}
         out.update(lrs)
         out.update({f"reinflow/{k}": float(np.mean(stats[k])) if k in stats else float("nan")
-                    for k in ("actor_grad_norm", "critic_grad_norm")})
+                    for k in ("grad_norm", "actor_grad_norm", "critic_grad_norm")})
         out.update({"reinflow/explained_variance": explained_variance(b["returns"], b["values_old"]),
-                    "reinflow/actor_steps": actor_steps, "reinflow/critic_steps": critic_steps,
-                    "reinflow/early_stopped": float(early_stop), "reinflow/actor_frozen": float(not train_actor),
+                    "reinflow/actor_steps": run.actor_steps, "reinflow/critic_steps": run.critic_steps,
+                    "reinflow/early_stopped": float(run.early_stop), "reinflow/actor_frozen": float(not train_actor),
                     "reinflow/skipped_updates": self.skipped_updates,
                     "reinflow/advantage_mean": float(b["advantages"].mean()),
                     "reinflow/advantage_std": float(b["advantages"].std()),
