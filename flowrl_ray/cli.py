@@ -368,7 +368,7 @@ def cmd_import_reinflow(args: argparse.Namespace) -> int:
 
     import torch
 
-    from flowrl_ray.models.reinflow_import import (config_overrides, import_reinflow_checkpoint,
+    from flowrl_ray.import_reinflow import (config_overrides, import_reinflow_checkpoint,
                                                    write_norm_dataset)
     from flowrl_ray.utils import atomic_write_bytes
     if args.flow_steps <= 0:

@@ -76,7 +76,8 @@ def test_real_lift_rollout_records_chains_and_ratios_start_at_one():
     assert prepared["logp_old"].shape == (10,) and torch.isfinite(prepared["logp_old"]).all()
     with torch.no_grad():
         new = algo.policy.chain_log_prob(prepared["obs"], prepared["chains"], prepared["row_mask"])
-    assert torch.equal(new, prepared["logp_old"])                  # every ratio exactly 1
+    # every ratio 1, up to the rounding of another batch size (prepare scores in minibatches)
+    torch.testing.assert_close(new, prepared["logp_old"], rtol=0, atol=1e-5)
     metrics = algo.update(prepared)
     assert np.isfinite(metrics["pg_loss"]) and metrics["reinflow/actor_steps"] == 2 * 3
 
@@ -103,7 +104,8 @@ def test_only_executed_rows_enter_the_log_prob():
     with torch.no_grad():
         same = algo.policy.chain_log_prob(b["obs"], changed, b["row_mask"])
         other = algo.policy.chain_log_prob(b["obs"], changed)
-    assert torch.equal(same, b["logp_old"]) and (other < b["logp_old"] - 10).all()
+    torch.testing.assert_close(same, b["logp_old"], rtol=0, atol=1e-5)
+    assert (other < b["logp_old"] - 10).all()
 
 
 def test_reference_scale_divides_the_log_ratio_by_k_plus_one_rows_dims():

@@ -10,7 +10,8 @@ Gaussian noise at each of its K Euler steps (:mod:`flowrl_ray.models.noisy_flow`
     prepare:          V(o_t), GAE -> flat [M] advantages, returns; the row mask [M, Ta]; then
                           log pi_old = sum_k sum_{executed rows} sum_d log N(x_{k+1}; mu_k, sigma_k^2)
                       under the rollout weights (sync: the learner's weights are the rollout
-                      weights, so every ratio is exactly 1 before the first step; async: the
+                      weights, so every ratio is 1 before the first step, up to float rounding
+                      of another batch size; async: the
                       workers record each row's log-prob at sampling time)
     update:           rho = exp(s * (log pi_new - log pi_old)),   s = 1 or 1 / ((K + 1) Ta Da)
                       maximise mean PPO-clip(rho, A) + ent_coef * s * H(chain)
