@@ -265,16 +265,18 @@ class ReinFlow(Algorithm):
         if not train_actor:                            # critic warm-up: the actor is frozen
             return c.vf_coef * v_loss, {"v_loss": v_loss.detach()}
         chains, mask = b["chains"][idx], b["row_mask"][idx]                        # [mb, K+1, Ta, Da], [mb, Ta]
-        logp = self._policy.chain_log_prob(obs, chains, mask)                     # [mb]
+        pi = self._policy
+        cond = pi.encoder(obs)                        # encoded once for log-prob, entropy, stats
+        logp = chain_log_prob(pi.velocity, pi.log_std, cond, chains, mask)         # [mb]
         log_ratio = self.scale * (logp - b["logp_old"][idx])                      # [mb]
         ratio = log_ratio.exp()
         adv = b["advantages"][idx]
         adv = normalize(adv) if c.normalize_advantages else adv
         pg_loss = -ppo_clip_objective(ratio, adv, c.clip).mean()
-        entropy = self.scale * self._policy.chain_entropy(obs, chains, mask)      # [mb]
+        entropy = self.scale * chain_entropy(pi.log_std, cond, chains, mask)      # [mb]
         loss = pg_loss - c.ent_coef * entropy.mean() + c.vf_coef * v_loss
         with torch.no_grad():
-            log_std = self._policy.log_std(torch.zeros(len(idx)), self._policy.encoder(obs))
+            log_std = pi.log_std(torch.zeros(len(idx)), cond)                     # sigma at tau = 0
             stats = {"pg_loss": pg_loss.detach(), "v_loss": v_loss.detach(), "entropy": entropy.mean(),
                      "ratio_mean": ratio.mean(), "ratio_std": ratio.std(), "ratio_min": ratio.min(),
                      "ratio_max": ratio.max(), "clipfrac": ((ratio - 1.0).abs() > c.clip).float().mean(),
