@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from flowrl_ray.algorithms.flowsar import (FlowSAR, credit_weights, ema_coefficient, ema_update,
-                                           flowsar_loss, mirror_energies, reconstruction_error)
+from flowrl_ray.algorithms.flowsar import (FlowSAR, centred_labels, credit_weights, ema_coefficient, ema_update,
+                                           flowsar_loss, mirror_energies, reconstruction_error, self_annotation,
+                                           standardize_per_episode)
 from flowrl_ray.batch import Batch, BatchMeta
 from flowrl_ray.config import ConfigError, config_from_dict
 from flowrl_ray.envs import EnvSpec
@@ -225,6 +226,100 @@ def test_shaped_lambda_mixes_signed_errors_and_reward_differences():
         credit_weights(e, torch.tensor([True, False]), 0.5, shaped_lambda=0.25)
 
 
+def test_standardize_per_episode_by_hand():
+    # row 0: [1, 2, 3], mean 2, population std sqrt(2/3); row 1: two real steps [4, 8] -> [-1, 1];
+    # row 2: one step -> 0; padded steps -> 0
+    x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 8.0, 100.0], [7.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 0, 0]], dtype=torch.bool)
+    s = math.sqrt(2 / 3)
+    torch.testing.assert_close(standardize_per_episode(x, mask),
+                               torch.tensor([[-1 / s, 0.0, 1 / s], [-1.0, 1.0, 0.0], [0.0, 0.0, 0.0]]))
+
+
+def test_standardised_weights_are_invariant_to_shifting_and_scaling_e_per_episode():
+    g = torch.Generator().manual_seed(0)
+    e = torch.rand(3, 6, generator=g) * 30
+    mask = torch.arange(6)[None] < torch.tensor([[6], [4], [5]])
+    success = torch.tensor([True, False, True])
+    w = credit_weights(e, success, 0.5, "softmax", mask, standardize=True)
+    moved = e * torch.tensor([[3.0], [0.1], [12.0]]) + torch.tensor([[-5.0], [40.0], [2.0]])
+    torch.testing.assert_close(credit_weights(moved, success, 0.5, "softmax", mask, standardize=True), w)
+    # the literal rule is only shift-invariant: scaling e changes its sharpness
+    lit = credit_weights(e, success, 0.5, "softmax", mask)
+    assert not torch.allclose(credit_weights(e * 3, success, 0.5, "softmax", mask), lit, atol=1e-3)
+    # by hand on one row: z = [-1, 1] (two steps), success softmax(z / T) with T = 1
+    w2 = credit_weights(torch.tensor([[10.0, 30.0]]), torch.tensor([True]), 1.0, standardize=True)
+    torch.testing.assert_close(w2, torch.tensor([[1.0, math.exp(2.0)]]) / (1 + math.exp(2.0)))
+
+
+def test_mean_one_scale_multiplies_each_episode_by_its_length():
+    e = torch.tensor([[1.0, 2.0, 3.0, 0.5], [4.0, 5.0, 7.0, 9.0], [0.3, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]], dtype=torch.bool)
+    success = torch.tensor([True, False, True])
+    for mode in ("softmax", "normalized", "uniform", "random", "inverse"):
+        gen = lambda: torch.Generator().manual_seed(0)   # noqa: E731
+        w1 = credit_weights(e, success, 0.5, mode, mask, generator=gen())
+        wm = credit_weights(e, success, 0.5, mode, mask, generator=gen(), scale="mean_one")
+        torch.testing.assert_close(wm, w1 * torch.tensor([[4.0], [2.0], [1.0]]), msg=mode)
+        torch.testing.assert_close(wm.sum(1), torch.tensor([4.0, 2.0, 1.0]), msg=mode)
+        assert torch.all(wm[~mask] == 0), mode
+    uniform = credit_weights(e, success, 0.5, "uniform", mask, scale="mean_one")
+    torch.testing.assert_close(uniform, mask.float())
+    with pytest.raises(ValueError, match="weight scale"):
+        credit_weights(e, success, 0.5, scale="sum")
+
+
+def test_self_annotation_averages_the_draws_and_divides_by_t_mid_squared():
+    # v = 0: a_hat = x, so e = t^2 || a - eps ||^2 for each draw (summed over chunk and action dims)
+    a = torch.randn(5, 4, 3, generator=torch.Generator().manual_seed(1))
+    zero_field = lambda x, tau, obs: torch.zeros_like(x)   # noqa: E731
+    t = torch.tensor([0.3, 0.5, 0.7, 0.4, 0.6])
+    gen = torch.Generator().manual_seed(2)
+    e = self_annotation(zero_field, None, a, t, 3, torch.Generator().manual_seed(2))
+    draws = [torch.randn(a.shape, generator=gen) for _ in range(3)]
+    expect = sum(t ** 2 * (a - eps).pow(2).sum(dim=(1, 2)) for eps in draws) / 3
+    torch.testing.assert_close(e, expect)
+    per_time = self_annotation(zero_field, None, a, t, 3, torch.Generator().manual_seed(2), per_unit_time=True)
+    torch.testing.assert_close(per_time, expect / t ** 2)
+    # averaging lowers the draw-to-draw spread: the std of e over 64 single draws vs 16-draw means
+    singles = torch.stack([self_annotation(zero_field, None, a, 0.5, 1, torch.Generator().manual_seed(s))
+                           for s in range(64)])
+    means = torch.stack([self_annotation(zero_field, None, a, 0.5, 16, torch.Generator().manual_seed(s))
+                         for s in range(64)])
+    assert (means.std(0) < 0.5 * singles.std(0)).all()
+
+
+def test_centred_labels_by_hand():
+    # 1 success in 4: (R - .25) / (sqrt(3) / 4) = [1.73, -.577 x 3] -> clip -> r = [1, .5 - .289 x 3]
+    r = centred_labels(torch.tensor([True, False, False, False]))
+    f = 0.5 - 0.5 / math.sqrt(3)
+    torch.testing.assert_close(r, torch.tensor([1.0, f, f, f]))
+    # 1 failure in 4: mirrored
+    torch.testing.assert_close(centred_labels(torch.tensor([False, True, True, True])),
+                               torch.tensor([0.0, 1 - f, 1 - f, 1 - f]))
+    # one outcome only: no contrast
+    torch.testing.assert_close(centred_labels(torch.tensor([True, True])), torch.tensor([0.5, 0.5]))
+
+
+def test_uniform_mean_one_mse_branch_is_diffusionnfts_loss_on_a_toy_batch():
+    # DiffusionNFT (its Eq. for the policy loss): mean_i [ r_i ||v+ - u||^2 + (1 - r_i) ||v- - u||^2 ]
+    # with v+ = (1 - beta) v_old + beta v, v- = (1 + beta) v_old - beta v, || . ||^2 a mean over dims.
+    g = torch.Generator().manual_seed(3)
+    v_old, v, u = (torch.randn(6, 4, 3, generator=g) for _ in range(3))
+    r = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0])
+    beta = 0.7
+    vp, vn = (1 - beta) * v_old + beta * v, (1 + beta) * v_old - beta * v
+    nft = (r * (vp - u).pow(2).mean(dim=(1, 2)) + (1 - r) * (vn - u).pow(2).mean(dim=(1, 2))).mean()
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 0]], dtype=torch.bool)    # two episodes of 3 steps
+    w = credit_weights(torch.rand(2, 4), torch.tensor([True, False]), 0.5, "uniform", mask,
+                       scale="mean_one")[mask]
+    loss = flowsar_loss(v, v_old, u, w, r, beta, loss_variant="mse_branch")
+    torch.testing.assert_close(loss, nft)
+    # the spec's sum-to-1 weights make the same loss 3 times weaker
+    w_sum = credit_weights(torch.rand(2, 4), torch.tensor([True, False]), 0.5, "uniform", mask)[mask]
+    torch.testing.assert_close(flowsar_loss(v, v_old, u, w_sum, r, beta, loss_variant="mse_branch"), nft / 3)
+
+
 def test_unknown_weight_mode_raises():
     with pytest.raises(ValueError, match="weight mode"):
         credit_weights(torch.ones(1, 2), torch.tensor([True]), 0.5, "softmaxx")
@@ -432,8 +527,8 @@ def test_episode_spanning_two_batches_is_counted_once_it_ends():
     expect_actions = np.concatenate([b1["actions"][:, 0], b2["actions"][:2, 0], b1["actions"][:, 1], b2["actions"][:, 1]])
     assert np.array_equal(out["actions"].numpy(), expect_actions)
     assert out["weights"].shape == (20,)
-    torch.testing.assert_close(out["weights"][:8].sum(), torch.tensor(1.0))
-    torch.testing.assert_close(out["weights"][8:].sum(), torch.tensor(1.0))
+    torch.testing.assert_close(out["weights"][:8].sum(), torch.tensor(8.0))     # mean 1 per step
+    torch.testing.assert_close(out["weights"][8:].sum(), torch.tensor(12.0))
     assert out["rewards"].tolist() == [1.0] * 8 + [0.0] * 12
     assert out["stats"]["flowsar/episodes"] == 2.0
     assert algo.assembler.pending_steps == 4                     # env 0, t = 2..5 of batch 2
@@ -448,22 +543,61 @@ def test_any_positive_return_marks_every_step_a_success():
     assert out["rewards"].tolist() == [1.0] * 4 + [0.0] * 3
 
 
-def test_prepared_weights_are_the_softmax_of_the_old_policys_errors():
-    # The wiring of prepare: e from theta_old at t_mid = .5 with the algorithm's eps draws
-    # (computed here from the equations), then per episode softmax(+-e / T).
+def _errors_by_hand(algo, out, gen, draws: int) -> torch.Tensor:
+    """e of the prepared steps under theta_old at t_mid = .5, averaged over ``draws`` eps drawn
+    from ``gen`` (a copy of the algorithm's generator before prepare), from the equations."""
+    a = out["actions"]
+    total = torch.zeros(a.shape[0])
+    with torch.no_grad():
+        for _ in range(draws):
+            eps = torch.randn(a.shape, generator=gen)
+            x = 0.5 * a + 0.5 * eps
+            v = algo.old.velocity(x, torch.full((a.shape[0],), 0.5), out["obs"])
+            total += (a - (x + 0.5 * v)).pow(2).sum(dim=(1, 2))
+    return total / draws
+
+
+def test_prepared_weights_literal_spec_are_the_softmax_of_the_old_policys_errors():
+    # The spec's rule read literally: one eps draw, softmax(+-e / T) per episode, sum to 1.
+    algo = FlowSAR(tiny_cfg(temperature=0.5, n_annotation_samples=1, error_scale="literal",
+                            weight_scale="sum_one"), SPEC, torch.device("cpu"))
+    b = make_batch(0, ends={(3, 0): "term", (5, 1): "term"}, rewards={(3, 0): 1.0}, seed=3)
+    gen = torch.Generator()
+    gen.set_state(algo.generator.get_state())
+    out = algo.prepare([b])
+    e = _errors_by_hand(algo, out, gen, draws=1)
+    torch.testing.assert_close(out["weights"][:4], torch.softmax(e[:4] / 0.5, 0))
+    torch.testing.assert_close(out["weights"][4:], torch.softmax(-e[4:] / 0.5, 0))
+    assert out["rewards"].tolist() == [1.0] * 4 + [0.0] * 6
+
+
+def test_prepared_weights_by_default_standardise_three_draws_and_average_one():
+    # The default: e averaged over 3 eps draws, standardised per episode (population std),
+    # softmax(+-z / T), times the episode's length.
     algo = FlowSAR(tiny_cfg(temperature=0.5), SPEC, torch.device("cpu"))
     b = make_batch(0, ends={(3, 0): "term", (5, 1): "term"}, rewards={(3, 0): 1.0}, seed=3)
     gen = torch.Generator()
     gen.set_state(algo.generator.get_state())
     out = algo.prepare([b])
-    a = out["actions"]
-    eps = torch.randn(a.shape, generator=gen)
-    with torch.no_grad():
-        x = 0.5 * a + 0.5 * eps
-        v = algo.old.velocity(x, torch.full((a.shape[0],), 0.5), out["obs"])
-        e = (a - (x + 0.5 * v)).pow(2).sum(dim=(1, 2))
-    torch.testing.assert_close(out["weights"][:4], torch.softmax(e[:4] / 0.5, 0))
-    torch.testing.assert_close(out["weights"][4:], torch.softmax(-e[4:] / 0.5, 0))
+    e = _errors_by_hand(algo, out, gen, draws=3)
+    z = lambda x: (x - x.mean()) / (x.std(unbiased=False) + 1e-8)   # noqa: E731
+    torch.testing.assert_close(out["weights"][:4], 4 * torch.softmax(z(e[:4]) / 0.5, 0))
+    torch.testing.assert_close(out["weights"][4:], 6 * torch.softmax(-z(e[4:]) / 0.5, 0))
+    torch.testing.assert_close(out["weights"][:4].mean(), torch.tensor(1.0))
+
+
+def test_batch_label_baseline_gives_the_centred_labels_to_every_step():
+    algo = FlowSAR(tiny_cfg(label_baseline="batch"), SPEC, torch.device("cpu"))
+    # 4 episodes, 1 success: R - mean = [.75, -.25, -.25, -.25], std = sqrt(3) / 4
+    b = make_batch(0, ends={(1, 0): "term", (2, 1): "term", (3, 2): "term", (5, 3): "term"},
+                   rewards={(1, 0): 1.0}, n=4, seed=3)
+    out = algo.prepare([b])
+    r_fail = 0.5 - 0.5 * (0.25 / (math.sqrt(3) / 4))
+    lengths = [2, 3, 4, 6]
+    expect = torch.tensor([1.0] * 2 + [r_fail] * (3 + 4 + 6))
+    assert out["weights"].shape[0] == sum(lengths)
+    torch.testing.assert_close(out["rewards"], expect)
+    assert out["stats"]["flowsar/label_mean"] == pytest.approx((1.0 + 3 * r_fail) / 4)
 
 
 def _params(module) -> dict:
@@ -518,6 +652,16 @@ def test_state_dict_round_trip_restores_policies_and_carried_tails():
     assert ma["flowsar/loss"] == mb["flowsar/loss"]
 
 
+def test_lr_warm_up_is_linear_over_its_iterations_and_survives_a_resume():
+    a = FlowSAR(tiny_cfg(lr_warmup_iters=3), SPEC, torch.device("cpu"))
+    batch = make_batch(0, ends={(5, 0): "term", (5, 1): "term"}, rewards={(5, 0): 1.0})
+    lrs = [a.update(a.prepare([batch]))["flowsar/lr"] for _ in range(2)]
+    b = FlowSAR(tiny_cfg(lr_warmup_iters=3), SPEC, torch.device("cpu"))
+    b.load_state_dict(copy.deepcopy(a.state_dict()))
+    lrs += [b.update(b.prepare([batch]))["flowsar/lr"] for _ in range(2)]
+    assert lrs == pytest.approx([1e-3 / 3, 2e-3 / 3, 1e-3, 1e-3])
+
+
 @pytest.mark.parametrize("overrides, pattern", [
     ({"t_min": 0.8, "t_max": 0.8}, r"algo\.flowsar\.t_min"),
     ({"t_min": 0.9, "t_max": 0.5}, r"algo\.flowsar\.t_min"),
@@ -525,6 +669,10 @@ def test_state_dict_round_trip_restores_policies_and_carried_tails():
     ({"weight_mode": "foo"}, r"algo\.flowsar\.weight_mode.*foo"),
     ({"w_min": 0.5, "w_max": 0.2}, r"algo\.flowsar\.w_min"),
     ({"tau_mid": 1.0}, r"algo\.flowsar\.tau_mid"),
+    ({"error_scale": "zscore"}, r"algo\.flowsar\.error_scale.*zscore"),
+    ({"weight_scale": "sum"}, r"algo\.flowsar\.weight_scale.*sum"),
+    ({"label_baseline": "group"}, r"algo\.flowsar\.label_baseline.*group"),
+    ({"n_annotation_samples": 0}, r"algo\.flowsar\.n_annotation_samples"),
 ])
 def test_config_mistakes_name_the_key(overrides, pattern):
     with pytest.raises(ConfigError, match=pattern):

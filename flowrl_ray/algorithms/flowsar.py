@@ -3,17 +3,26 @@ policy trained from a binary episode reward R in {0, 1} (here: task success).
 
     rollout (worker):  a_i ~ pi_old(. | s_i) by K Euler steps from noise; R per episode
     prepare:           complete episodes (tails carried across batches)
-                       self-annotation, no grad, one forward of the rollout net per step:
+                       self-annotation, no grad, n forwards of the rollout net per step
+                       (one t_mid per step, n draws of eps, spec 9.2):
                            x = (1 - t_mid) a + t_mid eps,   a_hat = x - t_mid v_old(x, t_mid | s)
-                           e_i = || a_i - a_hat ||^2  (summed over chunk and action dims)
-                               = t_mid^2 || v_old - u ||^2                       (Theorem 1)
-                       credit weights per episode (sum to 1): success softmax(e / T),
-                           failure softmax(-e / T)  (or the `normalized` / ablation rules)
+                           e_i = mean over draws of || a_i - a_hat ||^2  (summed over chunk
+                                 and action dims) = t_mid^2 || v_old - u ||^2     (Theorem 1)
+                           random t_mid: e_i / t_mid^2, so that steps compare
+                       credit weights per episode: z = e standardised within the episode
+                           (error_scale: standardized; literal: z = e, the spec's formula),
+                           success softmax(z / T), failure softmax(-z / T)  (or the
+                           `normalized` / ablation rules), then scaled to mean 1 per real step
+                           (weight_scale: mean_one; sum_one: the spec's sum to 1)
+                       labels R in {0, 1} (label_baseline: batch, beyond the spec: DiffusionNFT's
+                           r = 1/2 + 1/2 clip((R - mean R) / std R, -1, 1) over the batch)
     update:            weighted mirror loss, t ~ U[t_min, t_max]:
                            v+ = (1 - beta) v_old + beta v,   v- = (1 + beta) v_old - beta v
                            E+- = mean over chunk and action dims of (v+- - u)^2  [/ (2t): sde]
-                           softplus_kl: w softplus(y (E+ - E-) / 2) + kl_coeff mean (v - v_old)^2
-                           mse_branch:  w (R E+ + (1 - R) E-)
+                           softplus_kl: w softplus(y (E+ - E-) / 2) + kl_coeff mean (v - v_old)^2,
+                                        y = 2R - 1
+                           mse_branch:  w (R E+ + (1 - R) E-); with w = 1 (uniform, mean_one)
+                                        this is DiffusionNFT's loss (spec 9.1)
     sync:              theta_old <- b theta_old + (1 - b) theta,  b = min(eta_rate i, eta_max)
 
 Time convention. The spec writes t = 0 clean, t = 1 noise, x_t = (1 - t) a + t eps and
@@ -36,9 +45,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from flowrl_ray.algorithms.advantages import gae
+from flowrl_ray.algorithms.advantages import gae, group_advantages, group_normalize
 from flowrl_ray.algorithms.base import Algorithm
-from flowrl_ray.optim import optimizer_step
+from flowrl_ray.optim import load_scheduler, lr_multiplier, optimizer_step
 from flowrl_ray.algorithms.episodes import EpisodeAssembler
 from flowrl_ray.algorithms.fpopp import (check_base_policy, check_flow_arch, image_shape, load_base_policy,
                                          make_flow_policy)
@@ -58,8 +67,16 @@ class FlowSARHyper:
     temperature: float = field(default=0.5, metadata=check(gt=0))     # weight sharpness T
     tau_mid: float = field(default=0.5, metadata=check(gt=0, lt=1))   # t_mid (spec: 1 = noise)
     tau_mid_sampling: Literal["fixed", "uniform"] = "fixed"           # uniform: t_mid ~ U[0.3, 0.7]
-    n_annotation_samples: int = field(default=1, metadata=check(gt=0))   # e averaged over draws
+    n_annotation_samples: int = field(default=3, metadata=check(gt=0))   # eps draws per step (spec 9.2)
     weight_mode: Literal[WEIGHT_MODES] = "softmax"
+    # standardized: the softmax acts on e standardised within each episode, so T is a scale-free
+    # sharpness (literal: on e itself, the spec's formula, whose spread grows with the chunk size)
+    error_scale: Literal["standardized", "literal"] = "standardized"
+    # mean_one: an episode's weights average 1 over its steps (uniform == DiffusionNFT's per-sample
+    # loss); sum_one: they sum to 1 (the spec's formula: each step H times weaker than the KL term)
+    weight_scale: Literal["mean_one", "sum_one"] = "mean_one"
+    # beyond the spec: batch centres the labels as DiffusionNFT does (see centred_labels)
+    label_baseline: Literal["none", "batch"] = "none"
     shaped_lambda: Optional[float] = field(default=None, metadata=check(ge=0, le=1))  # None: off
     ema_schedule: Literal["fixed", "linear"] = "linear"
     ema_beta: float = field(default=0.995, metadata=check(ge=0, le=1))
@@ -69,6 +86,7 @@ class FlowSARHyper:
     loss_variant: Literal["softplus_kl", "mse_branch"] = "softplus_kl"
     kl_coeff: float = field(default=1.0, metadata=check(ge=0))
     lr: float = field(default=1e-6, metadata=check(gt=0))
+    lr_warmup_iters: int = field(default=0, metadata=check(ge=0))     # linear warm-up of lr, in iterations
     t_min: float = field(default=0.2, metadata=check(ge=0, le=1))
     t_max: float = field(default=0.8, metadata=check(ge=0, le=1))
     w_min: float = field(default=0.0, metadata=check(ge=0, le=1))
@@ -107,6 +125,20 @@ class FlowSARConfig:
 
 # --------------------------------------------------------------------------- the math
 
+def self_annotation(velocity_fn: VelocityFn, obs, actions: torch.Tensor, t_mid: float | torch.Tensor,
+                    n_draws: int, generator: torch.Generator, per_unit_time: bool = False) -> torch.Tensor:
+    """e [B] averaged over ``n_draws`` eps ~ N(0, I) at the step's one ``t_mid`` (a float or [B]),
+    drawn from ``generator`` (on the CPU) one [B, Ta, Da] block per draw. ``per_unit_time``:
+    e / t_mid^2 = || v_old - u ||^2 by Theorem 1, which compares steps annotated at different
+    t_mid."""
+    total = torch.zeros(actions.shape[0], device=actions.device)
+    for _ in range(n_draws):
+        eps = torch.randn(actions.shape, generator=generator).to(actions.device)
+        total += reconstruction_error(velocity_fn, obs, actions, eps, t_mid)
+    e = total / n_draws
+    return e / torch.as_tensor(t_mid, device=e.device) ** 2 if per_unit_time else e
+
+
 def reconstruction_error(velocity_fn: VelocityFn, obs, actions: torch.Tensor, eps: torch.Tensor,
                          t_mid: float | torch.Tensor) -> torch.Tensor:
     """Self-annotation e = || a - a_hat ||^2 [B], summed over chunk and action dims.
@@ -123,13 +155,33 @@ def reconstruction_error(velocity_fn: VelocityFn, obs, actions: torch.Tensor, ep
     return (actions - a_hat).pow(2).sum(dim=(-2, -1))
 
 
+def standardize_per_episode(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """x [E, H] standardised within each row over its real steps (``mask``), with the population
+    std: z = (x - mean) / (std + 1e-8); padded steps and constant rows get 0."""
+    episode = torch.arange(x.shape[0], device=x.device)[:, None].expand_as(x)
+    return torch.zeros_like(x).masked_scatter(mask, group_normalize(x[mask], episode[mask]))
+
+
+def centred_labels(success: torch.Tensor) -> torch.Tensor:
+    """DiffusionNFT's optimality probability with the batch's success rate as the baseline
+    (beyond the FlowSAR spec): success [E] bool -> r [E] in [0, 1],
+
+        r = 1/2 + 1/2 clip((R - mean R) / std R, -1, 1)      (population std over the E episodes)
+
+    A batch of one outcome gets r = 1/2 (no contrast: the softplus term is flat)."""
+    r = success.float()
+    return 0.5 + 0.5 * group_advantages(r, r.numel(), adv_clip_max=1.0)
+
+
 def credit_weights(errors: torch.Tensor, success: torch.Tensor, temperature: float,
                    mode: str = "softmax", mask: torch.Tensor | None = None, *,
                    w_min: float = 0.0, w_max: float = 1.0, shaped_lambda: float | None = None,
                    reward_diff: torch.Tensor | None = None, advantages: torch.Tensor | None = None,
-                   generator: torch.Generator | None = None) -> torch.Tensor:
+                   generator: torch.Generator | None = None, standardize: bool = False,
+                   scale: str = "sum_one") -> torch.Tensor:
     """Step weights [E, H] of E episodes padded to H steps (``mask`` marks real steps); each
-    row with a real step sums to 1.
+    row with a real step sums to 1 (``scale`` sum_one, the spec's) or averages 1 over its real
+    steps (mean_one: w * H_episode; uniform weights are then exactly 1).
 
         softmax:     success  w = softmax(e / T),        failure  w = softmax(-e / T)
         normalized:  e clipped to the batch's 5th-95th percentiles, then
@@ -138,10 +190,15 @@ def credit_weights(errors: torch.Tensor, success: torch.Tensor, temperature: flo
         uniform:     1 / H;  random: U(0, 1) normalised (ablations)
         critic_oracle: the softmax rule on ``advantages`` [E, H] instead of e
     ``shaped_lambda``: softmax((lambda e~ + (1 - lambda) reward_diff) / T), e~ = +-e by outcome.
-    Then, when [w_min, w_max] is narrower than [0, 1], w is clipped and renormalised.
+    ``standardize``: the softmax rules (softmax, inverse, critic_oracle, shaped) read e (or the
+    advantages) standardised within each episode, so T is a sharpness in episode stds.
+    Then, when [w_min, w_max] is narrower than [0, 1], w is clipped and renormalised (in the
+    sum-to-1 scale), and last scaled by ``scale``.
     """
     if mode not in WEIGHT_MODES:
         raise ValueError(f"weight mode must be one of {WEIGHT_MODES}, got {mode!r}")
+    if scale not in ("sum_one", "mean_one"):
+        raise ValueError(f"weight scale must be 'sum_one' or 'mean_one', got {scale!r}")
     mask = torch.ones_like(errors, dtype=torch.bool) if mask is None else mask.bool()
     success = success.bool()
     if mode == "uniform":
@@ -157,6 +214,8 @@ def credit_weights(errors: torch.Tensor, success: torch.Tensor, temperature: flo
         signal = advantages if mode == "critic_oracle" else errors
         if signal is None:
             raise ValueError("weight mode 'critic_oracle' needs the advantages")
+        if standardize:
+            signal = standardize_per_episode(signal, mask)
         sign = torch.where(success, 1.0, -1.0).to(errors.dtype)[:, None]   # e~: +e success, -e failure
         if mode == "inverse":
             sign = -sign
@@ -171,6 +230,8 @@ def credit_weights(errors: torch.Tensor, success: torch.Tensor, temperature: flo
     if w_min > 0.0 or w_max < 1.0:
         w = w.clamp(w_min, w_max) * mask
         w = w / w.sum(-1, keepdim=True).clamp_min(1e-30)
+    if scale == "mean_one":
+        w = w * mask.sum(-1, keepdim=True)
     return w
 
 
@@ -202,11 +263,12 @@ def flowsar_loss(v_cur: torch.Tensor, v_old: torch.Tensor, u: torch.Tensor, weig
                  loss_variant: str = "softplus_kl", kl_coeff: float = 1.0,
                  flow_t: torch.Tensor | None = None) -> torch.Tensor:
     """The weighted mirror loss (to minimise), a scalar. v_cur, v_old, u [B, Ta, Da];
-    weights [B]; rewards [B] in {0, 1}; flow_t [B] (spec convention) for ``sde``.
+    weights [B]; rewards [B] the labels R in {0, 1} (or centred labels r in [0, 1]);
+    flow_t [B] (spec convention) for ``sde``.
 
         softplus_kl: mean_i [ w_i softplus(y_i (E+ - E-) / 2) + kl_coeff mean (v_cur - v_old)^2 ],
                      y = 2R - 1
-        mse_branch:  mean_i   w_i (R_i E+ + (1 - R_i) E-)
+        mse_branch:  mean_i   w_i (R_i E+ + (1 - R_i) E-)   (w = 1: DiffusionNFT's loss)
     """
     e_pos, e_neg = mirror_energies(v_cur, v_old, u, beta, energy_type, flow_t)
     if loss_variant == "softplus_kl":
@@ -279,6 +341,8 @@ class FlowSAR(Algorithm):
         self.old = copy.deepcopy(self._policy).requires_grad_(False)          # theta_old (rollouts)
         params = [p for p in self._policy.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=self.h.lr, weight_decay=c.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, lr_multiplier("constant", cfg.train.iterations, self.h.lr_warmup_iters))
         self.critic = self.critic_opt = None
         if self.h.weight_mode == "critic_oracle":
             self.critic = ValueMLP(spec.obs_dim, c.critic_hidden_sizes, image_shape(cfg), c.feature_dim).to(device)
@@ -313,19 +377,20 @@ class FlowSAR(Algorithm):
 
     @torch.no_grad()
     def _annotate(self, obs, actions: torch.Tensor) -> torch.Tensor:
-        """e [M] under theta_old, averaged over ``n_annotation_samples`` draws of eps (and t_mid)."""
+        """e [M] under theta_old: per step one t_mid (fixed, or U[0.3, 0.7] then e / t_mid^2)
+        and ``n_annotation_samples`` draws of eps, in blocks of 4,096 steps."""
         h, m = self.h, actions.shape[0]
-        total = torch.zeros(m, device=self.device)
+        errors = torch.zeros(m, device=self.device)
+        uniform = h.tau_mid_sampling == "uniform"
         for start in range(0, m, 4096):
             sl = slice(start, start + 4096)
             cond = self.old.encoder(map_obs(lambda x: x[sl], obs))
             a = actions[sl]
-            for _ in range(h.n_annotation_samples):
-                eps = torch.randn(a.shape, generator=self.generator).to(self.device)
-                t_mid = (torch.rand(a.shape[0], generator=self.generator) * 0.4 + 0.3).to(self.device) \
-                    if h.tau_mid_sampling == "uniform" else h.tau_mid
-                total[sl] += reconstruction_error(self.old.velocity, cond, a, eps, t_mid)
-        return total / h.n_annotation_samples
+            t_mid = (torch.rand(a.shape[0], generator=self.generator) * 0.4 + 0.3).to(self.device) \
+                if uniform else h.tau_mid
+            errors[sl] = self_annotation(self.old.velocity, cond, a, t_mid, h.n_annotation_samples,
+                                         self.generator, per_unit_time=uniform)
+        return errors
 
     @torch.no_grad()
     def _oracle_advantages(self, episodes: list[dict], obs, lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -363,6 +428,7 @@ class FlowSAR(Algorithm):
         obs = self._episode_obs(episodes)                                            # [M, ...]
         actions = self._tensor(np.concatenate([ep["actions"] for ep in episodes]))   # [M, Ta, Da]
         success = torch.tensor([ep["return"] > 0 for ep in episodes], device=self.device)   # R [E]
+        labels = centred_labels(success) if h.label_baseline == "batch" else success.float()  # [E]
         errors = self._annotate(obs, actions)                                        # e [M]
         # [M] -> padded [E, H]: row i holds episode i's steps
         mask = torch.arange(h_max, device=self.device)[None] < torch.tensor(lengths, device=self.device)[:, None]
@@ -378,11 +444,13 @@ class FlowSAR(Algorithm):
                                  w_min=h.w_min, w_max=h.w_max, shaped_lambda=h.shaped_lambda,
                                  reward_diff=reward_diff,
                                  advantages=pad(advantages) if advantages is not None else None,
-                                 generator=self.generator)                            # [E, H]
+                                 generator=self.generator, standardize=h.error_scale == "standardized",
+                                 scale=h.weight_scale)                                 # [E, H]
         self._analysis = self._analysis_sample(pad(errors), weights, mask, success)
         stats = self._annotation_stats(pad(errors), weights, mask, success)
+        stats["flowsar/label_mean"] = float(labels.mean())
         out = {"obs": obs, "actions": actions, "weights": weights[mask],
-               "rewards": success.float().repeat_interleave(torch.tensor(lengths, device=self.device)),
+               "rewards": labels.repeat_interleave(torch.tensor(lengths, device=self.device)),
                "stats": stats}
         if returns is not None:
             out["returns"] = returns
@@ -392,8 +460,10 @@ class FlowSAR(Algorithm):
     def _annotation_stats(errors: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor,
                           success: torch.Tensor) -> dict[str, float]:
         """How much e varies between the steps of an episode (if it does not, the weights go
-        uniform: the spec's main risk) and how far the weights are from uniform."""
+        uniform: the spec's main risk) and how far the weights are from uniform (read in the
+        sum-to-1 scale, whatever weight_scale)."""
         n = mask.sum(1).float()
+        weights = weights / weights.sum(1, keepdim=True).clamp_min(1e-30)
         mean = (errors * mask).sum(1) / n
         var = (((errors - mean[:, None]) * mask) ** 2).sum(1) / n.clamp_min(1)
         entropy = -(weights * weights.clamp_min(1e-30).log() * mask).sum(1)
@@ -475,17 +545,20 @@ class FlowSAR(Algorithm):
         b_ema = ema_coefficient(self.iteration, h.ema_schedule, h.ema_beta, h.ema_eta_rate, h.ema_eta_max)
         ema_update(self.old, self._policy, b_ema)
         self.iteration += 1
+        lr = self.opt.param_groups[0]["lr"]               # the lr this update used
+        self.scheduler.step()
         out.update({k: float(np.mean(v)) for k, v in stats.items()})
         out.update(b["stats"])
         out.update({"flowsar/ema_coefficient": b_ema, "flowsar/steps": float(steps),
-                    "flowsar/samples": float(m), "flowsar/lr": self.opt.param_groups[0]["lr"],
+                    "flowsar/samples": float(m), "flowsar/lr": lr,
                     "flowsar/skipped_updates": float(self.skipped_updates)})
         return out
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         state = {"policy": self._policy.state_dict(), "old": self.old.state_dict(),
-                 "opt": self.opt.state_dict(), "assembler": self.assembler.state_dict(),
+                 "opt": self.opt.state_dict(), "scheduler": self.scheduler.state_dict(),
+                 "assembler": self.assembler.state_dict(),
                  "generator": self.generator.get_state(), "iteration": self.iteration,
                  "skipped_updates": self.skipped_updates}
         if self.critic is not None:
@@ -496,6 +569,8 @@ class FlowSAR(Algorithm):
         self._policy.load_state_dict(state["policy"])
         self.old.load_state_dict(state["old"])
         self.opt.load_state_dict(state["opt"])
+        if "scheduler" in state:                      # checkpoints from before the warm-up have none
+            self.resume_notes = tuple(load_scheduler(self.scheduler, state["scheduler"], "flowsar lr"))
         self.assembler.load_state_dict(state["assembler"])
         self.generator.set_state(state["generator"])
         self.iteration, self.skipped_updates = state["iteration"], state["skipped_updates"]
