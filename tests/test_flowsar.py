@@ -436,7 +436,7 @@ def test_softplus_kl_value_and_unweighted_kl_term_by_hand():
         pytest.approx(math.log(1 + math.exp(-1.0)), rel=1e-6)
 
 
-@pytest.mark.parametrize("variant", ["softplus_kl", "mse_branch"])
+@pytest.mark.parametrize("variant", ["softplus_kl", "mse_branch", "simple"])
 @pytest.mark.parametrize("energy", ["mse", "sde"])
 def test_no_gradient_reaches_v_old(variant, energy):
     torch.manual_seed(0)
@@ -460,6 +460,24 @@ def test_loss_is_invariant_to_flipping_the_time_convention(variant):
         b = flowsar_loss(-v, -v_old, -u, w, r, 0.8, energy, variant, 0.5, flow_t=t)
         assert a.item() > 0
         torch.testing.assert_close(a, b)
+
+
+def test_simple_variant_value_and_gradient_by_hand():
+    # FlowSAR-simple: w y mean (v - u)^2 + kl mean (v - v_old)^2, y = 2R - 1.
+    # v = [1, 0], u = [1, 1], v_old = [0, 0]: FM = .5, KL = .5.
+    v, v_old, u = torch.tensor([[[1.0, 0.0]]]), torch.zeros(1, 1, 2), torch.tensor([[[1.0, 1.0]]])
+    for r, y in ((1.0, 1.0), (0.0, -1.0)):
+        loss = flowsar_loss(v, v_old, u, torch.tensor([2.0]), torch.tensor([r]), 1.0, loss_variant="simple",
+                            kl_coeff=3.0)
+        assert loss.item() == pytest.approx(2.0 * y * 0.5 + 3.0 * 0.5)
+    # at v = v_old the KL gradient is 0: success descends toward u (FM), failure away (anti-FM)
+    u = torch.tensor([[[1.0, -2.0]], [[1.0, -2.0]]])
+    at = torch.zeros(2, 1, 2, requires_grad=True)
+    loss = flowsar_loss(at, torch.zeros(2, 1, 2), u, torch.tensor([1.0, 1.0]), torch.tensor([1.0, 0.0]), 1.0,
+                        loss_variant="simple")
+    (g,) = torch.autograd.grad(loss, at)
+    # d/dv of w y mean((v - u)^2) / B = w y 2 (v - u) / n / B with n = 2, B = 2
+    torch.testing.assert_close(g, torch.stack([1.0 * 2 * (0 - u[0]) / 2 / 2, -1.0 * 2 * (0 - u[1]) / 2 / 2]))
 
 
 def test_invalid_energy_type_and_loss_variant_raise():

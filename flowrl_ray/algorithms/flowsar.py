@@ -83,7 +83,7 @@ class FlowSARHyper:
     ema_eta_rate: float = field(default=0.001, metadata=check(ge=0))
     ema_eta_max: float = field(default=0.5, metadata=check(ge=0, le=1))
     energy_type: Literal["mse", "sde"] = "mse"
-    loss_variant: Literal["softplus_kl", "mse_branch"] = "softplus_kl"
+    loss_variant: Literal["softplus_kl", "mse_branch", "simple"] = "softplus_kl"   # simple: spec 8.4 ablation 5
     kl_coeff: float = field(default=1.0, metadata=check(ge=0))
     lr: float = field(default=1e-6, metadata=check(gt=0))
     lr_warmup_iters: int = field(default=0, metadata=check(ge=0))     # linear warm-up of lr, in iterations
@@ -269,6 +269,9 @@ def flowsar_loss(v_cur: torch.Tensor, v_old: torch.Tensor, u: torch.Tensor, weig
         softplus_kl: mean_i [ w_i softplus(y_i (E+ - E-) / 2) + kl_coeff mean (v_cur - v_old)^2 ],
                      y = 2R - 1
         mse_branch:  mean_i   w_i (R_i E+ + (1 - R_i) E-)   (w = 1: DiffusionNFT's loss)
+        simple:      mean_i [ w_i y_i mean (v_cur - u)^2 + kl_coeff mean (v_cur - v_old)^2 ]
+                     (FlowSAR-simple, spec 8.4 ablation 5: weighted FM on successes, weighted
+                     anti-FM on failures, the KL term as trust region; no mirror, beta unused)
     """
     e_pos, e_neg = mirror_energies(v_cur, v_old, u, beta, energy_type, flow_t)
     if loss_variant == "softplus_kl":
@@ -277,8 +280,13 @@ def flowsar_loss(v_cur: torch.Tensor, v_old: torch.Tensor, u: torch.Tensor, weig
         per_sample = weights * F.softplus(0.5 * y * (e_pos - e_neg)) + kl_coeff * kl
     elif loss_variant == "mse_branch":
         per_sample = weights * (rewards * e_pos + (1.0 - rewards) * e_neg)
+    elif loss_variant == "simple":
+        y = 2.0 * rewards - 1.0
+        fm = (v_cur - u).pow(2).mean(dim=(-2, -1))
+        kl = (v_cur - v_old.detach()).pow(2).mean(dim=(-2, -1))
+        per_sample = weights * y * fm + kl_coeff * kl
     else:
-        raise ValueError(f"loss variant must be 'softplus_kl' or 'mse_branch', got {loss_variant!r}")
+        raise ValueError(f"loss variant must be 'softplus_kl', 'mse_branch' or 'simple', got {loss_variant!r}")
     return per_sample.mean()
 
 
