@@ -43,6 +43,13 @@ reference's per-episode mean success takes the base's place). Variants with anot
 steps) is compared and marked, since the final policies meet the same episodes. Per run also the
 learner's and the rollouts' seconds per iteration, and the training curve against wall-clock
 (``<output>_train_wallclock.png``).
+
+Out of distribution (``--ood [NAME ...]``; no names: every set of the suite the task and
+observation mode can take, :mod:`flowrl_ray.envs.robot.perturb`): the base and every policy again
+on the same seeded episodes in each perturbed scene (wider object placement, a larger object, a
+slippery table, action noise; camera pose and lighting for image policies), each policy's gain
+over the base in the same scene and, with ``--reference``, the difference from the reference
+there. Each set costs as much evaluation time as the in-distribution one.
 """
 
 from __future__ import annotations
@@ -241,10 +248,33 @@ def _last_line(path: Path) -> str:
 
 # --------------------------------------------------------------------------- evaluation
 
+def perturbed(cfg, name: str):
+    """``cfg`` with the OOD suite's set ``name`` as its env.perturb."""
+    from flowrl_ray.envs.robot.perturb import preset
+    return dataclasses.replace(cfg, env=dataclasses.replace(cfg.env, perturb=preset(name)))
+
+
+def ood_sets(cfg, names: list[str] | None) -> list[str]:
+    """The suite's sets to evaluate for a base setting: ``names`` (all must apply) or, when
+    empty, every set the task and observation mode can take."""
+    from flowrl_ray.envs.robot import get_task
+    from flowrl_ray.envs.robot.perturb import suite_for
+    applicable = suite_for(get_task(cfg.env.id).name, cfg.env.obs_mode)
+    if not names:
+        return applicable
+    bad = [n for n in names if n not in applicable]
+    if bad:
+        raise UsageError(f"--ood {' '.join(bad)}: not for {cfg.env.id} ({cfg.env.obs_mode}); "
+                         f"its sets are {', '.join(applicable)}")
+    return list(names)
+
+
 def evaluate_all(variants: dict[str, list[Path]], base_override: str | None, episodes: int,
-                 launch_wall: dict[str, float]) -> tuple[dict, dict]:
-    """Every base and every run's last checkpoint on the same seeded episodes, in this process.
-    Returns (bases: id -> outcomes, variants: name -> runs with outcomes)."""
+                 launch_wall: dict[str, float], ood: list[str] | None = None) -> tuple[dict, dict]:
+    """Every base and every run's last checkpoint on the same seeded episodes, in this process;
+    with ``ood`` (a list, maybe empty: see :func:`ood_sets`) again in each perturbed scene.
+    Returns (bases: id -> outcomes [+ "ood": set -> outcomes], variants: name -> runs with
+    outcomes [+ "ood"])."""
     from flowrl_ray.checkpoint import load_policy
 
     plan, bases = {}, {}
@@ -265,8 +295,12 @@ def evaluate_all(variants: dict[str, list[Path]], base_override: str | None, epi
         bid = ids.pop()
         bases.setdefault(bid, {"path": base_override or runs[0][1].algo.base_policy, "cfg": runs[0][1]})
         plan[name] = (bid, runs)
+    if ood is not None:
+        for b in bases.values():
+            b["ood_sets"] = ood_sets(b["cfg"], ood)
 
-    total = len(bases) + sum(len(r) for _, r in plan.values())
+    total = sum((1 + len(b.get("ood_sets", []))) * (1 + sum(len(r) for bid2, r in plan.values() if bid2 == bid))
+                for bid, b in bases.items())
     done, t0 = 0, time.perf_counter()
 
     def progress(label: str) -> None:
@@ -297,6 +331,27 @@ def evaluate_all(variants: dict[str, list[Path]], base_override: str | None, epi
     finally:
         for r in runners.values():
             r.close()
+    # Out of distribution: one perturbed set of eval envs at a time per base setting.
+    for bid, b in bases.items():
+        for pname in b.get("ood_sets", []):
+            policy = base_policy(b["cfg"], b["path"])
+            runner = make_eval_runner(perturbed(b["cfg"], pname), policy)
+            try:
+                b.setdefault("ood", {})[pname] = evaluate_episodes(policy, b["cfg"], episodes, runner,
+                                                                   label=f"eval base [{pname}]")
+                done += 1
+                progress(f"base {b['path']} [{pname}]")
+                for name, (bid2, _) in plan.items():
+                    if bid2 != bid:
+                        continue
+                    for r in out[name]["runs"]:
+                        _, _, policy = load_policy(r["run_dir"])
+                        r.setdefault("ood", {})[pname] = evaluate_episodes(
+                            policy, b["cfg"], episodes, runner, label=f"eval {name} s{r['seed']} [{pname}]")
+                        done += 1
+                        progress(f"{name} seed {r['seed']} [{pname}]")
+            finally:
+                runner.close()
     return bases, out
 
 
@@ -316,6 +371,18 @@ def summarise(bases: dict, variants: dict, n_boot: int, reference: str | None = 
                                "per_seed": [_mean(x) for x in per_seed],
                                "mean": sum(_mean(x) for x in per_seed) / len(per_seed)}
             v["gain"][s] = paired_bootstrap_gain(per_seed, base[s]["successes"], n_boot=n_boot, level=LEVEL)
+    for v in variants.values():
+        base_ood = bases[v["base"]].get("ood", {})
+        v["ood"] = {}
+        for pname, base_out in base_ood.items():
+            v["ood"][pname] = {"success": {}, "gain": {}}
+            for s in SAMPLING_RULES:
+                per_seed = [r["ood"][pname][s]["successes"] for r in v["runs"]]
+                v["ood"][pname]["success"][s] = {"base": _mean(base_out[s]["successes"]),
+                                                 "per_seed": [_mean(x) for x in per_seed],
+                                                 "mean": sum(_mean(x) for x in per_seed) / len(per_seed)}
+                v["ood"][pname]["gain"][s] = paired_bootstrap_gain(per_seed, base_out[s]["successes"],
+                                                                   n_boot=n_boot, level=LEVEL)
     if reference is None:
         return
     ref = variants[reference]
@@ -333,6 +400,12 @@ def summarise(bases: dict, variants: dict, n_boot: int, reference: str | None = 
             ref_mean = np.mean([r["outcomes"][s]["successes"] for r in ref["runs"]], axis=0)   # [E]
             v["vs_reference"][s] = paired_bootstrap_gain([r["outcomes"][s]["successes"] for r in v["runs"]],
                                                          ref_mean, n_boot=n_boot, level=LEVEL)
+        for pname in set(v["ood"]) & set(ref["ood"]):
+            v["vs_reference"].setdefault("ood", {})[pname] = {}
+            for s in SAMPLING_RULES:
+                ref_mean = np.mean([r["ood"][pname][s]["successes"] for r in ref["runs"]], axis=0)
+                v["vs_reference"]["ood"][pname][s] = paired_bootstrap_gain(
+                    [r["ood"][pname][s]["successes"] for r in v["runs"]], ref_mean, n_boot=n_boot, level=LEVEL)
 
 
 def _mean(xs) -> float:
@@ -400,6 +473,25 @@ def reference_table(variants: dict, pct, pts) -> str:
                         "difference [95 % CI], points"], rows)) + note
 
 
+def ood_table(variants: dict, pct, pts) -> str:
+    """The out-of-distribution evaluation as a markdown section ("" without one)."""
+    rows = []
+    for name, v in variants.items():
+        for pname, o in v.get("ood", {}).items():
+            for s in SAMPLING_RULES:
+                g, succ = o["gain"][s], o["success"][s]
+                d = v.get("vs_reference", {}).get("ood", {}).get(pname, {}).get(s)
+                rows.append([name, pname, s, pct(succ["base"]), ", ".join(pct(x) for x in succ["per_seed"]),
+                             pct(succ["mean"]), f"{pts(g['gain'])} [{pts(g['ci_low'])}, {pts(g['ci_high'])}]",
+                             "-" if d is None else f"{pts(d['gain'])} [{pts(d['ci_low'])}, {pts(d['ci_high'])}]"])
+    if not rows:
+        return ""
+    return ("\n\nOut of distribution (`flowrl_ray/envs/robot/perturb.py`: the same seeded episodes in a perturbed "
+            "scene; gain over the base in the same scene; difference from the reference there):\n\n"
+            + md_table(["variant", "perturbation", "sampling", "base", "success per seed", "mean",
+                        "gain [95 % CI], points", "vs reference [95 % CI], points"], rows))
+
+
 def report(results: dict, results_dir: Path, output: str) -> None:
     pct = lambda v: "-" if v is None else f"{100 * v:.0f} %"                 # noqa: E731
     pts = lambda v: f"{100 * v:+.1f}"                                          # noqa: E731
@@ -428,6 +520,7 @@ def report(results: dict, results_dir: Path, output: str) -> None:
             + md_table(["variant", "seed", "run", "iterations", "env steps", "training", "launch",
                         "learner s/iteration", "rollout s/iteration"], runs)
             + reference_table(results["variants"], pct, pts)
+            + ood_table(results["variants"], pct, pts)
             + f"\n\nEvaluation time: {results['eval_time_s'] / 60:.1f} min.\n")
     write_results(output, "Robot evaluation protocol", body, results_dir=results_dir)
 
@@ -445,6 +538,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--episodes", type=int, default=100, help="evaluation episodes per sampling rule")
     p.add_argument("--reference", metavar="NAME",
                    help="also report every other variant's difference from this one (an ablation)")
+    p.add_argument("--ood", nargs="*", metavar="SET",
+                   help="also evaluate in the perturbed scenes of the OOD suite (no SET: every set the task takes; "
+                        "sets: placement, object_size, friction, action_noise, camera, lighting)")
     return p
 
 
@@ -513,7 +609,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     try:
-        bases, evaluated = evaluate_all(variants, args.base, args.episodes, launch_wall)
+        bases, evaluated = evaluate_all(variants, args.base, args.episodes, launch_wall, args.ood)
         summarise(bases, evaluated, args.n_boot, args.reference)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -527,7 +623,8 @@ def main(argv: list[str] | None = None) -> int:
                                     "bootstrap over episodes, paired"},
                "launched": {"config": args.config, "overrides": args.overrides, "seeds": args.seeds,
                             "parallel": args.parallel} if cfg is not None else None,
-               "bases": {bid: {"path": str(b["path"]), "setting": json.loads(bid), "outcomes": b["outcomes"]}
+               "bases": {bid: {"path": str(b["path"]), "setting": json.loads(bid), "outcomes": b["outcomes"],
+                               "ood": b.get("ood", {})}
                          for bid, b in bases.items()},
                "variants": evaluated, "eval_time_s": round(time.perf_counter() - t0, 1)}
     results_dir = Path(args.results_dir)

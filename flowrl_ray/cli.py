@@ -163,6 +163,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
                         f"{args.run_dir} is an env-step run")
     cfg, spec, policy = load_policy(args.run_dir)
     family = env_family(cfg.env.family)
+    perturbation = None
+    if args.perturb:
+        cfg, perturbation = _perturbed_config(args.run_dir, cfg, args.perturb)
     if args.video:
         if not hasattr(family, "check_video"):
             raise UserError(f"--video: videos are rendered for robot tasks only, not env.family "
@@ -181,6 +184,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         runner.close()
     r = np.array(result["episode_returns"])
     out = {"run_dir": str(args.run_dir), "env": cfg.env.id, "episodes": len(r), "sampling": sampling,
+           **({"perturb": perturbation} if perturbation else {}),
            "return_mean": float(r.mean()), "return_std": float(r.std()),
            "length_mean": float(np.mean(result["episode_lengths"]))}
     if "episode_successes" in result:
@@ -191,6 +195,35 @@ def cmd_eval(args: argparse.Namespace) -> int:
                                                             result["videos"])]
     print(json.dumps(out))
     return 0
+
+
+def _perturbed_config(run_dir: str, cfg, items: list[str]):
+    """(the run's config with env.perturb set, {"name": ..., changed key: value}) from
+    ``--perturb`` items: one set of the OOD suite (``placement``) or ``key=value`` changes of
+    ``env.perturb`` (``action_noise_std=0.05``), read through the config loader."""
+    import dataclasses
+
+    from flowrl_ray.config import PerturbConfig
+    from flowrl_ray.envs import env_family
+    from flowrl_ray.envs.robot import perturb
+    if cfg.env.family != "robot":
+        raise UserError(f"--perturb: perturbed scenes are for robot tasks, not env.family {cfg.env.family!r}")
+    names = [i for i in items if "=" not in i]
+    if names and len(items) > 1:
+        raise UserError(f"--perturb: one suite set ({', '.join(perturb.OOD_SUITE)}) or key=value items, got {items}")
+    try:
+        if names:
+            overrides = [f"env.perturb.{k}={json.dumps(v)}"
+                         for k, v in dataclasses.asdict(perturb.preset(names[0])).items()]
+        else:
+            overrides = [f"env.perturb.{item}" for item in items]
+        new = load_config(Path(run_dir) / "config.yaml", overrides)
+        env_family("robot").check_config(new.env)
+    except ConfigError as e:
+        raise UserError(f"--perturb: {e}") from None
+    default = PerturbConfig()
+    changed = {k: v for k, v in dataclasses.asdict(new.env.perturb).items() if v != getattr(default, k)}
+    return dataclasses.replace(cfg, env=new.env), {"name": names[0] if names else "custom", **changed}
 
 
 def _write_eval_videos(cfg, run_dir: str, iteration: int, videos: list[dict]) -> list[Path]:
@@ -581,6 +614,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--snapshots", type=int, default=0, metavar="N",
                    help="forms and molecules runs: pictures of the first N evaluation samples in RUN_DIR/media/ "
                         "(page screenshots with the reward; a grid of molecules)")
+    e.add_argument("--perturb", action="append", metavar="SET|KEY=VALUE",
+                   help="robot tasks: evaluate in a perturbed scene, one set of the OOD suite (placement, "
+                        "object_size, friction, action_noise, camera, lighting) or env.perturb keys "
+                        "(placement_scale=2, action_noise_std=0.05, ...; repeatable)")
     e.add_argument("--video", type=int, default=0, metavar="N",
                    help="robot tasks: render the first N episodes (camera and size from the run's "
                         "eval.video) to RUN_DIR/videos/eval/iter_<checkpoint iteration>_<k>_"

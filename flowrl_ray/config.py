@@ -59,6 +59,18 @@ def check_minibatch_size(cfg: "Config", size: int, key: str = "algo.minibatch_si
 # --------------------------------------------------------------------------- schema
 
 @dataclass
+class PerturbConfig:
+    """Out-of-distribution changes of a robot scene (flowrl_ray.envs.robot.perturb); the defaults
+    change nothing. Named sets of them are the evaluation suite (``flowrl-ray eval --perturb``)."""
+    placement_scale: float = field(default=1.0, metadata=check(gt=0))       # object x/y placement range
+    object_scale: float = field(default=1.0, metadata=check(gt=0))          # object geometry (mass kept)
+    table_friction_scale: float = field(default=1.0, metadata=check(gt=0))  # sliding friction of the surface
+    action_noise_std: float = field(default=0.0, metadata=check(ge=0))      # on each executed row, in [-1, 1]
+    camera_shift: list = field(default_factory=lambda: [0.0, 0.0, 0.0])     # metres, the observation cameras
+    light_scale: float = field(default=1.0, metadata=check(ge=0))           # scene light intensity
+
+
+@dataclass
 class EnvConfig:
     family: str = "gym"                 # adapter family (flowrl_ray.envs.ENV_FAMILIES)
     id: str = "Pendulum-v1"
@@ -77,6 +89,7 @@ class EnvConfig:
     # of the sparse task unchanged when shaping_gamma is the algorithm's discount (None: algo.gamma).
     reward: Literal["sparse", "shaped"] = "sparse"
     shaping_gamma: Optional[float] = field(default=None, metadata=check(gt=0, le=1))
+    perturb: PerturbConfig = field(default_factory=PerturbConfig)   # robot family: OOD scene changes
 
 
 @dataclass

@@ -52,3 +52,15 @@ def test_demos_pretrain_train_analysis_eval(tmp_path, capsys):
     assert main(["eval", str(run), "--episodes", "2", "--sampling", "zero"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["episodes"] == 2 and 0.0 <= result["success_rate"] <= 1.0
+
+    # the same policy in perturbed scenes (the OOD suite's action noise; a key of env.perturb)
+    assert main(["eval", str(run), "--episodes", "2", "--perturb", "action_noise"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["perturb"] == {"name": "action_noise", "action_noise_std": 0.1} and result["episodes"] == 2
+    assert main(["eval", str(run), "--episodes", "2", "--perturb", "placement_scale=1.5",
+                 "--perturb", "table_friction_scale=0.5"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["perturb"] == {"name": "custom", "placement_scale": 1.5, "table_friction_scale": 0.5}
+    for bad, key in (("placment_scale=2", "env.perturb.placment_scale"), ("camera", "env.perturb.camera_shift")):
+        assert main(["eval", str(run), "--episodes", "2", "--perturb", bad]) == 2
+        assert key in capsys.readouterr().err

@@ -176,6 +176,41 @@ def test_reference_difference_is_the_mean_over_seeds_minus_the_references_by_han
     assert table.rstrip().endswith(": a.")
 
 
+def test_ood_gains_are_over_the_base_in_the_same_scene_and_the_reference_there_by_hand():
+    import robot_protocol as rp
+
+    def outs(x):
+        return {s: {"successes": list(x)} for s in rp.SAMPLING_RULES}
+
+    b = json.dumps({"base": "p.pt", "env": {"id": "lift"}, "algorithm": "fpopp", "flow_steps": 10}, sort_keys=True)
+    bases = {b: {"outcomes": outs([1, 1, 1, 1]), "ood": {"friction": outs([0, 0, 1, 0])}}}
+    variants = {"ref": {"base": b, "runs": [{"outcomes": outs([1, 1, 1, 1]), "ood": {"friction": outs(x)}}
+                                            for x in ([0, 0, 1, 0], [1, 0, 1, 0])]},
+                "a": {"base": b, "runs": [{"outcomes": outs([1, 1, 1, 1]), "ood": {"friction": outs(x)}}
+                                          for x in ([1, 1, 1, 0], [1, 1, 1, 1])]}}
+    rp.summarise(bases, variants, n_boot=2000, reference="ref")
+    a = variants["a"]
+    assert a["gain"]["zero"]["gain"] == pytest.approx(0.0)                       # in distribution: no gain
+    assert a["ood"]["friction"]["success"]["zero"]["base"] == pytest.approx(0.25)
+    assert a["ood"]["friction"]["gain"]["zero"]["gain"] == pytest.approx(0.875 - 0.25)
+    assert a["vs_reference"]["ood"]["friction"]["random"]["gain"] == pytest.approx(0.875 - 0.375)
+    table = rp.ood_table(variants, lambda v: f"{100 * v:.0f} %", lambda v: f"{100 * v:+.1f}")
+    assert "| a       | friction" in table and "+62.5" in table and "+50.0" in table
+    assert rp.ood_table({"x": {"ood": {}}}, str, str) == ""
+
+
+def test_ood_sets_follow_the_task_and_refuse_what_it_cannot_take():
+    import robot_protocol as rp
+
+    from flowrl_ray.config import config_from_dict
+    can = config_from_dict({"algorithm": "fpopp", "env": {"family": "robot", "id": "PickPlaceCan"}})
+    assert rp.ood_sets(can, []) == ["friction", "action_noise"]
+    with pytest.raises(rp.UsageError, match="--ood placement: not for PickPlaceCan"):
+        rp.ood_sets(can, ["placement"])
+    assert rp.perturbed(can, "friction").env.perturb.table_friction_scale == 0.2
+    assert can.env.perturb.table_friction_scale == 1.0                          # the original is untouched
+
+
 def test_reference_must_name_a_variant(tmp_path, capsys):
     import robot_protocol
     run = tmp_path / "r"
@@ -246,6 +281,20 @@ def test_protocol_end_to_end_on_a_tiny_lift_run(tmp_path, capsys):
     again = json.loads((results / "again.json").read_text())
     assert list(again["bases"].values())[0]["outcomes"] == base_entry["outcomes"]
     assert [r["outcomes"] for r in again["variants"]["tiny-lift"]["runs"]] == [r["outcomes"] for r in v["runs"]]
+
+    # out of distribution: the same episodes in a scene with action noise, for the base and both runs
+    assert robot_protocol.main(["--runs", *runs, "--output", "ood", "--ood", "action_noise", *common]) == 0
+    ood = json.loads((results / "ood.json").read_text())
+    (b_ood,) = ood["bases"].values()
+    assert list(b_ood["ood"]) == ["action_noise"] and b_ood["outcomes"] == base_entry["outcomes"]
+    v_ood = ood["variants"]["tiny-lift"]
+    for s in ("zero", "random"):
+        noisy = b_ood["ood"]["action_noise"][s]
+        assert noisy["keys"] == base_entry["outcomes"][s]["keys"]                     # the same episodes
+        per_seed = [r["ood"]["action_noise"][s]["successes"] for r in v_ood["runs"]]
+        gain = np.mean([np.mean(p) for p in per_seed]) - np.mean(noisy["successes"])
+        assert v_ood["ood"]["action_noise"]["gain"][s]["gain"] == pytest.approx(gain)
+    assert "| tiny-lift | action_noise" in (results / "ood.md").read_text()
 
 
 def test_missing_image_demos_are_recorded_with_the_configs_cameras(tmp_path, monkeypatch):

@@ -13,6 +13,7 @@ Config (``env`` section; the conventions are in :mod:`flowrl_ray.envs.robot.env`
       dataset: demos/lift.hdf5 # robomimic hdf5 whose min/max normalise observations and actions
       max_episode_steps: null  # low-level (20 Hz) steps; null: 300 lift, 300 can, 400 square
       kwargs: {}               # extra robosuite.make arguments
+      perturb: {}              # out-of-distribution scene changes (flowrl_ray.envs.robot.perturb)
 
 The vector env follows the env-step family contract (:mod:`flowrl_ray.envs`): same-step
 autoreset with the last observation in ``infos["final_obs"]`` and the last step's infos in
@@ -32,6 +33,7 @@ import numpy as np
 from flowrl_ray.config import ConfigError, EnvConfig
 from flowrl_ray.envs import EnvSpec
 from flowrl_ray.envs.robomimic_data import NormStats, env_args, read_stats
+from flowrl_ray.envs.robot import perturb
 from flowrl_ray.envs.robot.env import (ACTION_DIM, CAMERAS, LOW_DIM_KEYS, PROPRIO_KEYS, TASKS,
                                        RobotEnv, Task, get_task, max_steps, obs_keys)
 
@@ -56,6 +58,7 @@ def check_config(env_cfg: EnvConfig) -> Task:
         if bad or len(set(env_cfg.cameras)) != len(env_cfg.cameras):
             raise ConfigError(f"config key 'env.cameras': unknown or repeated camera(s) "
                               f"{bad or env_cfg.cameras}; choose from {', '.join(CAMERAS)}")
+    perturb.check(env_cfg.perturb, task.name, env_cfg.obs_mode)
     if env_cfg.dataset is not None:
         path = Path(env_cfg.dataset)
         if not path.is_file():

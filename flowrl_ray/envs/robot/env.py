@@ -65,6 +65,7 @@ import numpy as np
 from flowrl_ray.config import ConfigError, EnvConfig
 from flowrl_ray.envs.gym import get_mujoco_state, rescale_action, set_mujoco_state
 from flowrl_ray.envs.robomimic_data import NormStats
+from flowrl_ray.envs.robot import perturb
 
 PROPRIO_KEYS = ("robot0_eef_pos", "robot0_eef_quat", "robot0_gripper_qpos")
 LOW_DIM_KEYS = PROPRIO_KEYS + ("object",)
@@ -191,16 +192,25 @@ class RobotEnv(gym.Env):
         self.video: tuple[str, int] | None = None   # (camera, size): record frames (see module doc)
         self.frames: list[np.ndarray] = []           # this episode's frames, [H, W, 3] uint8 each
         self.finished_frames: list[np.ndarray] = []  # the previous episode's, moved at reset
+        # env.perturb (flowrl_ray.envs.robot.perturb): the out-of-distribution scene changes, made
+        # after every model build; the action noise draws from its own generator
+        self.perturb_rng = np.random.default_rng(0)
+        perturb.apply_model(self)
 
     # ------------------------------------------------------------------ observations
 
-    def object_body_id(self) -> int:
-        """MuJoCo body id of the task's object (the cube, the can, the square nut)."""
+    def task_object(self):
+        """robosuite's object of the task (the cube, the can, the square nut)."""
         raw = self.raw
         if self.task.name == "lift":
-            return raw.cube_body_id
-        obj = raw.objects[raw.object_id] if self.task.name == "can" else raw.nuts[raw.nut_id]
-        return raw.obj_body_id[obj.name]
+            return raw.cube
+        return raw.objects[raw.object_id] if self.task.name == "can" else raw.nuts[raw.nut_id]
+
+    def object_body_id(self) -> int:
+        """MuJoCo body id of the task's object."""
+        if self.task.name == "lift":
+            return self.raw.cube_body_id
+        return self.raw.obj_body_id[self.task_object().name]
 
     def raw_obs(self) -> dict[str, np.ndarray]:
         """robomimic's low-dim keys (+ ``<camera>_image`` [H, W, 3] uint8 in image mode), from
@@ -273,6 +283,7 @@ class RobotEnv(gym.Env):
         if seed is not None:
             self.rebuild(seed)
         self.raw.reset()
+        perturb.after_reset(self)
         self.steps, self.solved = 0, False
         self.finished_frames, self.frames = self.frames, []
         self._record_frame()
@@ -297,6 +308,8 @@ class RobotEnv(gym.Env):
         if rendered:
             gc.collect()
         self.model_seed = seed
+        perturb.apply_model(self)
+        self.perturb_rng = np.random.default_rng((seed, 1))
 
     def step(self, action: np.ndarray):
         """action: [T, 7] with T >= act_steps (a chunk; rows past act_steps are ignored) or [7]
@@ -310,7 +323,8 @@ class RobotEnv(gym.Env):
         reward, terminated, truncated, substeps = 0.0, False, False, 0
         phi = self.potential() if self.env_cfg.reward == "shaped" else 0.0
         for row in chunk[:self.act_steps]:
-            success = self.step_raw(rescale_action(row, self.action_low, self.action_high))
+            success = self.step_raw(rescale_action(perturb.noisy_row(self, row), self.action_low,
+                                                   self.action_high))
             self._record_frame()
             substeps += 1
             reward += float(success)
@@ -397,7 +411,7 @@ class RobotEnv(gym.Env):
                 "controllers": controllers,
                 "gripper": {arm: np.array(robot.gripper[arm].current_action) for arm in robot.arms},
                 "timestep": self.raw.timestep, "cur_time": self.raw.cur_time,
-                "steps": self.steps, "solved": self.solved}
+                "steps": self.steps, "solved": self.solved, "perturb_rng": self.perturb_rng.bit_generator.state}
 
     def set_state(self, state: dict) -> None:
         if state.get("model_seed") is not None:     # absent in snapshots of older versions
@@ -414,3 +428,5 @@ class RobotEnv(gym.Env):
                 setattr(parts[name], key, value.copy() if isinstance(value, np.ndarray) else value)
         self.raw.timestep, self.raw.cur_time = state["timestep"], state["cur_time"]
         self.steps, self.solved = state["steps"], state["solved"]
+        if "perturb_rng" in state:                   # absent in snapshots of older versions
+            self.perturb_rng.bit_generator.state = state["perturb_rng"]
