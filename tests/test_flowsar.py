@@ -436,7 +436,7 @@ def test_softplus_kl_value_and_unweighted_kl_term_by_hand():
         pytest.approx(math.log(1 + math.exp(-1.0)), rel=1e-6)
 
 
-@pytest.mark.parametrize("variant", ["softplus_kl", "mse_branch", "simple"])
+@pytest.mark.parametrize("variant", ["softplus_kl", "mse_branch", "simple", "rft"])
 @pytest.mark.parametrize("energy", ["mse", "sde"])
 def test_no_gradient_reaches_v_old(variant, energy):
     torch.manual_seed(0)
@@ -478,6 +478,24 @@ def test_simple_variant_value_and_gradient_by_hand():
     (g,) = torch.autograd.grad(loss, at)
     # d/dv of w y mean((v - u)^2) / B = w y 2 (v - u) / n / B with n = 2, B = 2
     torch.testing.assert_close(g, torch.stack([1.0 * 2 * (0 - u[0]) / 2 / 2, -1.0 * 2 * (0 - u[1]) / 2 / 2]))
+
+
+def test_rft_variant_is_flow_matching_on_the_successes_only():
+    # R = 1: w mean (v - u)^2 (+ kl); R = 0: only the KL term, whose gradient is 0 at v = v_old
+    g = torch.Generator().manual_seed(4)
+    v_old, u = torch.randn(4, 3, 2, generator=g), torch.randn(4, 3, 2, generator=g)
+    r, w = torch.tensor([1.0, 0.0, 1.0, 0.0]), torch.tensor([1.0, 1.0, 2.0, 1.0])
+    v = v_old.clone().requires_grad_(True)
+    loss = flowsar_loss(v, v_old, u, w, r, 1.0, loss_variant="rft", kl_coeff=5.0)
+    fm = (v_old - u).pow(2).mean(dim=(1, 2))
+    assert loss.item() == pytest.approx(((w * r * fm).sum() / 4).item(), rel=1e-6)
+    (grad,) = torch.autograd.grad(loss, v)
+    assert torch.all(grad[[1, 3]] == 0)                                    # failures: no gradient
+    torch.testing.assert_close(grad[0], 2 * (v_old[0] - u[0]) / 6 / 4)    # success: toward u
+    # without KL it is the CFM loss of the successful samples (behaviour cloning on them)
+    v2 = torch.randn(4, 3, 2, generator=g)
+    bc = ((v2 - u).pow(2).mean(dim=(1, 2)) * r).mean()
+    torch.testing.assert_close(flowsar_loss(v2, v_old, u, torch.ones(4), r, 1.0, loss_variant="rft", kl_coeff=0.0), bc)
 
 
 def test_invalid_energy_type_and_loss_variant_raise():

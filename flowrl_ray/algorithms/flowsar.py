@@ -83,7 +83,8 @@ class FlowSARHyper:
     ema_eta_rate: float = field(default=0.001, metadata=check(ge=0))
     ema_eta_max: float = field(default=0.5, metadata=check(ge=0, le=1))
     energy_type: Literal["mse", "sde"] = "mse"
-    loss_variant: Literal["softplus_kl", "mse_branch", "simple"] = "softplus_kl"   # simple: spec 8.4 ablation 5
+    # simple: spec 8.4 ablation 5; rft: flow matching on the successful episodes only (spec 8.2's RFT)
+    loss_variant: Literal["softplus_kl", "mse_branch", "simple", "rft"] = "softplus_kl"
     kl_coeff: float = field(default=1.0, metadata=check(ge=0))
     lr: float = field(default=1e-6, metadata=check(gt=0))
     lr_warmup_iters: int = field(default=0, metadata=check(ge=0))     # linear warm-up of lr, in iterations
@@ -272,6 +273,10 @@ def flowsar_loss(v_cur: torch.Tensor, v_old: torch.Tensor, u: torch.Tensor, weig
         simple:      mean_i [ w_i y_i mean (v_cur - u)^2 + kl_coeff mean (v_cur - v_old)^2 ]
                      (FlowSAR-simple, spec 8.4 ablation 5: weighted FM on successes, weighted
                      anti-FM on failures, the KL term as trust region; no mirror, beta unused)
+        rft:         mean_i [ w_i R_i mean (v_cur - u)^2 + kl_coeff mean (v_cur - v_old)^2 ]
+                     (RFT, the spec's supervised baseline: flow matching on the successful
+                     episodes' steps only; with uniform weights, kl_coeff 0 and t in [0, 1] it is
+                     behaviour cloning of the policy's own successes)
     """
     e_pos, e_neg = mirror_energies(v_cur, v_old, u, beta, energy_type, flow_t)
     if loss_variant == "softplus_kl":
@@ -280,13 +285,13 @@ def flowsar_loss(v_cur: torch.Tensor, v_old: torch.Tensor, u: torch.Tensor, weig
         per_sample = weights * F.softplus(0.5 * y * (e_pos - e_neg)) + kl_coeff * kl
     elif loss_variant == "mse_branch":
         per_sample = weights * (rewards * e_pos + (1.0 - rewards) * e_neg)
-    elif loss_variant == "simple":
-        y = 2.0 * rewards - 1.0
+    elif loss_variant in ("simple", "rft"):
+        label = 2.0 * rewards - 1.0 if loss_variant == "simple" else rewards      # y or R
         fm = (v_cur - u).pow(2).mean(dim=(-2, -1))
         kl = (v_cur - v_old.detach()).pow(2).mean(dim=(-2, -1))
-        per_sample = weights * y * fm + kl_coeff * kl
+        per_sample = weights * label * fm + kl_coeff * kl
     else:
-        raise ValueError(f"loss variant must be 'softplus_kl', 'mse_branch' or 'simple', got {loss_variant!r}")
+        raise ValueError(f"loss variant must be 'softplus_kl', 'mse_branch', 'simple' or 'rft', got {loss_variant!r}")
     return per_sample.mean()
 
 
