@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from flowrl_ray.algorithms.flowsar import (FlowSAR, centred_labels, credit_weights, ema_coefficient, ema_update,
+                                           episode_correlation,
                                            flowsar_loss, mirror_energies, reconstruction_error, self_annotation,
                                            standardize_per_episode)
 from flowrl_ray.batch import Batch, BatchMeta
@@ -287,6 +288,31 @@ def test_self_annotation_averages_the_draws_and_divides_by_t_mid_squared():
     means = torch.stack([self_annotation(zero_field, None, a, 0.5, 16, torch.Generator().manual_seed(s))
                          for s in range(64)])
     assert (means.std(0) < 0.5 * singles.std(0)).all()
+
+
+def test_episode_correlation_by_hand():
+    # episode 0: y = 2x + 1 (corr 1); episode 1: y = -x on its 3 real steps (corr -1); episode 2: one step
+    x = torch.tensor([[1.0, 2.0, 3.0, 4.0], [0.0, 1.0, 5.0, 9.0], [3.0, 0.0, 0.0, 0.0]])
+    y = torch.tensor([[3.0, 5.0, 7.0, 9.0], [0.0, -1.0, -5.0, 7.0], [1.0, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0], [1, 0, 0, 0]], dtype=torch.bool)
+    assert episode_correlation(x, y, mask) == pytest.approx(0.0, abs=1e-6)       # (1 + -1) / 2
+    assert episode_correlation(x[:1], y[:1], mask[:1]) == pytest.approx(1.0, abs=1e-6)
+    # against numpy on random rows
+    g = torch.Generator().manual_seed(5)
+    a, b = torch.randn(3, 7, generator=g), torch.randn(3, 7, generator=g)
+    full = torch.ones(3, 7, dtype=torch.bool)
+    expect = np.mean([np.corrcoef(a[i].numpy(), b[i].numpy())[0, 1] for i in range(3)])
+    assert episode_correlation(a, b, full) == pytest.approx(expect, abs=1e-5)
+    assert math.isnan(episode_correlation(x[2:], y[2:], mask[2:]))
+
+
+def test_critic_oracle_mode_reports_the_correlation_of_e_and_the_advantages():
+    algo = FlowSAR(tiny_cfg(weight_mode="critic_oracle"), SPEC, torch.device("cpu"))
+    out = algo.prepare([make_batch(0, ends={(5, 0): "term", (5, 1): "term"}, rewards={(5, 0): 1.0})])
+    assert -1.0 <= out["stats"]["flowsar/oracle_corr"] <= 1.0
+    plain = FlowSAR(tiny_cfg(), SPEC, torch.device("cpu"))
+    out = plain.prepare([make_batch(0, ends={(5, 0): "term", (5, 1): "term"}, rewards={(5, 0): 1.0})])
+    assert "flowsar/oracle_corr" not in out["stats"]
 
 
 def test_centred_labels_by_hand():

@@ -163,6 +163,19 @@ def standardize_per_episode(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor
     return torch.zeros_like(x).masked_scatter(mask, group_normalize(x[mask], episode[mask]))
 
 
+def episode_correlation(x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) -> float:
+    """Mean over episodes (rows with >= 2 real steps) of the Pearson correlation of x and y [E, H]
+    over the episode's real steps: the mean product of their within-episode standard scores.
+    For e and the critic's GAE advantages it says whether the steps self-annotation singles out
+    are the ones a critic would (the spec's analysis 4); nan without such an episode."""
+    n = mask.sum(1)
+    keep = n >= 2
+    if not keep.any():
+        return float("nan")
+    prod = standardize_per_episode(x, mask) * standardize_per_episode(y, mask)
+    return float((prod.sum(1)[keep] / n[keep]).mean())
+
+
 def centred_labels(success: torch.Tensor) -> torch.Tensor:
     """DiffusionNFT's optimality probability with the batch's success rate as the baseline
     (beyond the FlowSAR spec): success [E] bool -> r [E] in [0, 1],
@@ -319,7 +332,9 @@ class FlowSAR(Algorithm):
     name = "flowsar"
     config_class = FlowSARConfig
     extra_plots = (("flowsar/e_within_episode_cv", "flowsar_e_spread.png"),
-                   ("flowsar/weight_entropy_ratio", "flowsar_weight_entropy.png"))
+                   ("flowsar/weight_entropy_ratio", "flowsar_weight_entropy.png"),
+                   ("flowsar/kl", "flowsar_kl.png"),
+                   ("flowsar/oracle_corr", "flowsar_oracle_corr.png"))
 
     @staticmethod
     def validate_config(cfg: Config) -> None:
@@ -462,6 +477,8 @@ class FlowSAR(Algorithm):
         self._analysis = self._analysis_sample(pad(errors), weights, mask, success)
         stats = self._annotation_stats(pad(errors), weights, mask, success)
         stats["flowsar/label_mean"] = float(labels.mean())
+        if advantages is not None:                    # how well self-annotation stands in for a critic
+            stats["flowsar/oracle_corr"] = episode_correlation(pad(errors), pad(advantages), mask)
         out = {"obs": obs, "actions": actions, "weights": weights[mask],
                "rewards": labels.repeat_interleave(torch.tensor(lengths, device=self.device)),
                "stats": stats}
