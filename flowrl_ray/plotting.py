@@ -90,7 +90,9 @@ def plot_credit_analysis(data: dict, out_dir: str | os.PathLike, iteration: int,
                          per_outcome: int = 4) -> list[Path]:
     """FlowSAR's analysis pictures from ``errors``, ``weights``, ``mask`` [E, H] and
     ``success`` [E]: per-step reconstruction-error bars (weights overlaid) for a few success
-    and failure episodes, and the weight heatmap over episode steps."""
+    and failure episodes, and the weight heatmap over episode steps. With ``grasped`` [E, H]
+    (robot tasks) the key steps are marked: the first step that ends with the object in the
+    gripper (grasp) and a successful episode's last step (success)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -116,6 +118,14 @@ def plot_credit_analysis(data: dict, out_dir: str | os.PathLike, iteration: int,
             ax.set_title(f"{name} episode {i}", fontsize=8)
             ax.set_xlabel("chunk step", fontsize=7)
             ax.set_ylabel("e", fontsize=7)
+            if "grasped" in data:
+                held = np.flatnonzero(np.asarray(data["grasped"], bool)[i] & mask[i])
+                if held.size:
+                    ax.axvline(held[0], color="tab:blue", ls="--", lw=1.0, label="grasp")
+                if name == "success":
+                    ax.axvline(steps[-1], color="tab:purple", ls=":", lw=1.2, label="success")
+                if ax.get_legend_handles_labels()[0]:
+                    ax.legend(fontsize=6, loc="upper left")
             twin = ax.twinx()
             twin.plot(steps, weights[i, steps], color="black", lw=1.0)
             twin.set_ylabel("w", fontsize=7)

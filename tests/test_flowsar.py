@@ -746,3 +746,30 @@ def test_gym_env_family_is_rejected_naming_env_family():
         config_from_dict({"algorithm": "flowsar", "env": {"family": "gym", "id": "Pendulum-v1"},
                           "runtime": {"num_workers": 1, "envs_per_worker": 2, "rollout_length": 6},
                           "algo": {"minibatch_size": 4}})
+
+
+def test_analysis_marks_the_grasp_and_success_steps(tmp_path, monkeypatch):
+    # the per-step error plot draws a dashed line at the first held step and a dotted one at a
+    # success's last step; the marker positions are read off matplotlib's axvline calls
+    import matplotlib.axes
+    from flowrl_ray.plotting import plot_credit_analysis
+    lines = []
+    real = matplotlib.axes.Axes.axvline
+    monkeypatch.setattr(matplotlib.axes.Axes, "axvline",
+                        lambda self, x=0, *a, **k: (lines.append((k.get("label"), x)), real(self, x, *a, **k))[1])
+    mask = np.array([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], bool)
+    data = {"errors": np.ones((2, 5)), "weights": np.ones((2, 5)), "mask": mask, "success": np.array([True, False]),
+            "grasped": np.array([[0, 0, 1, 1, 1], [0, 1, 0, 0, 0]], bool)}
+    paths = plot_credit_analysis(data, tmp_path, 3)
+    assert sorted(lines) == [("grasp", 1), ("grasp", 2), ("success", 4)]
+    assert all(p.stat().st_size > 0 for p in paths)
+
+
+def test_prepare_keeps_the_grasped_flags_for_the_analysis():
+    algo = FlowSAR(tiny_cfg(), SPEC, torch.device("cpu"))
+    b = make_batch(0, ends={(3, 0): "term", (5, 1): "term"}, rewards={(3, 0): 1.0}, seed=3)
+    b.data["grasped"] = np.zeros((6, 2), bool)
+    b.data["grasped"][2:4, 0] = True
+    algo.prepare([b])
+    a = algo.analysis()
+    assert a["grasped"].shape == a["errors"].shape and a["grasped"][0, :4].tolist() == [False, False, True, True]

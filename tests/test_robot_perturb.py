@@ -123,3 +123,30 @@ def test_the_suite_per_task_and_mode():
     assert perturb.preset("friction") == PerturbConfig(table_friction_scale=0.2)
     with pytest.raises(ConfigError, match="unknown perturbation 'fog'"):
         perturb.preset("fog")
+
+
+def test_grasped_turns_on_when_the_scripted_expert_holds_the_cube_and_stays_to_the_lift():
+    # FlowSAR's key steps: the env reports whether the object is in the gripper after each step
+    from flowrl_ray.envs.robot.experts import EXPERTS
+    env = _env()
+    expert = EXPERTS["lift"](env, np.random.default_rng(0), 0.0)
+    env.reset(seed=0)
+    expert.reset()
+    held, success = [], False
+    while not success and env.steps < env.max_episode_steps:
+        success = env.step_raw(expert.act())
+        held.append(env.grasped())
+    assert success and not held[0]                       # the episode starts with an empty gripper
+    first = held.index(True)
+    assert all(held[first:])                             # from the grasp to the lift it holds the cube
+    env.close()
+
+
+def test_rollout_batches_carry_grasped_per_step_with_the_ended_episodes_last_step():
+    from flowrl_ray.envs.robot import step_grasped
+    infos = {"grasped": np.array([True, False, False]), "_grasped": np.array([True, True, False]),
+             "final_info": {"grasped": np.array([False, False, True]), "_grasped": np.array([False, False, True])}}
+    done = np.array([False, False, True])
+    # env 0 and 1 from this step's info, env 2 (ended, autoreset) from its final step
+    assert step_grasped(infos, done).tolist() == [True, False, True]
+    assert step_grasped({}, np.zeros(2, bool)).tolist() == [False, False]

@@ -375,7 +375,7 @@ class FlowSAR(Algorithm):
         if self.h.weight_mode == "critic_oracle":
             self.critic = ValueMLP(spec.obs_dim, c.critic_hidden_sizes, image_shape(cfg), c.feature_dim).to(device)
             self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=c.critic_lr)
-        self.assembler = EpisodeAssembler(step_keys=("actions",))
+        self.assembler = EpisodeAssembler(step_keys=("actions", "grasped"))   # grasped: the analysis's key step
         self.generator = torch.Generator().manual_seed(cfg.seed)    # annotation noise, weights, shuffling
         self.iteration = 0
         self.skipped_updates = 0
@@ -474,7 +474,9 @@ class FlowSAR(Algorithm):
                                  advantages=pad(advantages) if advantages is not None else None,
                                  generator=self.generator, standardize=h.error_scale == "standardized",
                                  scale=h.weight_scale)                                 # [E, H]
-        self._analysis = self._analysis_sample(pad(errors), weights, mask, success)
+        grasped = pad(self._tensor(np.concatenate([ep["grasped"] for ep in episodes]))) \
+            if "grasped" in episodes[0] else None
+        self._analysis = self._analysis_sample(pad(errors), weights, mask, success, grasped)
         stats = self._annotation_stats(pad(errors), weights, mask, success)
         stats["flowsar/label_mean"] = float(labels.mean())
         if advantages is not None:                    # how well self-annotation stands in for a critic
@@ -508,12 +510,15 @@ class FlowSAR(Algorithm):
                 "flowsar/weight_max_mean": float(weights.max(1).values.mean())}
 
     @staticmethod
-    def _analysis_sample(errors, weights, mask, success, per_outcome: int = 8) -> dict:
-        """The first few success and failure episodes' e and w, for the analysis plots."""
+    def _analysis_sample(errors, weights, mask, success, grasped=None, per_outcome: int = 8) -> dict:
+        """The first few success and failure episodes' e and w (and, for robot tasks, whether
+        the object was in the gripper after each step), for the analysis plots."""
         idx = torch.cat([torch.nonzero(success).flatten()[:per_outcome],
                          torch.nonzero(~success).flatten()[:per_outcome]])
-        return {k: v[idx].cpu().numpy() for k, v in
-                dict(errors=errors, weights=weights, mask=mask, success=success).items()}
+        arrays = dict(errors=errors, weights=weights, mask=mask, success=success)
+        if grasped is not None:
+            arrays["grasped"] = grasped.bool()
+        return {k: v[idx].cpu().numpy() for k, v in arrays.items()}
 
     def analysis(self) -> dict | None:
         return self._analysis

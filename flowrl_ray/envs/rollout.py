@@ -36,7 +36,9 @@ class EnvRunner:
     Families with ``episode_success(infos, done)`` also report each finished episode's success
     in ``meta.extra["successes"]``; families with ``executed_rows(infos, done)`` (action chunks)
     add ``executed_rows`` [T, N] int64: the rows of each step's chunk the env ran (fewer than
-    ``act_steps`` where the episode ended inside the chunk).
+    ``act_steps`` where the episode ended inside the chunk); families with ``step_grasped(infos,
+    done)`` (robot tasks) add ``grasped`` [T, N] bool: whether the gripper held the object after
+    the step.
     """
 
     def __init__(self, family, env_cfg: EnvConfig, num_envs: int, seed: int, policy: nn.Module,
@@ -89,6 +91,9 @@ class EnvRunner:
             if hasattr(self.family, "executed_rows"):
                 buf.setdefault("executed_rows", np.zeros((num_steps, n), np.int64))[t] = \
                     self.family.executed_rows(info, terminated | truncated)
+            if hasattr(self.family, "step_grasped"):
+                buf.setdefault("grasped", np.zeros((num_steps, n), bool))[t] = \
+                    self.family.step_grasped(info, terminated | truncated)
             self.episode_return += reward
             self.episode_length += 1
             done = terminated | truncated

@@ -39,7 +39,7 @@ from flowrl_ray.envs.robot.env import (ACTION_DIM, CAMERAS, LOW_DIM_KEYS, PROPRI
 
 __all__ = ["ACTION_DIM", "LOW_DIM_KEYS", "PROPRIO_KEYS", "TASKS", "RobotEnv", "Task", "get_task",
            "check_config", "check_video", "load_norm", "spec", "observation_shapes", "make_env",
-           "make_vector_env", "episode_success", "snapshot", "restore"]
+           "make_vector_env", "episode_success", "step_grasped", "snapshot", "restore"]
 
 
 def check_config(env_cfg: EnvConfig) -> Task:
@@ -137,6 +137,19 @@ def episode_success(infos: dict, done: np.ndarray) -> np.ndarray:
     final = infos.get("final_info", {})
     success = np.asarray(final.get("success", np.zeros(len(done), bool)), bool)
     return np.asarray(done, bool) & success
+
+
+def step_grasped(infos: dict, done: np.ndarray) -> np.ndarray:
+    """[N] bool: whether each env's gripper held the object at the end of this step (an ended
+    episode's last step: under ``final_info``)."""
+    done = np.asarray(done, bool)
+    out = np.asarray(infos.get("grasped", np.zeros(len(done), bool)), bool) & \
+        np.asarray(infos.get("_grasped", np.ones(len(done), bool)), bool)
+    final = infos.get("final_info", {})
+    if "grasped" in final:
+        ended = done & np.asarray(final.get("_grasped", True), bool)
+        out = np.where(ended, np.asarray(final["grasped"], bool), out)
+    return out
 
 
 def executed_rows(infos: dict, done: np.ndarray) -> np.ndarray:

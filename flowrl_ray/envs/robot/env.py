@@ -43,7 +43,8 @@ at a truncation, which the critic's bootstrap carries), so the sparse task's opt
 unchanged while every chunk carries a progress signal. ``info["sparse_reward"]`` keeps the
 chunk's sparse part.
 ``info["success"]`` says whether the episode has been solved at any step so far and
-``info["substeps"]`` how many low-level steps the chunk ran.
+``info["substeps"]`` how many low-level steps the chunk ran, ``info["grasped"]`` whether the
+gripper holds the object after it.
 
 Videos: with ``video = (camera, size)`` set, the env renders one frame [size, size, 3] uint8 at
 every reset (the first frame) and after every executed low-level step, so an episode of S
@@ -332,12 +333,17 @@ class RobotEnv(gym.Env):
             truncated = self.steps >= self.max_episode_steps
             if terminated or truncated:
                 break
-        info = {"success": self.solved, "substeps": substeps}
+        info = {"success": self.solved, "substeps": substeps, "grasped": self.grasped()}
         if self.env_cfg.reward == "shaped":
             info["sparse_reward"] = reward
             phi_next = 0.0 if terminated else self.potential()
             reward += self.env_cfg.shaping_gamma * phi_next - phi
         return self.observation(self.raw_obs()), reward, terminated, truncated, info
+
+    def grasped(self) -> bool:
+        """Whether the gripper holds the task's object now (robosuite's own check: both finger pads
+        touch it): the key step FlowSAR's analysis marks on an episode's per-step errors."""
+        return bool(self.raw._check_grasp(gripper=self.raw.robots[0].gripper, object_geoms=self.task_object()))
 
     def potential(self) -> float:
         """phi(s) of the shaped reward: robosuite's shaped task reward at the current state with
