@@ -1,27 +1,29 @@
-"""FlowSAR's credit-assignment ablation on robosuite (low-dim state) on this machine: FlowSAR
-(full: softmax of the reconstruction error) vs its uniform / random / inverse weights vs FPO++
-(critic-based), from the same pretrained policy at the same env-step budget.
+"""FlowSAR's ablations on robosuite (low-dim state) on this machine: the credit rules, the
+specification's literal formulas, its loss variants and baselines, and its hyperparameter sweeps,
+every variant from the same pretrained policy at the same env-step budget, evaluated with the
+robot protocol (``robot_protocol.py``: every policy and its base on the same seeded episodes in
+one process, gains with episode-paired bootstrap CIs, each variant's difference from the
+default FlowSAR).
 
 Run from the repository root:
 
-    .venv/bin/python benchmarks/flowsar_lift.py                              # Lift, seed 0, 5 variants
-    .venv/bin/python benchmarks/flowsar_lift.py --iterations 12 --seeds 0 1 2
-    .venv/bin/python benchmarks/flowsar_lift.py --task can                   # Can: demos and base made first
-    .venv/bin/python benchmarks/flowsar_lift.py --runs runs/bench-flowsar-*  # re-evaluate finished runs
+    .venv/bin/python benchmarks/flowsar_lift.py                                  # the ablation, 3 seeds
+    .venv/bin/python benchmarks/flowsar_lift.py --variants flowsar flowsar-uniform fpopp --seeds 0 1 2
+    .venv/bin/python benchmarks/flowsar_lift.py --sweep temperature --seeds 0 1  # the spec's ablation 3
+    .venv/bin/python benchmarks/flowsar_lift.py --task can --variants flowsar flowsar-uniform fpopp
+    .venv/bin/python benchmarks/flowsar_lift.py --runs runs/bench-*              # re-evaluate finished runs
+    .venv/bin/python benchmarks/flowsar_lift.py ... --ood                        # also the OOD suite
 
-Every run is one `flowrl-ray train` of the quickstart configs (2 workers x 8 envs x 40 chunk
-steps per iteration, same for FlowSAR and FPO++) for ``--iterations`` iterations. Each final
-policy and the base policy are then evaluated in this process on the same seeded episodes with
-zero-sampling and random sampling (``_robot.evaluate``). Results:
-``benchmarks/results/flowsar_<task>.{md,json}`` and ``flowsar_<task>_success.png`` (training
-success, random sampling, vs env steps). The spec predicts full > uniform > random ~ inverse;
-the table reports what was measured. No assertion is made.
+Every run is one ``flowrl-ray train`` of a quickstart config (2 workers x 8 envs x 40 chunk steps
+per iteration for every algorithm) for ``--iterations`` iterations, named after its variant, one
+at a time. Results: ``benchmarks/results/<output>.{md,json}`` and the protocol's curves (default
+output ``flowsar_ablation_<task>`` or ``flowsar_sweep_<name>_<task>``). The specification predicts
+full > uniform > random ~ inverse; the report says what was measured, CIs included.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -29,19 +31,42 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO_ROOT, RESULTS_DIR, git_revision, md_table, write_results  # noqa: E402
-from _robot import FLOWRL, base_policy, ensure_demos_and_base, evaluate, run_summary  # noqa: E402
+from _common import REPO_ROOT  # noqa: E402
+from _robot import FLOWRL, ensure_demos_and_base  # noqa: E402
 
 os.environ.setdefault("MUJOCO_GL", "egl")
 FLOWSAR = "configs/flowsar/lift_state_quickstart.yaml"
 FPOPP = "configs/fpopp/lift_state_quickstart.yaml"
-#: variant -> (config, overrides)
-VARIANTS = {"flowsar": (FLOWSAR, []),
-            "flowsar-uniform": (FLOWSAR, ["algo.flowsar.weight_mode=uniform"]),
-            "flowsar-random": (FLOWSAR, ["algo.flowsar.weight_mode=random"]),
-            "flowsar-inverse": (FLOWSAR, ["algo.flowsar.weight_mode=inverse"]),
-            # FlowSAR's batch shape (the same chunks per iteration), FPO++'s own update settings
-            "fpopp": (FPOPP, ["runtime.rollout_length=40"])}
+REINFLOW = "configs/reinflow/lift_state_quickstart.yaml"
+H = "algo.flowsar."
+#: variant -> (config, overrides). "flowsar" is the default: e standardised per episode, 3 noise
+#: draws, weights of mean 1 per step.
+VARIANTS = {
+    "flowsar": (FLOWSAR, []),
+    "flowsar-literal": (FLOWSAR, [f"{H}error_scale=literal", f"{H}weight_scale=sum_one",
+                                  f"{H}n_annotation_samples=1"]),              # the spec read literally
+    "flowsar-uniform": (FLOWSAR, [f"{H}weight_mode=uniform"]),                 # = DiffusionNFT's weights
+    "flowsar-random": (FLOWSAR, [f"{H}weight_mode=random"]),
+    "flowsar-inverse": (FLOWSAR, [f"{H}weight_mode=inverse"]),
+    "flowsar-normalized": (FLOWSAR, [f"{H}weight_mode=normalized"]),
+    "flowsar-critic_oracle": (FLOWSAR, [f"{H}weight_mode=critic_oracle"]),
+    "flowsar-centred": (FLOWSAR, [f"{H}label_baseline=batch"]),                # beyond the spec
+    "flowsar-simple": (FLOWSAR, [f"{H}loss_variant=simple"]),                  # the spec's ablation 5
+    "rft": (FLOWSAR, [f"{H}loss_variant=rft", f"{H}weight_mode=uniform", f"{H}kl_coeff=0",
+                      f"{H}t_min=0", f"{H}t_max=1"]),
+    # the same batch per iteration (rollout_length 40), each algorithm's own update settings
+    "reinflow": (REINFLOW, ["runtime.rollout_length=40"]),
+    "fpopp": (FPOPP, ["runtime.rollout_length=40"]),
+}
+DEFAULT_VARIANTS = [v for v in VARIANTS if v != "flowsar-centred"]
+#: the specification's ablations 2-4 and the quickstart's learning rate (with a 3-iteration warm-up)
+SWEEPS = {"tau_mid": [0.2, 0.3, 0.5, 0.7, 0.8], "temperature": [0.1, 0.3, 0.5, 1.0, 2.0],
+          "beta": [0.5, 1.0, 1.5, 2.0], "lr": [1e-5, 3e-5, 1e-4, 3e-4]}
+
+
+def sweep_variants(name: str) -> dict[str, tuple[str, list[str]]]:
+    extra = [f"{H}lr_warmup_iters=3"] if name == "lr" else []
+    return {f"flowsar-{name}{v:g}": (FLOWSAR, [f"{H}{name}={v}", *extra]) for v in SWEEPS[name]}
 
 
 def task_overrides(task: str) -> list[str]:
@@ -52,82 +77,55 @@ def task_overrides(task: str) -> list[str]:
             f"algo.base_policy=pretrained/{task}_state_quickstart.pt"]
 
 
-def main() -> None:
+def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--task", default="lift", choices=["lift", "can", "square"])
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    p.add_argument("--seeds", nargs="+", type=int, default=[0])
-    p.add_argument("--iterations", type=int, default=12, help="per run (640 chunk steps each)")
+    p.add_argument("--variants", nargs="+", choices=list(VARIANTS), help=f"default: {' '.join(DEFAULT_VARIANTS)}")
+    p.add_argument("--sweep", choices=list(SWEEPS), help="instead of --variants: one hyperparameter's values")
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    p.add_argument("--iterations", type=int, default=40, help="per run (640 chunk steps each)")
     p.add_argument("--runs", nargs="*", help="evaluate these finished run directories instead of training")
-    p.add_argument("--eval-episodes", type=int, default=30)
+    p.add_argument("--episodes", type=int, default=100, help="evaluation episodes per sampling rule")
     p.add_argument("--demos", type=int, default=50)
-    p.add_argument("--pretrain-epochs", type=int, default=10)
+    p.add_argument("--pretrain-epochs", type=int, default=20)
+    p.add_argument("--ood", nargs="*", metavar="SET", help="also the OOD suite (robot_protocol --ood)")
+    p.add_argument("--output")
     args = p.parse_args()
+    if args.sweep and args.variants:
+        p.error("--sweep and --variants: one or the other")
     os.chdir(REPO_ROOT)
-    from flowrl_ray.checkpoint import load_policy
     from flowrl_ray.config import load_config
-    from flowrl_ray.plotting import plot_runs
+    import robot_protocol
 
+    variants = sweep_variants(args.sweep) if args.sweep else {v: VARIANTS[v] for v in args.variants or DEFAULT_VARIANTS}
     extra = task_overrides(args.task)
     cfg = load_config(FLOWSAR, extra)
     ensure_demos_and_base(FLOWSAR, cfg, args.task, args.demos, args.pretrain_epochs, extra)
-    run_dirs = [Path(d) for d in args.runs] if args.runs else []
-    if not args.runs:
+    groups: dict[str, list[str]] = {}
+    if args.runs:
+        for d in args.runs:
+            groups.setdefault(load_config(Path(d) / "config.yaml").name, []).append(d)
+    else:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
         for seed in args.seeds:
-            for variant in args.variants:
-                config, overrides = VARIANTS[variant]
-                run_dir = Path("runs") / f"bench-{variant}-{args.task}-s{seed}-{time.strftime('%Y%m%d-%H%M%S')}"
+            for variant, (config, overrides) in variants.items():
+                run_dir = Path("runs") / f"bench-{variant}-{args.task}-s{seed}-{stamp}"
                 subprocess.run([*FLOWRL, "train", config, "--run-dir", str(run_dir), *extra, *overrides,
                                 f"name={variant}", f"seed={seed}", f"train.iterations={args.iterations}",
-                                f"eval.interval={args.iterations}", "eval.at_start=false"], check=True)
-                run_dirs.append(run_dir)
-
-    print(f"[bench] evaluating the base policy ({args.eval_episodes} episodes x zero/random)", flush=True)
-    t0 = time.perf_counter()
-    results = {"task": args.task, "revision": git_revision(), "eval_episodes": args.eval_episodes,
-               "base": evaluate(base_policy(cfg), cfg, args.eval_episodes), "runs": []}
-    for run_dir in run_dirs:
-        print(f"[bench] evaluating {run_dir}", flush=True)
-        run_cfg, _, policy = load_policy(run_dir)
-        flowsar = run_cfg.algorithm == "flowsar"
-        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        spread = [r["flowsar/e_within_episode_cv"] for r in rows if r.get("flowsar/e_within_episode_cv") is not None]
-        entropy = [r["flowsar/weight_entropy_ratio"] for r in rows if r.get("flowsar/weight_entropy_ratio") is not None]
-        results["runs"].append({"run_dir": str(run_dir), **run_summary(run_dir), "seed": run_cfg.seed,
-                                "weight_mode": run_cfg.algo.flowsar.weight_mode if flowsar else None,
-                                "e_within_episode_cv_mean": sum(spread) / len(spread) if spread else None,
-                                "weight_entropy_ratio_mean": sum(entropy) / len(entropy) if entropy else None,
-                                "final": evaluate(policy, run_cfg, args.eval_episodes)})
-    results["eval_time_s"] = round(time.perf_counter() - t0, 1)
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    stem = f"flowsar_{args.task}"
-    (RESULTS_DIR / f"{stem}.json").write_text(json.dumps(results, indent=2) + "\n")
-    try:
-        plot_runs(run_dirs, RESULTS_DIR / f"{stem}_success.png", y="success_rate",
-                  title=f"{args.task}: training success (random sampling) vs env steps")
-    except ValueError as e:
-        print(f"[bench] no curve plotted: {e}", flush=True)
-
-    pct = lambda v: "-" if v is None else f"{100 * v:.0f} %"     # noqa: E731
-    num = lambda v: "-" if v is None else f"{v:.2f}"             # noqa: E731
-    base = results["base"]
-    table = [["pretrained (base)", "-", "-", "-", pct(base["zero"]), pct(base["random"]), "-", "-", "-"]]
-    for r in results["runs"]:
-        table.append([r["name"], str(r["seed"]), f"{r['env_steps']:,}", f"{r['time_s'] / 60:.1f} min",
-                      pct(r["final"]["zero"]), pct(r["final"]["random"]),
-                      f"{pct(r['train_success_first'])} -> {pct(r['train_success_last'])}",
-                      num(r["e_within_episode_cv_mean"]), num(r["weight_entropy_ratio_mean"])])
-    body = (f"Task `{args.task}` (low-dim state); configs `{FLOWSAR}` and `{FPOPP}` with "
-            f"{args.iterations} iterations each; every policy evaluated on the same {args.eval_episodes} "
-            f"seeded episodes per sampling rule, in one process. Training success = last 100 training "
-            f"episodes (random sampling). e spread = mean over iterations of the within-episode "
-            f"coefficient of variation of the reconstruction error; weight entropy = H(w) / log H "
-            f"(1 = uniform weights).\n\n"
-            + md_table(["variant", "seed", "env steps (chunks)", "wall-clock", "success, zero-sampling",
-                        "success, random sampling", "training success first -> last", "e spread (CV)",
-                        "weight entropy / uniform"], table) + "\n")
-    write_results(stem, f"FlowSAR credit-assignment ablation vs FPO++ on {args.task} (state)", body)
+                                "runtime.checkpoint_interval=0"], check=True)
+                groups.setdefault(variant, []).append(str(run_dir))
+    output = args.output or (f"flowsar_sweep_{args.sweep}_{args.task}" if args.sweep else f"flowsar_ablation_{args.task}")
+    # the reference: the default FlowSAR, or in a sweep the config's own value
+    reference = f"flowsar-{args.sweep}{getattr(cfg.algo.flowsar, args.sweep):g}" if args.sweep else "flowsar"
+    if reference not in groups:
+        reference = next(iter(groups))
+    argv = [arg for name, dirs in groups.items() for arg in ("--variant", f"{name}={','.join(dirs)}")]
+    argv += ["--reference", reference, "--episodes", str(args.episodes), "--output", output,
+             "--note", f"FlowSAR ablation on {args.task}: {args.iterations} iterations of 640 chunk steps per run"]
+    if args.ood is not None:
+        argv += ["--ood", *args.ood]
+    return robot_protocol.main(argv)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
