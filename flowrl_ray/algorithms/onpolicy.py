@@ -15,7 +15,7 @@ from flowrl_ray.batch import Batch, concat_time_major, gather_obs, map_obs
 from flowrl_ray.optim import optimizer_step
 
 #: Batch keys the runner writes itself; every other key is the policy's per-step record
-ROLLOUT_KEYS = ("obs", "rewards", "terminated", "truncated", "final_obs", "last_obs")
+ROLLOUT_KEYS = ("obs", "rewards", "terminated", "truncated", "final_obs", "last_obs", "grasped")
 
 
 def _is_rollout_key(key: str) -> bool:
