@@ -291,7 +291,8 @@ def flowsar_loss(v_cur: torch.Tensor, v_old: torch.Tensor, u: torch.Tensor, weig
                      episodes' steps only; with uniform weights, kl_coeff 0 and t in [0, 1] it is
                      behaviour cloning of the policy's own successes)
     """
-    e_pos, e_neg = mirror_energies(v_cur, v_old, u, beta, energy_type, flow_t)
+    if loss_variant in ("softplus_kl", "mse_branch"):            # the mirror variants
+        e_pos, e_neg = mirror_energies(v_cur, v_old, u, beta, energy_type, flow_t)
     if loss_variant == "softplus_kl":
         y = 2.0 * rewards - 1.0
         kl = (v_cur - v_old.detach()).pow(2).mean(dim=(-2, -1))
