@@ -1,4 +1,5 @@
-# Two commands for a fresh machine: `make run` (the main job) and `make test` (the whole suite).
+# Two commands for a fresh machine: `make run` (the main job) and `make test` (the whole suite;
+# `make test-unit`: the fast unit tests only).
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
@@ -10,7 +11,7 @@ STAMP := $(VENV)/.installed
 EXTRAS ?= dev,robot,text,forms,mol,tracking
 RUN_DIR ?= runs/fpopp-lift
 
-.PHONY: run run-ppo test install system-deps lint bench clean
+.PHONY: run run-ppo test test-unit install system-deps lint bench clean
 
 # System packages: swig builds box2d-py (gymnasium[box2d]); gcc and the kernel headers build evdev
 # (a robosuite dependency, from source); Mesa's EGL and OSMesa render robosuite cameras on the CPU;
@@ -51,8 +52,13 @@ run: install
 run-ppo: install
 	$(FLOWRL) train configs/ppo/pendulum.yaml --run-dir runs/ppo-pendulum-$$(date +%Y%m%d-%H%M%S)
 
+# tests/unit (pure Python: no Ray, no CLI subprocess, browser or simulator), tests/integration (a
+# local Ray or a real robosuite, Chromium, xTB ...), tests/e2e (the CLI through the whole stack).
 test: install
 	$(PY) -m pytest -q -ra tests
+
+test-unit: install
+	$(PY) -m pytest -q tests/unit
 
 bench: install
 	$(PY) benchmarks/rollout_throughput.py

@@ -8,7 +8,7 @@ Run from the repository root (about 1 minute on 2 cores with the defaults):
 The batch is what a realistic FPO++ iteration hands the learner (``configs/fpopp/*_state.yaml``
 sizes): ``--workers`` (2) rollout batches of ``--envs-per-worker`` (25) envs x ``--chunk-steps``
 (20) chunk steps = 1000 samples, observation 19-d (Lift, low-dim), action chunks [16, 7], N_mc 8
-Monte Carlo pairs per action, built as ``tests/test_fpopp.py::_rollout_batch`` does (random
+Monte Carlo pairs per action, built as ``tests/unit/algorithms/test_fpopp.py::_rollout_batch`` does (random
 observations, sparse rewards, each step's actions / taus / mc_eps / cfm_old recorded by the
 policy's own ``act``), then turned into training tensors once by ``FPOPP.prepare``.
 
@@ -101,7 +101,7 @@ def make_algo(cfg, spec):
 
 
 def rollout_batches(algo, args: argparse.Namespace) -> list:
-    """Time-major batches as the EnvRunner writes them (see tests/test_fpopp.py::_rollout_batch)."""
+    """Time-major batches as the EnvRunner writes them (see tests/unit/algorithms/test_fpopp.py::_rollout_batch)."""
     import torch
 
     from flowrl_ray.batch import Batch, BatchMeta

@@ -1,4 +1,9 @@
-"""Shared fixtures: tiny configs and one local Ray per test module that needs it."""
+"""Shared fixtures: tiny configs and one local Ray per test module that needs it.
+
+The tests are in three packages: unit/ (mirroring flowrl_ray), integration/ and e2e/ (see their
+__init__.py). pytest puts this folder on sys.path, so any test module imports `conftest`, the
+plugins in flowrl_test_plugins/ and another test module by its package path
+(`from unit.algorithms.test_fpopp import tiny_cfg`)."""
 
 from __future__ import annotations
 
@@ -7,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+#: tests/ (on sys.path: conftest, the test plugins) and the repository root
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
 PENDULUM = REPO / "configs" / "ppo" / "pendulum.yaml"
 
 #: a run small enough for a few seconds on 2 cores (any algorithm) ...

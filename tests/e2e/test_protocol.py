@@ -1,0 +1,91 @@
+"""The robot evaluation protocol end to end on a tiny FPO++ Lift run (real demos, pretraining, two
+training runs on local Rays)."""
+
+import json
+import os
+import re
+import sys
+
+os.environ.setdefault("MUJOCO_GL", "egl")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import yaml  # noqa: E402
+
+from conftest import REPO  # noqa: E402
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+
+@pytest.mark.slow
+def test_protocol_end_to_end_on_a_tiny_lift_run(tmp_path, capsys):
+    """2 seeds x 2 iterations of a tiny FPO++ Lift config, trained 2 at a time, then the base and
+    both final policies on the same 6 episodes; the numbers are read back and recomputed."""
+    import robot_protocol
+
+    from flowrl_ray.cli import main as cli
+    demos, base = tmp_path / "lift.hdf5", tmp_path / "base.pt"
+    assert cli(["demos", "lift", "--episodes", "2", "--out", str(demos)]) == 0
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump({
+        "name": "tiny-lift", "algorithm": "fpopp",
+        "env": {"family": "robot", "id": "lift", "horizon_steps": 4, "act_steps": 2,
+                "max_episode_steps": 10, "dataset": str(demos)},
+        "train": {"iterations": 2},
+        "runtime": {"num_workers": 1, "envs_per_worker": 2, "rollout_length": 6, "checkpoint_interval": 0},
+        "eval": {"interval": 2, "episodes": 2, "at_start": True},
+        "algo": {"base_policy": str(base), "hidden_sizes": [32, 32], "critic_hidden_sizes": [16],
+                 "minibatch_size": 12, "n_mc": 2, "flow_steps": 3, "critic_warmup_iters": 1, "epochs": 1}}))
+    assert cli(["pretrain", str(config), "--epochs", "2", "--batch-size", "32"]) == 0
+    capsys.readouterr()
+
+    results = tmp_path / "results"
+    common = ["--episodes", "6", "--n-boot", "2000", "--results-dir", str(results)]
+    assert robot_protocol.main(["--config", str(config), "--seeds", "0", "1", "--parallel", "2",
+                                "--runs-dir", str(tmp_path / "runs"), "--output", "smoke", *common]) == 0
+    out = capsys.readouterr().out
+    assert "seed 1 finished" in out and "has 2 seed(s)" in out
+    data = json.loads((results / "smoke.json").read_text())
+    v = data["variants"]["tiny-lift"]
+    assert [r["seed"] for r in v["runs"]] == [0, 1]
+    (base_entry,) = data["bases"].values()
+    for s in ("zero", "random"):
+        b = base_entry["outcomes"][s]
+        assert len(b["successes"]) == 6 and b["keys"] == sorted(b["keys"])
+        assert sorted(map(tuple, b["keys"])) == [(i, k) for i in range(6) for k in range(1)]   # 6 envs, 1 each
+        per_seed = [r["outcomes"][s]["successes"] for r in v["runs"]]
+        assert all(r["outcomes"][s]["keys"] == b["keys"] for r in v["runs"])    # the same episodes
+        gain = np.mean([np.mean(p) for p in per_seed]) - np.mean(b["successes"])
+        assert v["gain"][s]["gain"] == pytest.approx(gain)
+        assert v["gain"][s]["ci_low"] <= v["gain"][s]["gain"] <= v["gain"][s]["ci_high"]
+        assert v["success"][s]["per_seed"] == pytest.approx([np.mean(p) for p in per_seed])
+    for r in v["runs"]:
+        assert r["iterations"] == 2 and r["env_steps"] == 2 * 2 * 6 and r["launch_wall_s"] > 0
+        assert len(r["train_curve"]) >= 1 and [x for x, _ in r["eval_curve"]] == [0, 24]
+    assert data["machine"]["CPU"] and "logical" in data["machine"]["cores"]
+    for png in ("smoke_train.png", "smoke_eval.png"):
+        assert (results / png).read_bytes()[:4] == b"\x89PNG"
+    md = (results / "smoke.md").read_text()
+    assert re.search(r"\| tiny-lift +\| random +\| 2 +\|", md) and "## Machine" in md
+
+    # the finished runs again (--runs groups them by their config name, the variant's), in a new
+    # evaluation with new envs: the same outcomes
+    runs = [r["run_dir"] for r in v["runs"]]
+    assert robot_protocol.main(["--runs", *runs, "--output", "again", *common]) == 0
+    again = json.loads((results / "again.json").read_text())
+    assert list(again["bases"].values())[0]["outcomes"] == base_entry["outcomes"]
+    assert [r["outcomes"] for r in again["variants"]["tiny-lift"]["runs"]] == [r["outcomes"] for r in v["runs"]]
+
+    # out of distribution: the same episodes in a scene with action noise, for the base and both runs
+    assert robot_protocol.main(["--runs", *runs, "--output", "ood", "--ood", "action_noise", *common]) == 0
+    ood = json.loads((results / "ood.json").read_text())
+    (b_ood,) = ood["bases"].values()
+    assert list(b_ood["ood"]) == ["action_noise"] and b_ood["outcomes"] == base_entry["outcomes"]
+    v_ood = ood["variants"]["tiny-lift"]
+    for s in ("zero", "random"):
+        noisy = b_ood["ood"]["action_noise"][s]
+        assert noisy["keys"] == base_entry["outcomes"][s]["keys"]                     # the same episodes
+        per_seed = [r["ood"]["action_noise"][s]["successes"] for r in v_ood["runs"]]
+        gain = np.mean([np.mean(p) for p in per_seed]) - np.mean(noisy["successes"])
+        assert v_ood["ood"]["action_noise"]["gain"][s]["gain"] == pytest.approx(gain)
+    assert "| tiny-lift | action_noise" in (results / "ood.md").read_text()

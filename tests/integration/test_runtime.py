@@ -1,0 +1,172 @@
+"""The Ray runtime on a real local cluster: weight sync, a killed worker, exact resume, async mode."""
+
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+
+import pytest
+import ray
+import torch
+
+from flowrl_ray.checkpoint import latest_checkpoint, load_checkpoint
+from flowrl_ray.runtime.metrics import read_metrics
+from flowrl_ray.runtime.trainer import Trainer
+
+from conftest import REPO, TINY_RUNTIME, run_trainer, tiny_config
+
+pytestmark = pytest.mark.slow
+
+
+def test_weights_reach_every_worker_with_their_version(local_ray, tmp_path):
+    trainer = Trainer(tiny_config("train.iterations=2"), tmp_path / "run", quiet=True)
+    try:
+        trainer.setup()
+        trainer.train()
+        learner_policy = ray.get(trainer.learner.get_state.remote())["policy"]
+        assert trainer.version == 2
+        for w in trainer.workers:
+            assert ray.get(w.policy_version.remote()) == 2
+            worker_policy = ray.get(w.policy_state.remote())
+            for k, v in learner_policy.items():
+                assert torch.equal(v, worker_policy[k]), k
+    finally:
+        trainer.close()
+    rows = read_metrics(tmp_path / "run")
+    assert [r["policy_version"] for r in rows] == [1, 2]
+    assert all(r["policy_lag_mean"] == 0 for r in rows)      # sync mode: on-policy batches
+    assert all(r["batches"] == 2 for r in rows)
+
+
+def test_run_directory_contents(local_ray, tmp_path):
+    run = tmp_path / "run"
+    summary = run_trainer(tiny_config("eval.interval=2", "eval.episodes=3", "runtime.checkpoint_interval=2",
+                               "train.iterations=4"), run)
+    rows = read_metrics(run)
+    assert [r["iteration"] for r in rows] == [1, 2, 3, 4]
+    for key in ("iteration", "env_steps", "episode_return_mean", "time_s", "ppo/policy_loss",
+                "ppo/value_loss", "ppo/approx_kl", "worker_restarts", "dropped_batches"):
+        assert key in rows[-1], key
+    assert rows[-1]["env_steps"] == 4 * 2 * 2 * 64
+    assert "eval/return_mean" in rows[1] and "eval/return_mean" not in rows[0]
+    assert (run / "config.yaml").is_file() and (run / "plots" / "learning_curve.png").stat().st_size > 1000
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+    assert sorted(p.name for p in (run / "checkpoints").glob("iter_*.pt")) == ["iter_000002.pt", "iter_000004.pt"]
+    assert not list((run / "checkpoints").glob("*.tmp"))
+    assert json.loads((run / "summary.json").read_text())["iterations"] == summary["iterations"] == 4
+
+
+def test_killed_worker_is_restarted_and_the_run_finishes(local_ray, tmp_path):
+    cfg = tiny_config("train.iterations=4", "runtime.rollout_length=400", "runtime.max_worker_restarts=2")
+    trainer = Trainer(cfg, tmp_path / "run", quiet=True)
+    try:
+        trainer.setup()
+        victim = ray.get(trainer.workers[1].pid.remote())
+
+        def kill_during_second_iteration():
+            while trainer.counters.iteration < 1:
+                time.sleep(0.01)
+            time.sleep(0.05)                       # the second iteration's sampling is under way
+            os.kill(victim, signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_during_second_iteration, daemon=True)
+        killer.start()
+        summary = trainer.train()
+        killer.join(timeout=5)
+        new_pid = ray.get(trainer.workers[1].pid.remote())
+    finally:
+        trainer.close()
+    assert summary["iterations"] == 4 and summary["worker_restarts"] == 1
+    assert new_pid != victim
+    rows = read_metrics(tmp_path / "run")
+    assert rows[-1]["worker_restarts"] == 1
+    # the iteration hit by the failure went on with the batch that did arrive
+    assert min(r["batches"] for r in rows) == 1 and rows[-1]["batches"] == 2
+
+
+def test_restart_budget_spent_stops_the_run(local_ray, tmp_path):
+    from flowrl_ray.runtime.trainer import TrainingError
+    cfg = tiny_config("train.iterations=3", "runtime.max_worker_restarts=0")
+    trainer = Trainer(cfg, tmp_path / "run", quiet=True)
+    try:
+        trainer.setup()
+        os.kill(ray.get(trainer.workers[0].pid.remote()), signal.SIGKILL)
+        with pytest.raises(TrainingError, match="max_worker_restarts"):
+            trainer.train()
+    finally:
+        trainer.close()
+
+
+def _resume_config(algorithm: str):
+    resume = ["train.iterations=3", "runtime.checkpoint_interval=2", "eval.interval=3"]
+    if algorithm == "ppo":
+        return tiny_config(*resume)
+    from flowrl_ray.config import load_config
+    # history_size 2: the checkpoint at iteration 2 holds a full history that iteration 3 reuses.
+    return load_config(REPO / "configs" / "cma_ppo" / "pendulum.yaml",
+                       TINY_RUNTIME + resume + ["algo.batch_size=64", "algo.n_updates=2", "algo.history_size=2",
+                                                "algo.hidden_sizes=[16, 16]", "algo.mirror_sampling=resample"])
+
+
+@pytest.mark.parametrize("algorithm", ["ppo", "cma_ppo"])
+def test_resume_gives_the_same_next_iteration_as_an_uninterrupted_run(local_ray, tmp_path, algorithm):
+    cfg = _resume_config(algorithm)
+    full = tmp_path / "full"
+    run_trainer(cfg, full)
+    # An interrupted run is one that stopped right after its iteration-2 checkpoint.
+    part = tmp_path / "part"
+    (part / "checkpoints").mkdir(parents=True)
+    shutil.copy(full / "config.yaml", part / "config.yaml")
+    shutil.copy(full / "metrics.jsonl", part / "metrics.jsonl")
+    shutil.copy(full / "checkpoints" / "iter_000002.pt", part / "checkpoints" / "iter_000002.pt")
+    run_trainer(cfg, part, resume=True)
+    a, b = read_metrics(full), read_metrics(part)
+    assert [r["iteration"] for r in b] == [1, 2, 3]
+    skip = {"time_s", "env_steps_per_s", "sample_time_s", "learner/update_time_s", "learner/fetch_time_s"}
+    for key, value in a[2].items():
+        if key not in skip:
+            assert b[2][key] == value, key
+    pa = load_checkpoint(latest_checkpoint(full))["policy"]
+    pb = load_checkpoint(latest_checkpoint(part))["policy"]
+    for k in pa:
+        assert torch.equal(pa[k], pb[k]), k
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_async_mode_bounds_staleness(local_ray, tmp_path, staleness):
+    cfg = tiny_config("train.iterations=4", "runtime.mode=async", f"runtime.max_staleness={staleness}")
+    summary = run_trainer(cfg, tmp_path / "run")
+    rows = read_metrics(tmp_path / "run")
+    assert summary["iterations"] == 4
+    assert all(r["policy_lag_mean"] <= staleness for r in rows)
+    if staleness == 0:
+        # batches sampled while the learner updated are one version old: dropped and counted
+        assert rows[-1]["dropped_batches"] > 0
+    else:
+        # sampling overlapped the update: batches one version old were used, not dropped
+        assert rows[1]["policy_lag_mean"] > 0
+
+
+def test_dead_learner_resumes_from_the_last_checkpoint(local_ray, tmp_path):
+    cfg = tiny_config("train.iterations=4", "runtime.checkpoint_interval=1")
+    trainer = Trainer(cfg, tmp_path / "run", quiet=True)
+    try:
+        trainer.setup()
+        learner_pid = ray.get(trainer.learner.pid.remote())
+
+        def kill_after_two_iterations():
+            while trainer.counters.iteration < 2:
+                time.sleep(0.01)
+            os.kill(learner_pid, signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_after_two_iterations, daemon=True)
+        killer.start()
+        summary = trainer.train()
+    finally:
+        trainer.close()
+    rows = read_metrics(tmp_path / "run")
+    assert summary["iterations"] == 4 and rows[-1]["learner_restarts"] == 1
+    # the new learner continued from the checkpoint's policy version, not from scratch
+    assert rows[-1]["policy_version"] >= 3

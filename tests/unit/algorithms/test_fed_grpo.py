@@ -1,0 +1,283 @@
+"""FED-GRPO: the disentangled group advantages and the PBRS returns against hand values, the
+update's ratios, directions and KL on a tiny EDM, config errors, the committed base EDM and the
+resumable pretraining. A tiny pretrain -> FED-GRPO -> eval run through the CLI:
+tests/e2e/test_fed_grpo.py."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from flowrl_ray.algorithms.advantages import group_normalize
+from flowrl_ray.algorithms.fed_grpo import (FEDGRPO, delta_traces, fed_advantages, fed_advantages_delta,
+                                            fed_advantages_pbrs, pbrs_returns, schedule_steps)
+from flowrl_ray.batch import Batch, BatchMeta
+from flowrl_ray.config import ConfigError, config_from_dict
+from flowrl_ray.envs import EnvSpec
+
+TINY_MODEL = {"num_layers": 1, "hidden_size": 16, "diffusion_steps": 6}
+
+
+def _config(**algo) -> dict:
+    return {"name": "fed-test", "algorithm": "fed_grpo", "seed": 0,
+            "env": {"family": "molecules", "id": "qm9", "kwargs": {"timeout_s": 5}},
+            "train": {"iterations": 2},
+            "runtime": {"num_workers": 2, "envs_per_worker": 1, "rollout_length": 1, "checkpoint_interval": 0},
+            "eval": {"interval": 2, "episodes": 4, "at_start": True},
+            "algo": {"model": dict(TINY_MODEL), "sample_group_size": 2, "each_prompt_sample": 3,
+                     "train_micro_batch_size": 6, **algo}}
+
+
+# ---------------------------------------------------------------------- advantages
+
+def test_fed_advantages_normalise_each_signal_within_its_group_then_mix():
+    force = torch.tensor([1.0, 3.0, 2.0, 2.0])
+    energy = torch.tensor([0.0, 2.0, 5.0, 1.0])
+    groups = torch.tensor([7, 7, 3, 3])                 # any labels, in any order
+    adv = fed_advantages(force, energy, groups, force_weight=1.0, energy_weight=0.1, adv_clip_max=5.0)
+    # group 7: a_F = (-1, 1) (mean 2, population std 1), a_E = (-1, 1) -> -1.1, 1.1
+    # group 3: a_F = (0, 0) (tied), a_E = (1, -1) (mean 3, std 2) -> 0.1, -0.1
+    assert torch.allclose(adv, torch.tensor([-1.1, 1.1, 0.1, -0.1]), atol=1e-6)
+
+
+def test_fed_advantages_are_invariant_to_each_signals_scale_and_zero_for_tied_groups():
+    gen = torch.Generator().manual_seed(0)
+    force, energy = torch.randn(12, generator=gen), torch.randn(12, generator=gen)
+    groups = torch.arange(3).repeat_interleave(4)
+    base = fed_advantages(force, energy, groups, 1.0, 0.1, 5.0)
+    # disentangled: scaling one signal (eV vs meV) changes nothing, unlike a mixed raw reward
+    assert torch.allclose(fed_advantages(force, 1000.0 * energy + 7.0, groups, 1.0, 0.1, 5.0), base, atol=1e-5)
+    tied = fed_advantages(torch.ones(4), torch.full((4,), 3.0), torch.zeros(4, dtype=torch.long), 1.0, 0.1, 5.0)
+    assert torch.equal(tied, torch.zeros(4))
+
+
+def test_the_stability_channel_is_a_third_group_normalised_signal():
+    force = torch.tensor([1.0, 3.0, 2.0, 2.0])
+    energy = torch.tensor([0.0, 2.0, 5.0, 1.0])
+    stab = torch.tensor([0.5, 0.5, 0.9, 0.1])             # group 7 tied; group 3: (1, -1) after normalising
+    groups = torch.tensor([7, 7, 3, 3])
+    adv = fed_advantages(force, energy, groups, 1.0, 0.1, 5.0, stab, stability_weight=2.0)
+    # the two-channel values (-1.1, 1.1, 0.1, -0.1) plus 2 * a_S = (0, 0, 2, -2)
+    assert torch.allclose(adv, torch.tensor([-1.1, 1.1, 2.1, -2.1]), atol=1e-6)
+    assert torch.equal(fed_advantages(force, energy, groups, 1.0, 0.1, 5.0, stab, 0.0),
+                       fed_advantages(force, energy, groups, 1.0, 0.1, 5.0))
+    # scale-free: the stability reward's units (weights of its terms) do not change A
+    assert torch.allclose(fed_advantages(force, energy, groups, 1.0, 0.1, 5.0, 10 * stab - 3, 2.0), adv, atol=1e-5)
+    pbrs = fed_advantages_pbrs(torch.tensor([1.0, 3.0]), torch.tensor([[1.0, 0.0], [3.0, 0.0]]), torch.tensor([0, 0]),
+                               1.0, 0.5, 5.0, torch.tensor([2.0, 0.0]), stability_weight=1.0)
+    # a_S = (1, -1) on every step, added to [[-1.5, -1], [1.5, 1]]
+    assert torch.allclose(pbrs, torch.tensor([[-0.5, 0.0], [0.5, 0.0]]), atol=1e-6)
+
+
+def test_fed_advantages_clip_at_adv_clip_max():
+    force = torch.zeros(30)
+    force[0] = 10.0                       # one outlier in a group of 30: z = sqrt(29) = 5.385
+    adv = fed_advantages(force, torch.zeros(30), torch.zeros(30, dtype=torch.long), 1.0, 0.1, 5.0)
+    assert adv[0].item() == pytest.approx(5.0)
+    assert adv[1].item() == pytest.approx(-1.0 / np.sqrt(29.0), rel=1e-5)
+
+
+def test_group_normalize_per_column_matches_a_loop():
+    gen = torch.Generator().manual_seed(1)
+    values, groups = torch.randn(9, 4, generator=gen), torch.tensor([2, 0, 2, 1, 0, 2, 1, 1, 0])
+    out = group_normalize(values, groups)
+    for g in range(3):
+        rows = values[groups == g]
+        expected = (rows - rows.mean(0)) / (rows.std(0, unbiased=False) + 1e-8)
+        assert torch.allclose(out[groups == g], expected, atol=1e-6)
+
+
+def test_pbrs_returns_by_hand():
+    potentials = torch.tensor([[1.0, 2.0, 3.0]])           # Psi_t at the K = 3 recorded steps
+    returns = pbrs_returns(potentials, torch.tensor([5.0]), steps=torch.tensor([3, 2, 1]),
+                           scheduled=torch.tensor([True, False, True]), gamma=0.5)
+    # t = 3: 0.5^3 * 5 - 1 = -0.375; t = 2 not scheduled: 0; t = 1: 0.5 * 5 - 3 = -0.5
+    assert torch.allclose(returns, torch.tensor([[-0.375, 0.0, -0.5]]))
+
+
+def test_pbrs_advantages_broadcast_the_force_term_and_normalise_energy_per_step():
+    adv = fed_advantages_pbrs(torch.tensor([1.0, 3.0]), torch.tensor([[1.0, 0.0], [3.0, 0.0]]),
+                              torch.tensor([0, 0]), force_weight=1.0, energy_weight=0.5, adv_clip_max=5.0)
+    # a_F = (-1, 1) on every step; step 0's returns (1, 3) -> (-1, 1); step 1 tied -> 0
+    assert torch.allclose(adv, torch.tensor([[-1.5, -1.0], [1.5, 1.0]]), atol=1e-6)
+
+
+def test_shaping_scheduler_selects_steps_by_hand():
+    recorded = list(range(10, 0, -1))                              # t = 10 .. 1
+    assert schedule_steps(recorded, 10, "uniform", stride=3) == [10, 7, 4, 1]
+    assert schedule_steps(recorded, 10, "uniform", stride=4) == [10, 6, 2, 1]          # + the terminal step
+    assert schedule_steps(recorded, 10, "uniform", stride=4, include_terminal=False) == [10, 6, 2]
+    # adaptive: coarse (3) while t > 0.5 * 10, then fine (2): 10, 7, 4 | 2, and the terminal 1
+    assert schedule_steps(recorded, 10, "adaptive", coarse_stride=3, fine_stride=2,
+                          threshold_fraction=0.5) == [10, 7, 4, 2, 1]
+    assert schedule_steps(recorded[4:], 10, "uniform", stride=1) == recorded[4:]     # after a shared prefix
+
+
+def test_delta_traces_and_advantages_by_hand():
+    traces = delta_traces(torch.tensor([[1.0, 2.0, 4.0]]), torch.tensor([5.0]), torch.tensor([5, 3, 1]), gamma=0.5)
+    # D_1 = 0.5^2 * 2 - 1, D_2 = 0.5^2 * 4 - 2, D_3 = R_final
+    assert torch.allclose(traces, torch.tensor([[-0.5, -1.0, 5.0]]))
+    f = torch.tensor([[0.0, 1.0], [2.0, 3.0]])
+    e = torch.tensor([[4.0, 0.0], [0.0, 0.0]])
+    adv = fed_advantages_delta(f, e, torch.tensor([0, 0]), 1.0, 0.5, 5.0, terminal_weight=2.0)
+    # columns normalised separately: a^F = (-1, 1) in both; a^E col 0 = (1, -1), col 1 tied (0)
+    # A = a^F + 0.5 a^E, the terminal column x 2
+    assert torch.allclose(adv, torch.tensor([[-0.5, -2.0], [0.5, 2.0]]), atol=1e-6)
+    with_s = fed_advantages_delta(f, e, torch.tensor([0, 0]), 1.0, 0.5, 5.0, 2.0, torch.tensor([1.0, 0.0]), 1.0)
+    assert torch.allclose(with_s, torch.tensor([[0.5, 0.0], [-0.5, 0.0]]), atol=1e-6)
+
+
+def test_delta_mode_gives_advantages_only_at_scheduled_transitions():
+    algo = _algo(shaping={"mode": "delta", "stride": 2, "terminal_weight": 2.0})
+    chunks = algo.generate(2)
+    scheduled = algo.pending["x0_steps"]
+    assert scheduled == [6, 4, 2, 1]
+    adv = algo.prepare(_scored(chunks, force=[1, 2, 3, 3, 2, 1], energy=[0] * 6))["advantages"]
+    steps = algo.pending["trajectory"]["t"].tolist()
+    for i, t in enumerate(steps):
+        assert (adv[:, i] != 0).any() == (t == 1)                  # zero shaping traces: only the terminal column
+    # terminal column: force normalised in each group of 3, times terminal_weight
+    a_f = torch.tensor([-1.0, 0.0, 1.0]) * math.sqrt(1.5)
+    assert torch.allclose(adv[:, steps.index(1)], 2.0 * torch.cat([a_f, -a_f]), atol=1e-5)
+
+
+# ---------------------------------------------------------------------- the update on a tiny EDM
+
+def _algo(**algo) -> FEDGRPO:
+    torch.manual_seed(0)
+    return FEDGRPO(config_from_dict(_config(**algo)), EnvSpec((1,), 1), torch.device("cpu"))
+
+
+def _scored(chunks: list[dict], force: list[float], energy: list[float],
+            stability: list[float] | None = None) -> list[Batch]:
+    batches = []
+    for chunk in chunks:
+        ids = np.asarray(chunk["ids"])
+        k = len(ids)
+        data = {"ids": ids, "force_reward": np.asarray(force, np.float32)[ids],
+                "energy_reward": np.asarray(energy, np.float32)[ids],
+                "energy_eV": np.zeros(k), "formation_energy_per_atom_eV": np.zeros(k), "rms_force": np.ones(k),
+                "stable": np.zeros(k), "stable_atom_fraction": np.zeros(k), "valid": np.zeros(k),
+                "stability_reward": np.asarray(stability if stability is not None else np.zeros(len(force)),
+                                               np.float32)[ids],
+                "force_gated": np.zeros(k), "energy_gated": np.zeros(k), "under_bonded": np.zeros(k),
+                "over_bonded": np.zeros(k), "overlap": np.zeros(k),
+                "smiles": np.array([""] * k, dtype=object), "reason": np.array(["ok"] * k, dtype=object)}
+        if "shaping" in chunk:
+            data["shaping_energy_reward"] = np.zeros((k, len(chunk["shaping"][0])), np.float32)
+            data["shaping_force_reward"] = np.zeros((k, len(chunk["shaping"][0])), np.float32)
+        batches.append(Batch(data, BatchMeta(0, 0, k)))
+    return batches
+
+
+def test_generation_records_branched_transitions_in_groups():
+    algo = _algo(shared_prefix_steps=2)
+    chunks = algo.generate(2)
+    traj = algo.pending["trajectory"]
+    assert [len(c["ids"]) for c in chunks] == [3, 3]
+    assert traj["t"].tolist() == [4, 3, 2, 1]                    # 6 steps, the first 2 shared
+    assert traj["logp"].shape == (4, 6) and traj["z"].shape[:2] == (5, 6)
+    n_atoms = algo.pending["n_atoms"]
+    assert torch.equal(n_atoms[:3], n_atoms[:1].expand(3)) and torch.equal(n_atoms[3:], n_atoms[3:4].expand(3))
+    for chunk in chunks:
+        for pos, types in zip(chunk["positions"], chunk["atom_types"]):
+            assert pos.shape == (len(types), 3)
+
+
+def test_unscored_rows_get_zero_advantage_and_pbrs_gives_per_step_advantages():
+    algo = _algo(shaping={"mode": "pbrs_return_to_go", "stride": 2})
+    chunks = algo.generate(2)
+    assert len(chunks[0]["shaping"][0]) == 4                      # steps 6, 4, 2 and the terminal 1
+    prepared = algo.prepare(_scored(chunks[:1], force=[1, 2, 3, 0, 0, 0], energy=[0, 1, 0, 0, 0, 0]))
+    adv = prepared["advantages"]
+    assert adv.shape == (6, 6)
+    assert torch.equal(adv[3:], torch.zeros(3, 6))                # the second chunk never came back
+    assert not torch.allclose(adv[:3, 0], adv[:3, 1])             # scheduled vs unscheduled steps differ
+
+
+def test_prepare_mixes_the_stability_channel_with_its_weight():
+    algo = _algo(stability_adv_weight=0.5)
+    chunks = algo.generate(2)                                     # 2 groups of 3
+    scored = _scored(chunks, force=[1, 1, 1, 2, 2, 2], energy=[0] * 6, stability=[0.2, 0.5, 0.8, 1, 1, 1])
+    adv = algo.prepare(scored)["advantages"]
+    # force and energy tied in both groups: A = 0.5 * a_S; group 0's a_S = (-1, 0, 1) * sqrt(3/2)
+    expected = 0.5 * torch.tensor([-1.0, 0.0, 1.0]) * math.sqrt(1.5)
+    assert torch.allclose(adv[:3], expected[:, None].expand(3, adv.shape[1]), atol=1e-5)
+    assert torch.equal(adv[3:], torch.zeros_like(adv[3:]))
+    plain = _algo()                                               # default w_S = 0: no stability signal
+    plain.generate(2)
+    assert torch.equal(plain.prepare(scored)["advantages"], torch.zeros_like(adv))
+
+
+# ---------------------------------------------------------------------- config errors
+
+@pytest.mark.parametrize("change, key", [
+    ({"env": {"family": "gym", "id": "Pendulum-v1"}}, "env.family"),
+    ({"algo": {"model": dict(TINY_MODEL), "shared_prefix_steps": 6}}, "algo.shared_prefix_steps"),
+    ({"algo": {"model": dict(TINY_MODEL), "each_prompt_sample": 1}}, "algo.each_prompt_sample"),
+    ({"algo": {"model": dict(TINY_MODEL), "clip_rnage": 0.1}}, "algo.clip_rnage"),
+    ({"env": {"family": "molecules", "id": "qm9", "kwargs": {"backend": "dft"}}}, "env.kwargs.backend"),
+])
+def test_config_mistakes_name_the_key(change, key):
+    data = {**_config(), **change}
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        cfg = config_from_dict(data)
+        from flowrl_ray.envs import env_family
+        env_family(cfg.env.family).spec(cfg.env)
+
+
+def test_base_model_must_exist_and_match_the_architecture(tmp_path):
+    from dataclasses import asdict
+    from flowrl_ray.models.edm import EDM, EDMModelConfig
+    cfg = config_from_dict(_config(base_model=str(tmp_path / "missing.pt")))
+    with pytest.raises(ConfigError, match=r"algo\.base_model"):
+        FEDGRPO.preflight(cfg, EnvSpec((1,), 1))
+    other = EDMModelConfig(**{**TINY_MODEL, "hidden_size": 32})
+    torch.save({"state_dict": EDM(other).state_dict(), "model_config": asdict(other),
+                "node_histogram": np.r_[0.0, np.ones(29) / 29]}, tmp_path / "base.pt")
+    cfg = config_from_dict(_config(base_model=str(tmp_path / "base.pt")))
+    with pytest.raises(ConfigError, match=r"algo\.model\.hidden_size"):
+        FEDGRPO.preflight(cfg, EnvSpec((1,), 1))
+
+
+# ---------------------------------------------------------------------- the pretraining lr, the molecule summary
+
+def test_lr_multiplier_warms_up_then_follows_the_cosine_to_its_floor():
+    from flowrl_ray.optim import lr_multiplier
+    f = lr_multiplier("cosine", total_steps=12, warmup_steps=2, min_ratio=0.3)
+    assert [f(0), f(1)] == [0.5, 1.0]                            # linear warm-up over 2 steps
+    assert f(2) == pytest.approx(1.0)                            # cosine starts at 1 ...
+    assert f(7) == pytest.approx(0.3 + 0.7 * 0.5)                # ... half-way: the mid point
+    assert f(12) == pytest.approx(0.3) and f(50) == pytest.approx(0.3)   # floor, held after
+    assert lr_multiplier("constant", 10)(7) == 1.0
+    with pytest.raises(ValueError):
+        lr_multiplier("exponential", 10)
+
+
+def test_molecule_summary_by_hand():
+    from flowrl_ray.algorithms.fed_grpo import molecule_summary
+    s = {"force_reward": torch.tensor([-1.0, -3.0, float("nan"), -2.0]),
+         "energy_reward": torch.tensor([1.0, 2.0, float("nan"), 3.0]),
+         "formation_energy_per_atom_eV": torch.tensor([-4.0, -2.0, float("nan"), -3.0]),
+         "rms_force": torch.tensor([1.0, 3.0, float("nan"), 2.0]),
+         "stable": torch.tensor([1.0, 0.0, float("nan"), 0.0]),
+         "stable_atom_fraction": torch.tensor([1.0, 0.5, float("nan"), 0.0]),
+         "valid": torch.tensor([1.0, 1.0, float("nan"), 1.0]),
+         "stability_reward": torch.tensor([1.0, 0.2, float("nan"), -0.6]),
+         "force_gated": torch.tensor([0.0, 1.0, float("nan"), 1.0]),
+         "energy_gated": torch.tensor([0.0, 0.0, float("nan"), 1.0]),
+         "under_bonded": torch.tensor([0.0, 2.0, float("nan"), 4.0]),
+         "over_bonded": torch.tensor([0.0, 1.0, float("nan"), 0.0]),
+         "overlap": torch.tensor([0.0, 0.0, float("nan"), 1.0]),
+         "smiles": ["CO", "CO", "", "CCO"], "reason": ["ok", "ok", "not_scored", "overlap"]}
+    out = molecule_summary(s)
+    # unscored rows (NaN) are left out of the means; uniqueness = unique SMILES among the valid
+    assert out["force_reward_mean"] == pytest.approx(-2.0) and out["rms_force_eV_per_A"] == pytest.approx(2.0)
+    assert out["molecule_stability"] == pytest.approx(1 / 3) and out["atom_stability"] == pytest.approx(0.5)
+    assert out["validity"] == pytest.approx(1.0) and out["uniqueness"] == pytest.approx(2 / 3)
+    assert out["valid_and_unique"] == pytest.approx(2 / 3)
+    assert out["reason/ok"] == 0.5 and out["reason/overlap"] == 0.25 and out["reason/not_scored"] == 0.25
+    assert out["stability_reward_mean"] == pytest.approx(0.2) and out["force_gated_fraction"] == pytest.approx(2 / 3)
+    assert out["energy_gated_fraction"] == pytest.approx(1 / 3) and out["overlap_fraction"] == pytest.approx(1 / 3)
+    assert out["under_bonded_atoms"] == pytest.approx(2.0) and out["over_bonded_atoms"] == pytest.approx(1 / 3)

@@ -1,0 +1,129 @@
+"""Every config mistake stops with one message that names the key, before Ray starts."""
+
+import pytest
+
+from flowrl_ray.config import ConfigError, apply_overrides, load_config, parse_override, read_yaml
+
+from conftest import PENDULUM, REPO
+
+
+def _error(*overrides):
+    with pytest.raises(ConfigError) as e:
+        load_config(PENDULUM, list(overrides))
+    return str(e.value)
+
+
+def test_every_config_file_loads():
+    files = sorted((REPO / "configs").glob("*/*.yaml"))
+    assert files
+    for f in files:
+        cfg = load_config(f)
+        assert cfg.algorithm == f.parent.name
+        for key in ("seed",):
+            assert hasattr(cfg, key)
+        assert cfg.train.iterations > 0 and cfg.runtime.num_workers > 0 and cfg.runtime.envs_per_worker > 0
+        assert cfg.runtime.checkpoint_interval >= 0 and cfg.eval.interval >= 0 and cfg.eval.episodes > 0
+
+
+def test_unknown_key_names_it_and_the_closest_valid_one():
+    msg = _error("runtime.num_worker=3")
+    assert "runtime.num_worker" in msg and "runtime.num_workers" in msg
+    msg = _error("algo.learning_rate=0.1")
+    assert "algo.learning_rate" in msg
+    assert "trian" in _error("trian.iterations=3") and "'train'" in _error("trian.iterations=3")
+
+
+@pytest.mark.parametrize("override, key", [
+    ("algo.lr=-0.001", "algo.lr"),
+    ("runtime.num_workers=0", "runtime.num_workers"),
+    ("runtime.envs_per_worker=-1", "runtime.envs_per_worker"),
+    ("train.iterations=0", "train.iterations"),
+    ("algo.gamma=1.5", "algo.gamma"),
+    ("eval.episodes=0", "eval.episodes"),
+    ("runtime.checkpoint_interval=-2", "runtime.checkpoint_interval"),
+    ("algo.clip=0", "algo.clip"),
+    ("runtime.worker_niceness=20", "runtime.worker_niceness"),
+])
+def test_impossible_values(override, key):
+    msg = _error(override)
+    assert f"'{key}'" in msg and "must be" in msg
+
+
+@pytest.mark.parametrize("override, key", [
+    ("train.iterations=ten", "train.iterations"),
+    ("train.iterations=2.5", "train.iterations"),
+    ("algo.lr=fast", "algo.lr"),
+    ("algo.normalize_advantages=maybe", "algo.normalize_advantages"),
+    ("runtime.mode=turbo", "runtime.mode"),
+    ("seed=[1,2]", "seed"),
+    ("env.kwargs=3", "env.kwargs"),
+])
+def test_wrong_types(override, key):
+    msg = _error(override)
+    assert f"'{key}'" in msg
+
+
+def test_unknown_algorithm_and_minibatch_cross_check():
+    assert "'algorithm'" in _error("algorithm=ppoo") and "ppo" in _error("algorithm=ppoo")
+    msg = _error("algo.minibatch_size=100000")
+    assert "algo.minibatch_size" in msg
+
+
+def test_section_given_a_scalar():
+    assert "'runtime'" in _error("runtime=3")
+
+
+def test_overrides_parse_like_yaml():
+    assert parse_override("algo.lr=3e-4") == (["algo", "lr"], 3e-4)
+    assert parse_override("algo.hidden_sizes=[32, 32]") == (["algo", "hidden_sizes"], [32, 32])
+    assert parse_override("env.id=HalfCheetah-v5") == (["env", "id"], "HalfCheetah-v5")
+    assert parse_override("algo.target_kl=null") == (["algo", "target_kl"], None)
+    with pytest.raises(ConfigError):
+        parse_override("no_equals_sign")
+    with pytest.raises(ConfigError):
+        apply_overrides({"seed": 1}, ["seed.sub=2"])
+
+
+def test_yaml_scientific_notation_without_dot_is_a_float(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("algorithm: ppo\nalgo:\n  lr: 3e-4\n")
+    assert load_config(p).algo.lr == pytest.approx(3e-4)
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("a: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        read_yaml(bad)
+    lst = tmp_path / "list.yaml"
+    lst.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        read_yaml(lst)
+
+
+def test_resolved_config_round_trips(tmp_path):
+    from flowrl_ray.config import save_config
+    cfg = load_config(PENDULUM, ["algo.lr=0.002"])
+    save_config(cfg, tmp_path / "config.yaml")
+    again = load_config(tmp_path / "config.yaml")
+    assert again == cfg and again.algo.lr == 0.002
+
+
+def test_bad_env_id_is_a_config_error():
+    from flowrl_ray.envs import env_family
+    cfg = load_config(PENDULUM, ["env.id=NoSuchEnv-v0"])
+    with pytest.raises(ConfigError, match="env.id"):
+        env_family(cfg.env.family).spec(cfg.env)
+    with pytest.raises(ConfigError, match="env.id"):
+        env_family("gym").spec(load_config(PENDULUM, ["env.id=CartPole-v1"]).env)   # discrete actions
+    with pytest.raises(ConfigError, match="env.family"):
+        env_family("nope")
+
+
+@pytest.mark.parametrize("config", ["ppo/pendulum.yaml", "cma_ppo/pendulum.yaml"])
+@pytest.mark.parametrize("sizes", ["[]", "[64, 0]", "[64, -3]", "[true]"])
+def test_hidden_sizes_must_be_positive_ints(config, sizes):
+    with pytest.raises(ConfigError, match="algo.hidden_sizes"):
+        load_config(REPO / "configs" / config, [f"algo.hidden_sizes={sizes}"])

@@ -1,0 +1,285 @@
+"""The evaluation protocols (benchmarks/*_protocol.py): the paired bootstrap gain (hand-computed
+cases and properties), the commands' flags and bad input, the summaries by hand. The episode
+pairing on real robosuite: tests/integration/test_protocol.py; the robot protocol end to end:
+tests/e2e/test_protocol.py."""
+
+import itertools
+import json
+import os
+import sys
+
+os.environ.setdefault("MUJOCO_GL", "egl")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import yaml  # noqa: E402
+
+from flowrl_ray.stats import episode_gains, paired_bootstrap_gain  # noqa: E402
+
+from conftest import REPO  # noqa: E402
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+# --------------------------------------------------------------------------- the estimator
+
+def test_two_episodes_by_hand():
+    # one seed; the policy wins episode 1 only: d = [0, 1], gain 0.5. The 4 equally likely
+    # resamples give 0, 0.5, 0.5, 1, so the 2.5 % / 97.5 % quantiles are 0 and 1.
+    g = paired_bootstrap_gain([[0, 1]], [0, 0], n_boot=5000)
+    assert g["gain"] == 0.5 and g["ci_low"] == 0.0 and g["ci_high"] == 1.0
+    assert g["seeds"] == 1 and g["episodes"] == 2
+
+
+def test_two_seeds_four_episodes_against_the_exact_bootstrap():
+    policy = [[1, 1, 0, 0],
+              [1, 0, 1, 0]]
+    base = [0, 1, 0, 0]
+    # d_e = mean over seeds of (policy - base) = [1, -0.5, 0.5, 0]; gain = 1/4
+    np.testing.assert_allclose(episode_gains(policy, base), [1.0, -0.5, 0.5, 0.0])
+    g = paired_bootstrap_gain(policy, base, n_boot=20_000, seed=1)
+    assert g["gain"] == pytest.approx(0.25)
+    # the exact bootstrap distribution: all 4^4 resamples of the episodes, equally likely
+    d = [1.0, -0.5, 0.5, 0.0]
+    exact = np.array([np.mean([d[i] for i in idx]) for idx in itertools.product(range(4), repeat=4)])
+    lo, hi = np.quantile(exact, [0.025, 0.975])
+    assert (lo, hi) == (-0.25, 0.75)           # resample means are multiples of 1/8
+    assert g["ci_low"] == pytest.approx(lo, abs=0.125) and g["ci_high"] == pytest.approx(hi, abs=0.125)
+
+
+def test_identical_policies_give_zero_and_a_constant_win_gives_one():
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, 2, size=100)
+    same = paired_bootstrap_gain(np.stack([base, base, base]), base)
+    assert (same["gain"], same["ci_low"], same["ci_high"]) == (0.0, 0.0, 0.0)
+    win = paired_bootstrap_gain(np.ones((3, 100)), np.zeros(100))
+    assert (win["gain"], win["ci_low"], win["ci_high"]) == (1.0, 1.0, 1.0)
+
+
+def test_pairing_removes_the_episodes_shared_difficulty():
+    # the policies solve exactly what the base solves plus 10 more of 100 episodes: paired, every
+    # resample sees only the 10 gains; unpaired (the base's episodes shuffled) the difficulty of
+    # each episode no longer cancels, and the interval widens
+    rng = np.random.default_rng(3)
+    base = (rng.random(100) < 0.5).astype(float)
+    policy = base.copy()
+    policy[np.flatnonzero(base == 0)[:10]] = 1.0
+    paired = paired_bootstrap_gain(np.stack([policy] * 3), base)
+    shuffled = paired_bootstrap_gain(np.stack([policy] * 3), rng.permutation(base))
+    assert paired["gain"] == pytest.approx(0.1) == shuffled["gain"]
+    assert paired["ci_low"] > 0.0
+    assert paired["ci_high"] - paired["ci_low"] < 0.5 * (shuffled["ci_high"] - shuffled["ci_low"])
+
+
+def test_mismatched_episodes_are_refused():
+    with pytest.raises(ValueError, match="same non-empty episodes"):
+        paired_bootstrap_gain([[1, 0, 1]], [1, 0])
+    with pytest.raises(ValueError, match="seeds, episodes"):
+        paired_bootstrap_gain(np.zeros((2, 2, 2)), [0, 0])
+
+
+# --------------------------------------------------------------------------- the command
+
+def test_overrides_after_seeds_are_overrides_and_a_variant_stays_a_variant():
+    import robot_protocol
+    parser = robot_protocol.build_parser()
+    flags, overrides = robot_protocol.split_overrides(
+        parser, ["--config", "c.yaml", "--seeds", "0", "1", "2", "algo.n_mc=16", "--variant", "a=r0,r1", "seed=3"])
+    args = parser.parse_args(flags)
+    assert args.seeds == [0, 1, 2] and args.variant == ["a=r0,r1"] and overrides == ["algo.n_mc=16", "seed=3"]
+
+
+def test_bad_input_stops_with_one_line_naming_the_flag(tmp_path, capsys):
+    import robot_protocol
+    assert robot_protocol.main(["--variant", f"a={tmp_path / 'nope'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --variant a:") and "not a run directory" in err[0]
+    assert robot_protocol.main(["--variant", "a"]) == 2
+    assert "expected NAME=RUN_DIR" in capsys.readouterr().err
+    assert robot_protocol.main(["--seeds", "0", "1"]) == 2
+    assert "need --config" in capsys.readouterr().err
+    cfg = str(REPO / "configs" / "fpopp" / "lift_state_quickstart.yaml")
+    assert robot_protocol.main(["--config", cfg, "--seeds", "0", "algo.n_mcc=4"]) == 2
+    assert "algo.n_mcc" in capsys.readouterr().err
+    assert robot_protocol.main(["--config", cfg, "--seeds", "0", "seed=4"]) == 2
+    assert "--seeds" in capsys.readouterr().err
+    assert robot_protocol.main(["--config", cfg, "--seeds", "0", "--parallel", "0"]) == 2
+    assert "--parallel" in capsys.readouterr().err
+
+
+def test_reference_difference_is_the_mean_over_seeds_minus_the_references_by_hand():
+    import robot_protocol as rp
+
+    def runs(*per_seed):     # the same outcomes under both sampling rules
+        return [{"outcomes": {s: {"successes": list(x)} for s in rp.SAMPLING_RULES}} for x in per_seed]
+
+    def bid(env="lift", algorithm="fpopp", flow_steps=10):      # base ids as base_id writes them
+        return json.dumps({"base": "p.pt", "env": {"id": env}, "algorithm": algorithm, "flow_steps": flow_steps},
+                          sort_keys=True)
+
+    b, other, elsewhere = bid(), bid(algorithm="reinflow", flow_steps=4), bid(env="can")
+    bases = {b: {"outcomes": {s: {"successes": [1, 0, 1, 0]} for s in rp.SAMPLING_RULES}},
+             other: {"outcomes": {s: {"successes": [0, 0, 0, 0]} for s in rp.SAMPLING_RULES}},
+             elsewhere: {"outcomes": {s: {"successes": [0, 0, 0, 0]} for s in rp.SAMPLING_RULES}}}
+    variants = {"ref": {"base": b, "runs": runs([1, 0, 0, 0], [1, 1, 0, 0])},     # per episode 1, .5, 0, 0
+                "a": {"base": b, "runs": runs([1, 1, 1, 0], [1, 1, 0, 0])},       # per episode 1, 1, .5, 0
+                "all": {"base": b, "runs": runs([1, 1, 1, 1], [1, 1, 1, 1])}}
+    rp.summarise(bases, variants, n_boot=2000, reference="ref")
+    assert "vs_reference" not in variants["ref"]
+    d = variants["a"]["vs_reference"]["zero"]
+    # 0.625 - 0.375; the episode differences are 0, .5, .5, 0, so every resample lies in [0, .5]
+    assert d["gain"] == pytest.approx(0.25) and 0.0 <= d["ci_low"] < 0.25 < d["ci_high"] <= 0.5
+    assert variants["a"]["gain"]["zero"]["gain"] == pytest.approx(0.625 - 0.5)   # the base gain is unchanged
+    d = variants["all"]["vs_reference"]["random"]                   # 1 - (1, .5, 0, 0): mean .625
+    assert d["gain"] == pytest.approx(0.625) and d["seeds"] == 2 and d["episodes"] == 4
+    table = rp.reference_table(variants, lambda v: f"{100 * v:.0f} %", lambda v: f"{100 * v:+.1f}")
+    assert "| a " in table and "+25.0" in table and "| ref " not in table.split("reference mean")[1].split("\n| a")[0]
+    # another algorithm and flow steps on the same env: the same episodes, compared and marked
+    variants["a"]["base"] = other
+    rp.summarise(bases, variants, n_boot=2000, reference="ref")
+    assert variants["a"]["vs_reference"]["compared"] and not variants["a"]["vs_reference"]["same_base"]
+    assert variants["a"]["vs_reference"]["zero"]["gain"] == pytest.approx(0.25)
+    assert variants["a"]["gain"]["zero"]["gain"] == pytest.approx(0.625)        # over its own base: 0
+    table = rp.reference_table(variants, lambda v: f"{100 * v:.0f} %", lambda v: f"{100 * v:+.1f}")
+    assert "| no " in table and "| yes " in table                        # the "same base setting" column
+    variants["a"]["base"] = elsewhere        # another env section: other episodes, not compared
+    rp.summarise(bases, variants, n_boot=10, reference="ref")
+    assert variants["a"]["vs_reference"] == {"reference": "ref", "compared": False}
+    assert variants["all"]["vs_reference"]["compared"] and variants["all"]["vs_reference"]["same_base"]
+    table = rp.reference_table(variants, lambda v: f"{100 * v:.0f} %", lambda v: f"{100 * v:+.1f}")
+    assert "| all " in table and "| a " not in table and "Not compared with the reference" in table
+    assert table.rstrip().endswith(": a.")
+
+
+def test_ood_gains_are_over_the_base_in_the_same_scene_and_the_reference_there_by_hand():
+    import robot_protocol as rp
+
+    def outs(x):
+        return {s: {"successes": list(x)} for s in rp.SAMPLING_RULES}
+
+    b = json.dumps({"base": "p.pt", "env": {"id": "lift"}, "algorithm": "fpopp", "flow_steps": 10}, sort_keys=True)
+    bases = {b: {"outcomes": outs([1, 1, 1, 1]), "ood": {"friction": outs([0, 0, 1, 0])}}}
+    variants = {"ref": {"base": b, "runs": [{"outcomes": outs([1, 1, 1, 1]), "ood": {"friction": outs(x)}}
+                                            for x in ([0, 0, 1, 0], [1, 0, 1, 0])]},
+                "a": {"base": b, "runs": [{"outcomes": outs([1, 1, 1, 1]), "ood": {"friction": outs(x)}}
+                                          for x in ([1, 1, 1, 0], [1, 1, 1, 1])]}}
+    rp.summarise(bases, variants, n_boot=2000, reference="ref")
+    a = variants["a"]
+    assert a["gain"]["zero"]["gain"] == pytest.approx(0.0)                       # in distribution: no gain
+    assert a["ood"]["friction"]["success"]["zero"]["base"] == pytest.approx(0.25)
+    assert a["ood"]["friction"]["gain"]["zero"]["gain"] == pytest.approx(0.875 - 0.25)
+    assert a["vs_reference"]["ood"]["friction"]["random"]["gain"] == pytest.approx(0.875 - 0.375)
+    table = rp.ood_table(variants, lambda v: f"{100 * v:.0f} %", lambda v: f"{100 * v:+.1f}")
+    assert "| a       | friction" in table and "+62.5" in table and "+50.0" in table
+    assert rp.ood_table({"x": {"ood": {}}}, str, str) == ""
+
+
+def test_ood_sets_follow_the_task_and_refuse_what_it_cannot_take():
+    import robot_protocol as rp
+
+    from flowrl_ray.config import config_from_dict
+    can = config_from_dict({"algorithm": "fpopp", "env": {"family": "robot", "id": "PickPlaceCan"}})
+    assert rp.ood_sets(can, []) == ["friction", "action_noise"]
+    with pytest.raises(rp.UsageError, match="--ood placement: not for PickPlaceCan"):
+        rp.ood_sets(can, ["placement"])
+    assert rp.perturbed(can, "friction").env.perturb.table_friction_scale == 0.2
+    assert can.env.perturb.table_friction_scale == 1.0                          # the original is untouched
+
+
+def test_reference_must_name_a_variant(tmp_path, capsys):
+    import robot_protocol
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "config.yaml").write_text("name: x\n")
+    (run / "checkpoints").mkdir()
+    (run / "checkpoints" / "iter_000001.pt").write_bytes(b"")     # only its presence is checked here
+    code = robot_protocol.main(["--variant", f"a={run}", "--reference", "b"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--reference b: not a variant (variants: a)" in err, err
+
+
+# --------------------------------------------------------------------------- the forms protocol
+
+def test_forms_protocol_summary_splits_the_task_kinds_by_hand():
+    import forms_protocol as fp
+    kinds = ["heldout_values", "heldout_values", "heldout_forms", "heldout_forms"]
+    base = {"kinds": kinds, "field_accuracy": [0.5, 0.0, 1.0, 0.0], "task_completion": [0, 0, 1, 0],
+            "rewards": [0.2, 0.0, 1.0, 0.0]}
+    runs = [{"outcomes": {"field_accuracy": [1.0, 0.5, 1.0, 0.0], "task_completion": [1, 0, 1, 0],
+                          "rewards": [0.8, 0.2, 1.0, 0.0]}},
+            {"outcomes": {"field_accuracy": [0.5, 0.5, 0.5, 0.5], "task_completion": [0, 0, 0, 0],
+                          "rewards": [0.2, 0.2, 0.5, 0.5]}}]
+    s = fp.summarise(base, runs, n_boot=200)
+    assert s["all"]["tasks"] == 4 and s["heldout_values"]["tasks"] == 2 and s["heldout_forms"]["tasks"] == 2
+    fa = s["heldout_values"]["field_accuracy"]
+    # base 0.25; seeds 0.75 and 0.5: gain = mean over seeds of (policy - base) = +0.375
+    assert fa["base"] == 0.25 and fa["per_seed"] == [0.75, 0.5] and fa["gain"]["gain"] == pytest.approx(0.375)
+    forms = s["heldout_forms"]["field_accuracy"]
+    assert forms["base"] == 0.5 and forms["gain"]["gain"] == pytest.approx(0.0)     # 0.5 - 0.5, 0.5 - 0.5
+    assert s["all"]["task_completion"]["gain"]["gain"] == pytest.approx((0.25 + -0.25) / 2)
+
+
+def test_forms_protocol_checks_its_flags_as_the_robot_protocol_does(tmp_path, capsys):
+    import forms_protocol as fp
+    cfg = str(REPO / "configs" / "flow_grpo" / "forms_small.yaml")
+    for argv, named in ([["--seeds", "0", "1"], "need --config"],
+                        [["--config", cfg], "--config needs --seeds"],
+                        [["--config", cfg, "--seeds", "0", "0"], "repeated seed"],
+                        [["--config", cfg, "--seeds", "0", "seed=4"], "--seeds and --name"],
+                        [["--config", cfg, "--seeds", "0", "--parallel", "0"], "--parallel"],
+                        [["--config", cfg, "--seeds", "0", "--tasks", "0"], "--tasks"]):
+        assert fp.main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and named in err[0], (argv, err)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_forms_protocol_refuses_a_robot_config_and_a_missing_sft_base(tmp_path, capsys):
+    import forms_protocol as fp
+    assert fp.main(["--config", str(REPO / "configs/fpopp/lift_state_quickstart.yaml"), "--seeds", "0"]) == 2
+    assert "forms protocol is for flow_grpo" in capsys.readouterr().err
+    cfg = yaml.safe_load((REPO / "configs/flow_grpo/forms_small.yaml").read_text())
+    cfg["algo"]["sft_checkpoint"] = str(tmp_path / "missing")
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    assert fp.main(["--config", str(tmp_path / "c.yaml"), "--seeds", "0", "1", "2"]) == 2
+    assert "algo.sft_checkpoint" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
+# --------------------------------------------------------------------------- the molecule protocol
+
+def test_fed_grpo_protocol_summary_by_hand():
+    import fed_grpo_protocol as mp
+    nan = float("nan")
+    base = {"formation_energy_per_atom_eV": [-4.0, nan, -2.0, -3.0], "rms_force": [2.0, nan, 4.0, 6.0],
+            "stable_atom_fraction": [1.0, 0.5, 0.5, 0.0], "stable": [1, 0, 0, 0], "valid": [1, 0, 1, 0],
+            "under_bonded": [0, 2, 1, 3], "over_bonded": [0, 0, 1, 0]}
+    seed0 = {**base, "formation_energy_per_atom_eV": [-5.0, -1.0, -3.0, nan], "rms_force": [1.0, 1.0, 2.0, nan],
+             "stable_atom_fraction": [1.0, 1.0, 0.5, 0.5], "valid": [1, 1, 1, 0]}
+    seed1 = {**base, "formation_energy_per_atom_eV": [-4.0, -1.0, -4.0, -9.0], "rms_force": [2.0, 1.0, 2.0, 0.5],
+             "stable": [1, 1, 0, 0]}
+    s = mp.summarise(base, [{"outcomes": seed0}, {"outcomes": seed1}], n_boot=200)
+    # physics on the molecules scored for the base and both seeds: 0 and 2
+    assert s["scored_by_all"] == 2 and s["rms_force"]["n"] == 2
+    assert s["rms_force"]["base"] == 3.0 and s["rms_force"]["per_seed"] == [1.5, 2.0]
+    assert s["rms_force"]["change"]["gain"] == pytest.approx((1.5 + 2.0) / 2 - 3.0)
+    assert s["formation_energy_per_atom_eV"]["change"]["gain"] == pytest.approx((-4.0 + -4.0) / 2 - (-3.0))
+    # stability on all 4, in points: base 50; seeds 75 and 50 -> +12.5
+    st = s["stable_atom_fraction"]
+    assert st["n"] == 4 and st["base"] == 50.0 and st["per_seed"] == [75.0, 50.0]
+    assert st["change"]["gain"] == pytest.approx(12.5)
+    assert s["stable"]["change"]["gain"] == pytest.approx(12.5) and s["valid"]["change"]["gain"] == pytest.approx(12.5)
+    assert s["under_bonded"]["unit"] == "atoms" and s["under_bonded"]["change"]["gain"] == 0.0
+
+
+def test_fed_grpo_protocol_refuses_other_algorithms_and_a_missing_base(tmp_path, capsys):
+    import fed_grpo_protocol as mp
+    assert mp.main(["--config", str(REPO / "configs/flow_grpo/forms_small.yaml"), "--seeds", "0"]) == 2
+    assert "molecule protocol is for fed_grpo" in capsys.readouterr().err
+    cfg = yaml.safe_load((REPO / "configs/fed_grpo/qm9_small.yaml").read_text())
+    cfg["algo"]["base_model"] = str(tmp_path / "missing.pt")
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
+    assert mp.main(["--config", str(tmp_path / "c.yaml"), "--seeds", "0", "1", "2"]) == 2
+    assert "algo.base_model" in capsys.readouterr().err
+    assert mp.main(["--config", str(tmp_path / "c.yaml"), "--seeds", "0", "--molecules", "0"]) == 2
+    assert "--molecules" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
