@@ -3,6 +3,8 @@ the algorithms and by pretraining alike.
 
 - :func:`optimizer_step` / :func:`clip_and_step`: backward, clip (each optimiser by its own norm),
   step; a non-finite loss or gradient skips the step (the caller counts it).
+- :func:`minibatches`: one shuffled pass over a batch's rows, in minibatches of index tensors.
+- :func:`ema_update`: an exponential moving average of a module's weights (or of a state dict).
 - :func:`dropout_off`: the log-probs of a ratio are computed with every dropout off.
 - :class:`LRSchedule` / :func:`lr_multiplier` / :func:`load_scheduler`: warm-up then constant,
   linear or cosine decay, resumable and extendable.
@@ -60,6 +62,35 @@ def clip_and_step(optimizers: list[torch.optim.Optimizer], max_grad_norm: float 
     for o in optimizers:
         o.step()
     return norms, True
+
+
+def minibatches(m: int, size: int, generator: torch.Generator | None = None,
+                device: torch.device | str | None = None):
+    """One epoch: a permutation of ``range(m)`` drawn from ``generator`` (one ``randperm``, so the
+    random stream is what every loop that shuffled this way drew) cut into consecutive index
+    tensors of ``size`` rows (the last one shorter), each on ``device``."""
+    perm = torch.randperm(m, generator=generator)
+    if device is not None:
+        perm = perm.to(device)
+    for start in range(0, m, size):
+        yield perm[start:start + size]
+
+
+@torch.no_grad()
+def ema_update(target: nn.Module | dict[str, torch.Tensor], source: nn.Module | dict[str, torch.Tensor],
+               b: float) -> None:
+    """``target <- b target + (1 - b) source``, in place: the parameters of two modules of the
+    same architecture, or every floating-point tensor of two state dicts (other entries, such
+    as integer buffers, are copied)."""
+    if isinstance(target, nn.Module):
+        for p_t, p_s in zip(target.parameters(), source.parameters()):
+            p_t.mul_(b).add_(p_s, alpha=1.0 - b)
+        return
+    for k, v in source.items():
+        if v.is_floating_point():
+            target[k].lerp_(v, 1.0 - b)
+        else:
+            target[k].copy_(v)
 
 
 @contextlib.contextmanager

@@ -23,6 +23,7 @@ import torch
 
 from flowrl_ray.config import Config, ConfigError, EnvConfig
 from flowrl_ray.envs.robomimic_data import NormStats, iter_demos
+from flowrl_ray.optim import minibatches, optimizer_step
 from flowrl_ray.utils import atomic_write_bytes, atomic_write_text
 
 #: the algo keys the flow policy is built from (FPO++'s, and any flow algorithm's)
@@ -180,21 +181,22 @@ def fit(policy, obs, actions: torch.Tensor, epochs: int, batch_size: int, lr: fl
     rows, start = [], time.perf_counter()
     policy.train()
     for epoch in range(1, epochs + 1):
-        perm, total = torch.randperm(m, generator=gen), 0.0
-        for i in range(0, m, batch_size):
-            idx = perm[i:i + batch_size]
+        total, seen, skipped = 0.0, 0, 0
+        for idx in minibatches(m, batch_size, gen):
             batch_obs = {k: v[idx] for k, v in obs.items()} if image else obs[idx]
             loss = policy.bc_loss(batch_obs, actions[idx], generator=gen, augment=image)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
+            _, stepped = optimizer_step(loss, opt, None)        # a non-finite step: skipped, counted
             sched.step()
-            total += loss.item() * len(idx)
-        rows.append({"epoch": epoch, "loss": total / m, "lr": sched.get_last_lr()[0],
-                     "time_s": round(time.perf_counter() - start, 2)})
+            if stepped:
+                total, seen = total + loss.item() * len(idx), seen + len(idx)
+            skipped += int(not stepped)
+        mean_loss = total / seen if seen else float("nan")          # over the steps taken
+        rows.append({"epoch": epoch, "loss": mean_loss, "lr": sched.get_last_lr()[0],
+                     "skipped_steps": skipped, "time_s": round(time.perf_counter() - start, 2)})
         atomic_write_text(metrics_path, "".join(json.dumps(r) + "\n" for r in rows))
         if progress:
-            print(f"[pretrain] epoch {epoch}/{epochs} loss {total / m:.4f} "
+            print(f"[pretrain] epoch {epoch}/{epochs} loss {mean_loss:.4f} "
+                  + (f"skipped {skipped} non-finite steps " if skipped else "") +
                   f"({time.perf_counter() - start:.1f}s)", flush=True)
     policy.eval()
     return rows

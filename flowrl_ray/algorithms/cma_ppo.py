@@ -23,7 +23,7 @@ from typing import Any, Literal
 import torch
 
 from flowrl_ray.algorithms.base import Algorithm, weight_metrics
-from flowrl_ray.optim import optimizer_step
+from flowrl_ray.optim import minibatches, optimizer_step
 from flowrl_ray.algorithms.onpolicy import advantages_from_rollouts
 from flowrl_ray.batch import Batch
 from flowrl_ray.config import Config, check, check_layer_sizes
@@ -140,9 +140,7 @@ class CMAPPO(Algorithm):
         """
         losses, m = [], next(iter(batch.values())).shape[0]
         for _ in range(self.c.n_updates):
-            perm = torch.randperm(m, generator=self.generator).to(self.device)
-            for start in range(0, m, self.c.batch_size):
-                idx = perm[start:start + self.c.batch_size]
+            for idx in minibatches(m, self.c.batch_size, self.generator, self.device):
                 loss = loss_fn({k: v[idx] for k, v in batch.items()})
                 _, stepped = optimizer_step(loss, optimizer, self.c.max_grad_norm)
                 self.skipped_updates += int(not stepped)

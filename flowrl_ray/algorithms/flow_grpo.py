@@ -56,7 +56,7 @@ import torch
 from flowrl_ray.algorithms.advantages import group_advantages
 from flowrl_ray.algorithms.base import Algorithm
 from flowrl_ray.optim import clip_and_step, dropout_off
-from flowrl_ray.algorithms.losses import ppo_clip_objective
+from flowrl_ray.algorithms.losses import k3, ppo_clip_objective
 from flowrl_ray.batch import Batch
 from flowrl_ray.config import Config, ConfigError, check
 from flowrl_ray.envs import EnvSpec
@@ -112,8 +112,7 @@ class FlowGRPOConfig:
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """Schulman's k3 estimator of KL(pi || ref) from samples of pi, elementwise:
     ``exp(ref - logp) - (ref - logp) - 1`` (>= 0, exactly 0 where the two agree)."""
-    d = ref_logp - logp
-    return torch.exp(d) - d - 1.0
+    return k3(ref_logp - logp)
 
 
 def kl_penalty(token_logp: torch.Tensor, ref_token_logp: torch.Tensor, estimator: str) -> torch.Tensor:
@@ -378,7 +377,7 @@ class FlowGRPO(Algorithm):
                         r = ratio.detach()[w > 0]
                         ratios.append(r)
                         for k, v in {"pg_loss": (pg * w).sum(), "kl": (kl * w).sum(),
-                                     "approx_kl": (((ratio - 1) - log_ratio) * w).sum(),
+                                     "approx_kl": (k3(log_ratio) * w).sum(),
                                      "clipfrac": (((ratio - 1).abs() > c.clip_range).double() * w).sum()}.items():
                             stats.setdefault(k, []).append(float(v))
                 if not finite:

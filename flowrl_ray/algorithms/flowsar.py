@@ -47,7 +47,7 @@ import torch.nn.functional as F
 
 from flowrl_ray.algorithms.advantages import gae, group_advantages, group_normalize
 from flowrl_ray.algorithms.base import Algorithm
-from flowrl_ray.optim import load_scheduler, lr_multiplier, optimizer_step
+from flowrl_ray.optim import ema_update, load_scheduler, lr_multiplier, minibatches, optimizer_step
 from flowrl_ray.algorithms.episodes import EpisodeAssembler
 from flowrl_ray.algorithms.fpopp import (check_base_policy, check_flow_arch, image_shape, load_base_policy,
                                          make_flow_policy)
@@ -320,13 +320,6 @@ def ema_coefficient(iteration: int, schedule: str, ema_beta: float = 0.995, eta_
     raise ValueError(f"ema schedule must be 'fixed' or 'linear', got {schedule!r}")
 
 
-@torch.no_grad()
-def ema_update(target: torch.nn.Module, source: torch.nn.Module, b: float) -> None:
-    """target <- b target + (1 - b) source, parameter by parameter."""
-    for p_t, p_s in zip(target.parameters(), source.parameters()):
-        p_t.mul_(b).add_(p_s, alpha=1.0 - b)
-
-
 # --------------------------------------------------------------------------- the algorithm
 
 class FlowSAR(Algorithm):
@@ -566,9 +559,8 @@ class FlowSAR(Algorithm):
         stats: dict[str, list[float]] = {}
         steps = 0
         for _ in range(c.epochs):
-            perm = torch.randperm(m, generator=self.generator).to(self.device)
-            for start in range(0, m, c.minibatch_size):
-                loss, mb = self._minibatch_loss(b, perm[start:start + c.minibatch_size])
+            for idx in minibatches(m, c.minibatch_size, self.generator, self.device):
+                loss, mb = self._minibatch_loss(b, idx)
                 # joint=True: the policy and the optional critic are clipped together by one
                 # norm, as FlowSAR always did (per-network clipping would change its numbers
                 # when the critic is on; FlowSAR's own behaviour is decided separately).

@@ -27,10 +27,18 @@ def value_loss(values: torch.Tensor, returns: torch.Tensor, old_values: torch.Te
     return 0.5 * torch.max(unclipped, (clipped - returns).pow(2))
 
 
+def k3(log_ratio: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimator of KL(p || q), elementwise, from ``log_ratio = log q(x) - log p(x)``
+    of samples x ~ p: ``(r - 1) - log r`` with r = q / p (unbiased, >= 0, exactly 0 where the two
+    agree). The one KL estimator of the package: PPO's and FPO++'s ``approx_kl`` (p the old
+    policy, q the new) and Flow-GRPO's penalty (p the policy, q the reference) both use it."""
+    return (log_ratio.exp() - 1.0) - log_ratio
+
+
 def approx_kl(log_ratio: torch.Tensor) -> torch.Tensor:
-    """KL(old || new) estimate from log(pi_new/pi_old) of samples drawn from pi_old
-    (Schulman's k3: (r - 1) - log r, unbiased and non-negative). Mean over elements."""
-    return ((log_ratio.exp() - 1.0) - log_ratio).mean()
+    """KL(old || new) estimate from log(pi_new/pi_old) of samples drawn from pi_old: the mean of
+    :func:`k3` over elements."""
+    return k3(log_ratio).mean()
 
 
 def spo_objective(ratio: torch.Tensor, adv: torch.Tensor, clip: float) -> torch.Tensor:

@@ -12,7 +12,7 @@ import torch
 
 from flowrl_ray.algorithms.advantages import gae
 from flowrl_ray.batch import Batch, concat_time_major, gather_obs, map_obs
-from flowrl_ray.optim import optimizer_step
+from flowrl_ray.optim import minibatches, optimizer_step
 
 #: Batch keys the runner writes itself; every other key is the policy's per-step record
 ROLLOUT_KEYS = ("obs", "rewards", "terminated", "truncated", "final_obs", "last_obs", "grasped")
@@ -100,9 +100,7 @@ def actor_critic_epochs(m: int, losses: Callable[[torch.Tensor, bool], tuple[tor
     out = EpochsResult()
     actor_active = train_actor
     for _ in range(epochs):
-        perm = torch.randperm(m, generator=generator).to(device)
-        for start in range(0, m, minibatch_size):
-            idx = perm[start:start + minibatch_size]
+        for idx in minibatches(m, minibatch_size, generator, device):
             optimizers = [actor_opt, critic_opt] if actor_active else [critic_opt]
             total_loss, mb_stats = 0.0, {}
             for part in idx.chunk(grad_accumulation):          # the minibatch in parts (memory)

@@ -19,7 +19,7 @@ import torch
 
 from flowrl_ray.algorithms.advantages import explained_variance, normalize
 from flowrl_ray.algorithms.base import Algorithm
-from flowrl_ray.optim import load_scheduler, lr_multiplier, optimizer_step
+from flowrl_ray.optim import load_scheduler, lr_multiplier, minibatches, optimizer_step
 from flowrl_ray.algorithms.losses import approx_kl, ppo_clip_objective, value_loss
 from flowrl_ray.algorithms.onpolicy import advantages_from_rollouts
 from flowrl_ray.batch import Batch
@@ -120,9 +120,7 @@ class PPO(Algorithm):
         epochs_run, early_stop = 0, False
         for _ in range(c.epochs):
             epochs_run += 1
-            perm = torch.randperm(m, generator=self.generator).to(self.device)
-            for start in range(0, m, c.minibatch_size):
-                idx = perm[start:start + c.minibatch_size]
+            for idx in minibatches(m, c.minibatch_size, self.generator, self.device):
                 dist = self._policy.distribution(b.obs[idx])
                 logp = dist.log_prob(b.actions[idx]).sum(-1)                 # [mb]
                 log_ratio = logp - b.logp_old[idx]

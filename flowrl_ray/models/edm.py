@@ -58,6 +58,7 @@ from torch.nn import functional as F
 
 from flowrl_ray.config import check
 from flowrl_ray.models.egnn import EGNNDynamics, remove_mean
+from flowrl_ray.optim import ema_update
 
 __all__ = ["EDMModelConfig", "remove_mean", "NoiseSchedule", "NodeDistribution", "SampleResult",
            "EDM", "transition_log_prob", "step_log_prob", "reference_kl", "fit_edm"]
@@ -361,12 +362,7 @@ def fit_edm(model: EDM, positions, atom_types, *, steps: int, batch_size: int, l
             norms.append(min(gn, max_norm))
             opt.step()
             if ema is not None:
-                with torch.no_grad():
-                    for k, v in model.state_dict().items():
-                        if v.is_floating_point():
-                            ema[k].lerp_(v, 1 - ema_decay)
-                        else:
-                            ema[k].copy_(v)
+                ema_update(ema, model.state_dict(), ema_decay)
         history.append(float(loss.detach()))
         if step % log_every == 0 or step == steps:
             recent = float(np.mean(history[-log_every:]))

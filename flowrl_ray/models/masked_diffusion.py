@@ -909,7 +909,7 @@ def fit_sft(policy: MaskedDiffusionLM, pairs: Sequence[tuple[str, str]], epochs:
     same value); default: the longest answer + 1. Returns the loss of every optimiser step
     (NaN where a non-finite loss or gradient skipped the update). Leaves the model in eval mode.
     """
-    from flowrl_ray.optim import lr_multiplier, optimizer_step   # as in the RL updates
+    from flowrl_ray.optim import lr_multiplier, minibatches, optimizer_step   # as in the RL updates
 
     if not pairs:
         raise ValueError("fit_sft needs at least one (prompt, answer) pair")
@@ -935,11 +935,9 @@ def fit_sft(policy: MaskedDiffusionLM, pairs: Sequence[tuple[str, str]], epochs:
     policy.model.train()
     try:
         while len(losses) < total:
-            perm = torch.randperm(n, generator=gen).to(ids.device)
-            for i in range(0, n, batch_size):
+            for idx in minibatches(n, batch_size, gen, ids.device):
                 if len(losses) == total:
                     break
-                idx = perm[i:i + batch_size]
                 keep = pmask[idx].any(dim=0)                                  # drop all-pad columns
                 loss = sft_loss(policy.model, ids[idx][:, keep], pmask[idx][:, keep], ans[idx],
                                 amask[idx], policy.mask_token_id, gen)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from flowrl_ray.algorithms.flowsar import (FlowSAR, centred_labels, credit_weights, ema_coefficient, ema_update,
+from flowrl_ray.algorithms.flowsar import (FlowSAR, centred_labels, credit_weights, ema_coefficient,
                                            episode_correlation,
                                            flowsar_loss, mirror_energies, reconstruction_error, self_annotation,
                                            standardize_per_episode)
@@ -541,19 +541,6 @@ def test_linear_and_fixed_ema_coefficients():
     assert ema_coefficient(10_000, "fixed", ema_beta=0.9) == 0.9
     with pytest.raises(ValueError, match="ema schedule"):
         ema_coefficient(0, "cosine")
-
-
-def test_ema_update_mixes_each_parameter_by_hand():
-    old, new = torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)
-    with torch.no_grad():
-        old.weight.copy_(torch.tensor([[4.0, -8.0]]))
-        old.bias.fill_(1.0)
-        new.weight.copy_(torch.tensor([[0.0, 8.0]]))
-        new.bias.fill_(-3.0)
-    ema_update(old, new, 0.25)
-    # .25 old + .75 new
-    assert old.weight.tolist() == [[1.0, 4.0]] and old.bias.tolist() == [-2.0]
-    assert new.weight.tolist() == [[0.0, 8.0]]                      # the source is untouched
 
 
 # ------------------------------------------------------------------ the algorithm on batches
