@@ -58,7 +58,7 @@ from torch.nn import functional as F
 
 from flowrl_ray.config import check
 from flowrl_ray.models.egnn import EGNNDynamics, remove_mean
-from flowrl_ray.optim import ema_update
+from flowrl_ray.optim import ema_update, optimizer_step
 
 __all__ = ["EDMModelConfig", "remove_mean", "NoiseSchedule", "NodeDistribution", "SampleResult",
            "EDM", "transition_log_prob", "step_log_prob", "reference_kl", "fit_edm"]
@@ -352,15 +352,12 @@ def fit_edm(model: EDM, positions, atom_types, *, steps: int, batch_size: int, l
         nmax = int(extent[idx].max())                                  # trim the batch's padding
         b_types = types[idx, :nmax].to(model.device)
         loss = model.training_loss(pos[idx, :nmax].to(model.device), b_types, b_types >= 0, generator).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        max_norm = 1.5 * float(np.mean(norms)) + 2 * float(np.std(norms))
-        gn = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
-        if not math.isfinite(gn):
+        max_norm = 1.5 * float(np.mean(norms)) + 2 * float(np.std(norms))   # EDM's adaptive clip
+        (gn,), stepped = optimizer_step(loss, opt, max_norm)       # a non-finite step: skipped
+        if not stepped:
             skipped += 1
         else:
             norms.append(min(gn, max_norm))
-            opt.step()
             if ema is not None:
                 ema_update(ema, model.state_dict(), ema_decay)
         history.append(float(loss.detach()))
