@@ -8,6 +8,7 @@ plugins in flowrl_test_plugins/ and another test module by its package path
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,13 @@ def local_ray():
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (for a Serve or server test)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run_trainer(cfg, run_dir, **kwargs) -> dict:

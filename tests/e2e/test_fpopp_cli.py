@@ -4,20 +4,14 @@ demos -> pretrain -> train (FPO++ from the base policy) -> eval with zero and ra
 
 import json
 import os
-import socket
 
 os.environ.setdefault("MUJOCO_GL", "egl")
 
 import pytest  # noqa: E402
 import yaml  # noqa: E402
 
+from conftest import free_port  # noqa: E402
 from flowrl_ray.cli import main  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow
@@ -59,7 +53,7 @@ def test_demos_pretrain_train_eval_serve(tmp_path, capsys):
     import requests
 
     from flowrl_ray.runtime.serve import deploy, shutdown
-    url = deploy(run, host="127.0.0.1", port=_free_port())
+    url = deploy(run, host="127.0.0.1", port=free_port())
     try:
         health = requests.get(url + "/healthz", timeout=30).json()
         assert health["horizon_steps"] == 4 and health["act_steps"] == 2 and len(health["action_low"]) == 7

@@ -4,7 +4,6 @@ pretrain -> train from the base -> exact resume -> eval with the noise off -> Se
 import json
 import os
 import shutil
-import socket
 
 os.environ.setdefault("MUJOCO_GL", "egl")
 
@@ -13,14 +12,9 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 
 from flowrl_ray.checkpoint import latest_checkpoint, load_checkpoint  # noqa: E402
+from conftest import free_port  # noqa: E402
 from flowrl_ray.cli import main  # noqa: E402
 from flowrl_ray.runtime.metrics import read_metrics  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.slow
@@ -82,7 +76,7 @@ def test_demos_pretrain_train_resume_eval_serve(tmp_path, capsys):
     import requests
 
     from flowrl_ray.runtime.serve import deploy, shutdown
-    url = deploy(run, host="127.0.0.1", port=_free_port())
+    url = deploy(run, host="127.0.0.1", port=free_port())
     try:
         r = requests.post(url + "/act", json={"observation": [0.0] * 19}, timeout=30)
         assert r.status_code == 200, r.text

@@ -9,7 +9,7 @@ import socket
 import numpy as np
 import pytest
 
-from conftest import REPO
+from conftest import REPO, free_port
 from unit.runtime.test_serve import BAD_BODIES
 
 PENDULUM = REPO / "configs" / "ppo" / "pendulum.yaml"
@@ -17,12 +17,6 @@ TINY = ["train.iterations=2", "runtime.num_workers=1", "runtime.envs_per_worker=
         "runtime.rollout_length=64", "algo.minibatch_size=64", "algo.epochs=2", "eval.interval=0"]
 
 # --------------------------------------------------------------------------- served over HTTP
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, local_ray):
@@ -38,7 +32,7 @@ def served(tmp_path_factory, local_ray):
         trainer.train()
     finally:
         trainer.close()
-    port = _free_port()
+    port = free_port()
     url = deploy(run_dir, host="127.0.0.1", port=port)
     try:
         yield url, run_dir, port
