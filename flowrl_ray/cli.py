@@ -369,8 +369,10 @@ def cmd_demos(args: argparse.Namespace) -> int:
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
     data = apply_overrides(read_yaml(args.config), args.overrides)
-    if data.get("algorithm") != "fed_grpo" and (args.curve_every or args.resume or args.device != "auto"):
-        raise UserError("--curve-every, --resume and --device are for FED-GRPO configs (EDM pretraining)")
+    if data.get("algorithm") != "fed_grpo" and (args.curve_every or args.resume or args.device != "auto"
+                                                  or args.checkpoint_every or args.max_minutes):
+        raise UserError("--curve-every, --checkpoint-every, --max-minutes, --resume and --device are for "
+                        "FED-GRPO configs (EDM pretraining)")
     if data.get("algorithm") == "flow_grpo":
         return _pretrain_text(args, data)
     if args.tasks_per_form is not None or args.copy_aux:
@@ -464,11 +466,11 @@ def _pretrain_edm(args: argparse.Namespace, data: dict) -> int:
     out = args.out or (algo.get("base_model") if isinstance(algo, dict) else None)
     cfg = config_from_dict(apply_overrides(data, ["algo.base_model=null"]))   # the file this creates
     summary = pretrain_edm(cfg, out=out, steps=2000 if args.steps is None else args.steps,
-                           batch_size=64 if args.batch_size is None else args.batch_size,
-                           lr=1e-4 if args.lr is None else args.lr,
+                           batch_size=args.batch_size, lr=args.lr,
                            seed=cfg.seed if args.seed is None else args.seed,
                            eval_samples=args.eval_samples, curve_every=args.curve_every,
-                           curve_samples=args.curve_samples, resume=args.resume, device=args.device,
+                           curve_samples=args.curve_samples, checkpoint_every=args.checkpoint_every,
+                           max_minutes=args.max_minutes, resume=args.resume, device=args.device,
                            progress=True)
     print(json.dumps(summary), flush=True)
     return 0
@@ -705,8 +707,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--out", help="checkpoint path (default algo.base_policy)")
     pr.add_argument("--epochs", type=int, help="default 50 (robot); the language model's SFT counts --steps "
                     "unless --epochs is given")
-    pr.add_argument("--batch-size", type=int, help="default 256 (robot), 32 (language model)")
-    pr.add_argument("--lr", type=float, help="default 1e-3 (EDM: 1e-4)")
+    pr.add_argument("--batch-size", type=int,
+                    help="default 256 (robot), 32 (language model), 64 (EDM; with --resume: the checkpoint's)")
+    pr.add_argument("--lr", type=float, help="default 1e-3 (EDM: 1e-4; with --resume: the checkpoint's)")
     pr.add_argument("--eval-episodes", type=int, default=0,
                     help="then evaluate in the env: success with zero and random sampling")
     pr.add_argument("--steps", type=int, help="optimiser steps, default 2000 (EDM for FED-GRPO configs, the "
@@ -725,6 +728,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "their stability and validity (metrics.jsonl, <stem>.stability.png) and write "
                          "the checkpoint")
     pr.add_argument("--curve-samples", type=int, default=200, help="EDM: molecules per curve point")
+    pr.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                    help="EDM: also write the checkpoint every N steps (no sampling; for --resume after a "
+                         "stop)")
+    pr.add_argument("--max-minutes", type=float, default=0.0, metavar="M",
+                    help="EDM: stop at the first checkpoint or curve point after M minutes of this "
+                         "invocation (the run stays resumable with --resume; 0: no limit)")
     pr.add_argument("--resume", action="store_true",
                     help="EDM: continue the run whose checkpoint is at the output path (weights, EMA, "
                          "optimiser, data sampler, curves) up to --steps in all; a new run when there is none")

@@ -9,7 +9,6 @@ with the CFM loss; the checkpoint is what ``algo.base_policy`` loads. Pure torch
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import io
 import json
@@ -24,7 +23,7 @@ import torch
 from flowrl_ray.config import Config, ConfigError, EnvConfig
 from flowrl_ray.envs.robomimic_data import NormStats, iter_demos
 from flowrl_ray.optim import minibatches, optimizer_step
-from flowrl_ray.utils import atomic_write_bytes, atomic_write_text
+from flowrl_ray.utils import atomic_write_bytes, atomic_write_text, torch_threads
 
 #: the algo keys the flow policy is built from (FPO++'s, and any flow algorithm's)
 FLOW_KEYS = ("hidden_sizes", "time_dim", "feature_dim", "flow_steps")
@@ -89,7 +88,7 @@ def evaluate(cfg: Config, policy, episodes: int, seed: int = 0, progress: bool =
 
     try:
         # A few observations per call: more threads would only add synchronisation.
-        with _torch_threads(1):
+        with torch_threads(1):
             out = {"episodes": episodes, "zero": _success(runner, episodes, True, report(0, "zero")),
                    "random": _success(runner, episodes, False, report(episodes, "random"))}
     finally:
@@ -144,7 +143,7 @@ def pretrain(cfg: Config, dataset: str | Path | None = None, out: str | Path | N
         print(f"[pretrain] {n_demos} demos, {len(actions)} samples, {spec.obs_dim}-d state"
               f"{', images' if isinstance(obs, dict) else ''}, chunk {tuple(actions.shape[1:])}, "
               f"{sum(p.numel() for p in policy.parameters()):,} parameters", flush=True)
-    with _torch_threads(cfg.runtime.torch_threads):        # as the learner actor (default 1)
+    with torch_threads(cfg.runtime.torch_threads):        # as the learner actor (default 1)
         start = time.perf_counter()
         rows = fit(policy, obs, actions, epochs, batch_size, lr, seed, metrics_path, progress)
         train_s = time.perf_counter() - start
@@ -200,13 +199,3 @@ def fit(policy, obs, actions: torch.Tensor, epochs: int, batch_size: int, lr: fl
                   f"({time.perf_counter() - start:.1f}s)", flush=True)
     policy.eval()
     return rows
-
-
-@contextlib.contextmanager
-def _torch_threads(n: int):
-    previous = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)

@@ -12,6 +12,7 @@ EDM's metrics beside EDM's published QM9 figures. Written atomically to ``algo.b
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import time
@@ -22,8 +23,7 @@ import numpy as np
 import torch
 
 from flowrl_ray.config import Config, ConfigError
-from flowrl_ray.pretrain import _torch_threads
-from flowrl_ray.utils import atomic_write_bytes, atomic_write_text, format_duration
+from flowrl_ray.utils import atomic_write_bytes, atomic_write_text, format_duration, torch_threads
 
 
 def sample_molecules(model, histogram: np.ndarray, count: int, seed: int = 0,
@@ -54,21 +54,38 @@ def evaluate_model(model, histogram: np.ndarray, count: int, seed: int = 0) -> d
     return metrics
 
 
-def pretrain_edm(cfg: Config, out: str | Path | None = None, steps: int = 2000, batch_size: int = 64,
-                 lr: float = 1e-4, seed: int = 0, eval_samples: int = 0, curve_every: int = 0,
-                 curve_samples: int = 200, resume: bool = False, device: str = "auto",
-                 progress: bool = True) -> dict:
+@contextlib.contextmanager
+def _tf32(enabled: bool):
+    """TF32 matrix products on CUDA while training (the EGNN's dense layers; distances and
+    coordinate updates stay elementwise in float32), restored afterwards."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    if enabled:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def pretrain_edm(cfg: Config, out: str | Path | None = None, steps: int = 2000,
+                 batch_size: int | None = None, lr: float | None = None, seed: int = 0, eval_samples: int = 0, curve_every: int = 0,
+                 curve_samples: int = 200, checkpoint_every: int = 0, max_minutes: float = 0.0,
+                 resume: bool = False, device: str = "auto", progress: bool = True) -> dict:
     """Train the EDM of ``cfg.algo.model`` on QM9's train split for ``steps`` optimiser steps in all.
 
     ``curve_every`` > 0: every ``curve_every`` steps the EMA weights sample ``curve_samples``
     molecules (the same atom counts and noise each time) and EDM's metrics go to
     ``<stem>.metrics.jsonl`` (rows with ``"atom_stability"``) and ``<stem>.stability.png``, and the
-    checkpoint is written, so a stopped run loses at most ``curve_every`` steps. ``resume``: when
+    checkpoint is written, so a stopped run loses at most ``curve_every`` steps;
+    ``checkpoint_every`` > 0 writes the checkpoint every that many steps without sampling.
+    ``max_minutes`` > 0 ends this invocation at the first checkpoint or curve point after that many
+    minutes (the final evaluation still runs; ``resume`` continues it later). ``resume``: when
     ``out`` holds a checkpoint of this verb, its run continues (raw and EMA weights, optimiser,
     clipping window, data sampler, loss and stability curves) up to ``steps``; the model config
-    must match (ConfigError naming the key). ``eval_samples`` > 0: the final EMA model's metrics on
+    must match (ConfigError naming the key); ``batch_size`` and ``lr`` not given (None) are the
+    checkpoint's (a new run: 64 and 1e-4, EDM's). ``eval_samples`` > 0: the final EMA model's metrics on
     that many samples, beside EDM's published figures. ``device``: ``"auto"`` trains on CUDA when
-    there is one.
+    there is one (with TF32 matrix products).
     """
     from flowrl_ray.algorithms.fed_grpo import check_base_model
     from flowrl_ray.envs.molecules.qm9 import atom_count_histogram, load_qm9, qm9_splits
@@ -97,7 +114,11 @@ def pretrain_edm(cfg: Config, out: str | Path | None = None, steps: int = 2000, 
         generator.set_state(ts["generator"])
         state, done, before_s, rows = ts["fit"], int(ts["fit"]["step"]), float(ts["train_s"]), list(ts["rows"])
         prior_eval = saved.get("eval")
+        batch_size = int(saved.get("batch_size", 64)) if batch_size is None else batch_size
+        lr = float(saved.get("lr", 1e-4)) if lr is None else lr
         log(f"[pretrain] resuming {out} at step {done}", flush=True)
+    batch_size = 64 if batch_size is None else batch_size
+    lr = 1e-4 if lr is None else lr
     log(f"[pretrain] EDM on QM9: {len(train):,} training molecules, "
         f"{sum(p.numel() for p in model.parameters()):,} parameters on {device}, steps {done + 1}-{steps} of "
         f"{batch_size}",
@@ -140,15 +161,19 @@ def pretrain_edm(cfg: Config, out: str | Path | None = None, steps: int = 2000, 
         atomic_write_bytes(out, buf.getvalue())
 
     skipped, fit = 0, None
-    with _torch_threads(cfg.runtime.torch_threads):
-        chunk = curve_every if curve_every > 0 else max(1, steps - done)
+    with torch_threads(cfg.runtime.torch_threads), _tf32(device == "cuda"):
+        every = [k for k in (curve_every, checkpoint_every) if k > 0]
+        chunk = min(every) if every else max(1, steps - done)
         while done < steps or fit is None:
-            n = min(chunk, steps - done)
+            n = min(chunk - done % chunk if every else chunk, steps - done)   # to the next multiple
             fit = fit_edm(model, train.positions, train.atom_types, steps=n, batch_size=batch_size, lr=lr,
                           generator=generator, log_every=max(1, min(100, n // 20, steps // 20)),
                           progress=report, state=state)
             state, done, skipped = fit["state"], fit["state"]["step"], skipped + fit["skipped_steps"]
-            if curve_every > 0 and n > 0:
+            if n > 0 and checkpoint_every > 0 and (done % checkpoint_every == 0 or done == steps) and not (
+                    curve_every > 0 and (done % curve_every == 0 or done == steps)):
+                save(fit, None)
+            if curve_every > 0 and n > 0 and (done % curve_every == 0 or done == steps):
                 ema_model.load_state_dict(fit["ema_state_dict"] or model.state_dict())
                 point = evaluate_model(ema_model, histogram, curve_samples, seed)
                 rows.append({"step": done, "time_s": round(elapsed(), 1),
@@ -158,7 +183,7 @@ def pretrain_edm(cfg: Config, out: str | Path | None = None, steps: int = 2000, 
                     f"molecule stability {100 * point['molecule_stability']:.1f} %, validity "
                     f"{100 * point['validity']:.1f} % ({curve_samples} samples, {point['sample_s']} s)", flush=True)
                 save(fit, None)
-            if n == 0:
+            if n == 0 or (max_minutes > 0 and time.perf_counter() - start >= 60 * max_minutes):
                 break
         train_s = elapsed()
         metrics = None

@@ -61,21 +61,26 @@ def test_state_round_trip_reproduces_generation():
     for pa, pb in zip(ca[0]["positions"], cb[0]["positions"]):
         np.testing.assert_array_equal(pa, pb)
 
-def test_the_committed_base_edm_loads_into_qm9_small_and_samples_molecules():
-    """pretrained/qm9_small_edm.pt (made by the command in docs/results.md) is the base of
-    configs/fed_grpo/qm9_small.yaml: same architecture, QM9's atom-count histogram, a stability
-    curve; it samples molecules of QM9's atom types with finite coordinates."""
+@pytest.mark.parametrize("config", ["qm9_small", "qm9_mid"])
+def test_the_committed_base_edm_loads_into_its_config_and_samples_molecules(config):
+    """pretrained/qm9_small_edm.pt (CPU) and pretrained/qm9_mid_edm.pt (GPU), made by the commands
+    in docs/results.md, are the bases of configs/fed_grpo/qm9_small.yaml and qm9_mid.yaml: same
+    architecture, QM9's atom-count histogram, a stability curve (small) or the 1,000-sample
+    evaluation (mid); each samples molecules of QM9's atom types with finite coordinates."""
     from flowrl_ray.algorithms.fed_grpo import check_base_model, load_base_model
     from flowrl_ray.config import load_config
     from flowrl_ray.envs.molecules.chemistry import ATOM_TYPES
     from flowrl_ray.models.edm import EDM
     from flowrl_ray.pretrain_mol import sample_molecules
     root = REPO
-    cfg = load_config(root / "configs" / "fed_grpo" / "qm9_small.yaml")
+    cfg = load_config(root / "configs" / "fed_grpo" / f"{config}.yaml")
     path = root / cfg.algo.base_model
     check_base_model(cfg, path)                                   # ConfigError on another architecture
     ckpt = load_base_model(path)
-    assert ckpt["steps"] >= 6000 and ckpt["curve"] and ckpt["curve"][-1]["step"] == ckpt["steps"]
+    if config == "qm9_small":
+        assert ckpt["steps"] >= 6000 and ckpt["curve"] and ckpt["curve"][-1]["step"] == ckpt["steps"]
+    else:                       # its whole training state comes with it: `pretrain --resume` continues it
+        assert ckpt["steps"] >= 16000 and ckpt["batch_size"] == 256 and "train_state" in ckpt
     histogram = np.asarray(ckpt["node_histogram"])
     assert histogram.sum() == pytest.approx(1.0)                  # QM9: 3 to 29 atoms, most often 19
     assert list(np.nonzero(histogram)[0][[0, -1]]) == [3, 29] and histogram.argmax() == 19
@@ -86,6 +91,24 @@ def test_the_committed_base_edm_loads_into_qm9_small_and_samples_molecules():
     for positions, types in mols:
         assert 3 <= len(types) <= 29 and positions.shape == (len(types), 3) and np.isfinite(positions).all()
         assert ((types >= 0) & (types < len(ATOM_TYPES))).all()
+
+def test_pretraining_stops_at_a_checkpoint_after_max_minutes_and_resumes_with_its_batch_and_lr(tmp_path):
+    """--checkpoint-every 1 --max-minutes (a moment): the invocation ends after its first step with
+    the checkpoint written; --resume without --batch-size / --lr takes the checkpoint's and reaches
+    the weights of the uninterrupted run."""
+    from flowrl_ray.config import config_from_dict
+    from flowrl_ray.pretrain_mol import pretrain_edm
+    cfg = config_from_dict(_config())
+    whole, parts = tmp_path / "whole.pt", tmp_path / "parts.pt"
+    pretrain_edm(cfg, out=whole, steps=4, batch_size=4, lr=1e-3, progress=False)
+    first = pretrain_edm(cfg, out=parts, steps=4, batch_size=4, lr=1e-3, checkpoint_every=1,
+                         max_minutes=1e-9, progress=False)
+    assert first["steps"] == 1 and torch.load(parts, weights_only=False)["steps"] == 1
+    pretrain_edm(cfg, out=parts, steps=4, resume=True, progress=False)
+    a, b = (torch.load(p, weights_only=False) for p in (whole, parts))
+    assert (b["steps"], b["batch_size"], b["lr"]) == (4, 4, 1e-3)
+    for name, value in a["state_dict"].items():
+        assert torch.equal(value, b["state_dict"][name]), name
 
 def test_pretraining_resumed_from_its_checkpoint_is_the_uninterrupted_run(tmp_path, capsys, monkeypatch):
     """4 steps in one run and 2 + 2 with --resume give the same weights; the curve rows come with
@@ -120,4 +143,4 @@ def test_pretraining_resumed_from_its_checkpoint_is_the_uninterrupted_run(tmp_pa
         pretrain_edm(wider, out=parts, steps=6, resume=True, **kw)
     forms = REPO / "configs" / "flow_grpo" / "forms_small.yaml"
     assert main(["pretrain", str(forms), "--resume"]) == 2
-    assert "--curve-every, --resume and --device are for FED-GRPO configs" in capsys.readouterr().err
+    assert "--curve-every, --checkpoint-every, --max-minutes, --resume and --device are for FED-GRPO" in capsys.readouterr().err
