@@ -54,6 +54,17 @@ def evaluate_model(model, histogram: np.ndarray, count: int, seed: int = 0) -> d
     return metrics
 
 
+def _on_cpu(obj):
+    """``obj`` with every tensor in its dicts, lists and tuples moved to the CPU."""
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    if isinstance(obj, dict):
+        return {k: _on_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_on_cpu(v) for v in obj)
+    return obj
+
+
 @contextlib.contextmanager
 def _tf32(enabled: bool):
     """TF32 matrix products on CUDA while training (the EGNN's dense layers; distances and
@@ -157,7 +168,7 @@ def pretrain_edm(cfg: Config, out: str | Path | None = None, steps: int = 2000,
                 "train_state": {"raw_state_dict": model.state_dict(), "fit": fit["state"],
                                 "generator": generator.get_state(), "rows": rows, "train_s": elapsed()}}
         buf = io.BytesIO()
-        torch.save(ckpt, buf)
+        torch.save(_on_cpu(ckpt), buf)                  # loads on a machine without the GPU too
         atomic_write_bytes(out, buf.getvalue())
 
     skipped, fit = 0, None
