@@ -13,7 +13,8 @@ policy trained from a binary episode reward R in {0, 1} (here: task success).
                            (error_scale: standardized; literal: z = e, the spec's formula),
                            success softmax(z / T), failure softmax(-z / T)  (or the
                            `normalized` / ablation rules), then scaled to mean 1 per real step
-                           (weight_scale: mean_one; sum_one: the spec's sum to 1)
+                           (weight_scale: mean_one; sum_one: the spec's sum to 1;
+                           episode_mean: each episode sums to the batch's mean length)
                        labels R in {0, 1} (label_baseline: batch, beyond the spec: DiffusionNFT's
                            r = 1/2 + 1/2 clip((R - mean R) / std R, -1, 1) over the batch)
     update:            weighted mirror loss, t ~ U[t_min, t_max]:
@@ -73,8 +74,10 @@ class FlowSARHyper:
     # sharpness (literal: on e itself, the spec's formula, whose spread grows with the chunk size)
     error_scale: Literal["standardized", "literal"] = "standardized"
     # mean_one: an episode's weights average 1 over its steps (uniform == DiffusionNFT's per-sample
-    # loss); sum_one: they sum to 1 (the spec's formula: each step H times weaker than the KL term)
-    weight_scale: Literal["mean_one", "sum_one"] = "mean_one"
+    # loss); sum_one: they sum to 1 (the spec's formula: each step H times weaker than the KL term);
+    # episode_mean: each episode's sum to the batch's mean episode length, so every episode counts
+    # the same (with mean_one a 38-step failure counts 2-8 times a short success)
+    weight_scale: Literal["mean_one", "sum_one", "episode_mean"] = "mean_one"
     # beyond the spec: batch centres the labels as DiffusionNFT does (see centred_labels)
     label_baseline: Literal["none", "batch"] = "none"
     shaped_lambda: Optional[float] = field(default=None, metadata=check(ge=0, le=1))  # None: off
@@ -194,8 +197,10 @@ def credit_weights(errors: torch.Tensor, success: torch.Tensor, temperature: flo
                    generator: torch.Generator | None = None, standardize: bool = False,
                    scale: str = "sum_one") -> torch.Tensor:
     """Step weights [E, H] of E episodes padded to H steps (``mask`` marks real steps); each
-    row with a real step sums to 1 (``scale`` sum_one, the spec's) or averages 1 over its real
-    steps (mean_one: w * H_episode; uniform weights are then exactly 1).
+    row with a real step sums to 1 (``scale`` sum_one, the spec's), averages 1 over its real
+    steps (mean_one: w * H_episode; uniform weights are then exactly 1) or sums to the mean
+    episode length of the rows with steps (episode_mean: w * mean H; the total is mean_one's, and
+    every episode weighs the same).
 
         softmax:     success  w = softmax(e / T),        failure  w = softmax(-e / T)
         normalized:  e clipped to the batch's 5th-95th percentiles, then
@@ -211,8 +216,8 @@ def credit_weights(errors: torch.Tensor, success: torch.Tensor, temperature: flo
     """
     if mode not in WEIGHT_MODES:
         raise ValueError(f"weight mode must be one of {WEIGHT_MODES}, got {mode!r}")
-    if scale not in ("sum_one", "mean_one"):
-        raise ValueError(f"weight scale must be 'sum_one' or 'mean_one', got {scale!r}")
+    if scale not in ("sum_one", "mean_one", "episode_mean"):
+        raise ValueError(f"weight scale must be 'sum_one', 'mean_one' or 'episode_mean', got {scale!r}")
     mask = torch.ones_like(errors, dtype=torch.bool) if mask is None else mask.bool()
     success = success.bool()
     if mode == "uniform":
@@ -246,6 +251,9 @@ def credit_weights(errors: torch.Tensor, success: torch.Tensor, temperature: flo
         w = w / w.sum(-1, keepdim=True).clamp_min(1e-30)
     if scale == "mean_one":
         w = w * mask.sum(-1, keepdim=True)
+    elif scale == "episode_mean":
+        lengths = mask.sum(-1)                                                   # H_e [E]
+        w = w * lengths[lengths > 0].to(w.dtype).mean()
     return w
 
 

@@ -270,6 +270,24 @@ def test_mean_one_scale_multiplies_each_episode_by_its_length():
         credit_weights(e, success, 0.5, scale="sum")
 
 
+def test_episode_mean_scale_gives_every_episode_the_batch_mean_length():
+    """Lengths 4, 2, 1 (mean 7/3): each row sums to 7/3 whatever its length, so a short success
+    weighs what a long failure does; uniform steps get 7/3 / H_e; the total is mean_one's (7)."""
+    e = torch.tensor([[1.0, 2.0, 3.0, 0.5], [4.0, 5.0, 7.0, 9.0], [0.3, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 0, 0, 0]], dtype=torch.bool)
+    success = torch.tensor([True, False, True])
+    for mode in ("softmax", "normalized", "uniform"):
+        w1 = credit_weights(e, success, 0.5, mode, mask)
+        we = credit_weights(e, success, 0.5, mode, mask, scale="episode_mean")
+        torch.testing.assert_close(we, w1 * 7.0 / 3.0, msg=mode)
+        torch.testing.assert_close(we.sum(1), torch.full((3,), 7.0 / 3.0), msg=mode)
+    uniform = credit_weights(e, success, 0.5, "uniform", mask, scale="episode_mean")
+    torch.testing.assert_close(uniform[0, 0], torch.tensor(7.0 / 12.0))   # 7/3 over 4 steps
+    torch.testing.assert_close(uniform[2, 0], torch.tensor(7.0 / 3.0))    # one step
+    torch.testing.assert_close(uniform.sum(), credit_weights(e, success, 0.5, "uniform", mask,
+                                                             scale="mean_one").sum())
+
+
 def test_self_annotation_averages_the_draws_and_divides_by_t_mid_squared():
     # v = 0: a_hat = x, so e = t^2 || a - eps ||^2 for each draw (summed over chunk and action dims)
     a = torch.randn(5, 4, 3, generator=torch.Generator().manual_seed(1))
