@@ -30,9 +30,7 @@ from typing import Any, Literal, Optional
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A user mistake in a config file or override; the message names the offending key."""
+from flowrl_ray.errors import ConfigError  # noqa: F401 - defined there, raised and re-exported here
 
 
 def check(gt: float | None = None, ge: float | None = None, le: float | None = None,

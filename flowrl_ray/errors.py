@@ -1,4 +1,9 @@
-"""Errors shared between the runtime and the CLI (importable without Ray)."""
+"""Errors shared by the config, the algorithms, the runtime and the CLI (importable without Ray
+and without any other module of the package)."""
+
+
+class ConfigError(ValueError):
+    """A user mistake in a config file or override; the message names the offending key."""
 
 
 class TrainingError(RuntimeError):

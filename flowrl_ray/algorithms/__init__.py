@@ -9,6 +9,8 @@ from __future__ import annotations
 import difflib
 import importlib
 
+from flowrl_ray.errors import ConfigError
+
 #: built-in name -> "module:Class"; imported on first use
 BUILTIN_ALGORITHMS = {"ppo": "flowrl_ray.algorithms.ppo:PPO",
                       "cma_ppo": "flowrl_ray.algorithms.cma_ppo:CMAPPO",
@@ -21,7 +23,6 @@ BUILTIN_ALGORITHMS = {"ppo": "flowrl_ray.algorithms.ppo:PPO",
 
 def get_algorithm(name: str) -> type:
     """The Algorithm class for a config's ``algorithm`` key; ConfigError naming the key if unknown."""
-    from flowrl_ray.config import ConfigError
     target = BUILTIN_ALGORITHMS.get(name, name)
     if not isinstance(name, str) or ":" not in target:
         close = difflib.get_close_matches(str(name), list(BUILTIN_ALGORITHMS), n=1)
