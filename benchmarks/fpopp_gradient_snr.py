@@ -96,7 +96,7 @@ def main() -> None:
     import torch
 
     from flowrl_ray.algorithms.advantages import explained_variance
-    from flowrl_ray.algorithms.flow_policy import load_base_policy
+    from flowrl_ray.models.flow_policy import load_base_policy
     from flowrl_ray.algorithms.fpopp import FPOPP
     from flowrl_ray.config import load_config
     from flowrl_ray.envs import env_family

@@ -103,7 +103,7 @@ def pretrain(cfg: Config, dataset: str | Path | None = None, out: str | Path | N
     """Train the config's flow policy on ``dataset`` (default ``env.dataset``) and write the
     checkpoint to ``out`` (default ``algo.base_policy``), with ``<stem>.metrics.jsonl`` and
     ``<stem>.loss.png`` beside it. Returns the summary."""
-    from flowrl_ray.algorithms.flow_policy import make_flow_policy, policy_arch
+    from flowrl_ray.models.flow_policy import make_flow_policy, policy_arch
     from flowrl_ray.envs import env_family
     if cfg.env.family != "robot":
         raise ConfigError(f"config key 'env.family': pretraining reads robomimic demos of the robot "

@@ -50,7 +50,7 @@ from flowrl_ray.algorithms.advantages import gae, group_advantages, group_normal
 from flowrl_ray.algorithms.base import Algorithm
 from flowrl_ray.optim import ema_update, load_scheduler, lr_multiplier, minibatches, optimizer_step
 from flowrl_ray.algorithms.episodes import EpisodeAssembler
-from flowrl_ray.algorithms.flow_policy import (check_base_policy, check_flow_arch, image_shape, load_base_policy,
+from flowrl_ray.models.flow_policy import (check_base_policy, check_flow_arch, image_shape, load_base_policy,
                                          make_flow_policy)
 from flowrl_ray.algorithms.losses import value_loss
 from flowrl_ray.batch import Batch, map_obs

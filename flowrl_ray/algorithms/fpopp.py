@@ -35,7 +35,7 @@ import torch
 
 from flowrl_ray.algorithms.advantages import explained_variance, normalize
 from flowrl_ray.algorithms.base import Algorithm
-from flowrl_ray.algorithms.flow_policy import (check_base_policy, check_flow_arch, executed_row_mask, image_shape,
+from flowrl_ray.models.flow_policy import (check_base_policy, check_flow_arch, executed_row_mask, image_shape,
                                                load_base_policy, make_flow_policy, records_old_losses)
 from flowrl_ray.optim import load_scheduler, lr_multiplier
 from flowrl_ray.algorithms.losses import approx_kl, aspo_objective, ppo_clip_objective, value_loss

@@ -40,7 +40,7 @@ import torch
 
 from flowrl_ray.algorithms.advantages import explained_variance, normalize
 from flowrl_ray.algorithms.base import Algorithm
-from flowrl_ray.algorithms.flow_policy import (check_base_policy, check_flow_arch, executed_row_mask, image_shape,
+from flowrl_ray.models.flow_policy import (check_base_policy, check_flow_arch, executed_row_mask, image_shape,
                                          load_base_policy)
 from flowrl_ray.algorithms.losses import approx_kl, ppo_clip_objective, value_loss
 from flowrl_ray.algorithms.onpolicy import actor_critic_epochs, advantages_from_rollouts, critic_values

@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("robosuite")
 
 from flowrl_ray import cli                                                   # noqa: E402
-from flowrl_ray.algorithms.flow_policy import load_base_policy, make_flow_policy, policy_arch  # noqa: E402
+from flowrl_ray.models.flow_policy import load_base_policy, make_flow_policy, policy_arch  # noqa: E402
 from flowrl_ray.algorithms.fpopp import FPOPP                                # noqa: E402
 from flowrl_ray.config import ConfigError, config_from_dict  # noqa: E402
 from flowrl_ray.envs import robomimic_data as rd                             # noqa: E402

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from flowrl_ray import cli
-from flowrl_ray.algorithms.flow_policy import check_base_policy, load_base_policy, make_flow_policy, policy_arch
+from flowrl_ray.models.flow_policy import check_base_policy, load_base_policy, make_flow_policy, policy_arch
 from flowrl_ray.algorithms.fpopp import FPOPP
 from flowrl_ray.config import ConfigError, apply_overrides, config_from_dict
 from flowrl_ray.envs import EnvSpec

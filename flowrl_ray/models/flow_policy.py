@@ -6,12 +6,15 @@ for all of them, so that no algorithm imports another and pretraining imports no
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from flowrl_ray.config import Config, ConfigError
-from flowrl_ray.envs import EnvSpec
 from flowrl_ray.models.flow import FLOW_ARCH_DEFAULTS, FlowPolicy
+
+if TYPE_CHECKING:                     # the env's shapes only: obs_dim, action_dim
+    from flowrl_ray.envs import EnvSpec
 
 
 ARCH_KEYS = ("hidden_sizes", "time_dim", "feature_dim", *FLOW_ARCH_DEFAULTS)
