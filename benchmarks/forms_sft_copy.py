@@ -146,7 +146,7 @@ def main(argv=None) -> dict:
     from flowrl_ray.config import apply_overrides, config_from_dict, read_yaml
     from flowrl_ray.envs.forms import FormCatalog, FormsSettings, load_tasks
     from flowrl_ray.models.masked_diffusion import load_sft_checkpoint
-    from flowrl_ray.pretrain_text import prompt_text
+    from flowrl_ray.envs.forms import prompt_text
 
     args = parse_args(argv)
     torch.set_num_threads(args.threads)

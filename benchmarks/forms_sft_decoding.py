@@ -61,7 +61,7 @@ def main() -> None:
     from flowrl_ray.envs.forms import FormCatalog, FormsSettings, gold_actions, load_tasks
     from flowrl_ray.envs.forms.tasks import KINDS             # rl (train), sft, held-out values, held-out forms
     from flowrl_ray.models.masked_diffusion import load_sft_checkpoint
-    from flowrl_ray.pretrain_text import prompt_text
+    from flowrl_ray.envs.forms import prompt_text
 
     args = parse_args()
     torch.set_num_threads(args.threads)

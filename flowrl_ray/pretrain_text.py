@@ -21,18 +21,7 @@ from pathlib import Path
 import torch
 
 from flowrl_ray.config import Config, ConfigError
-
-
-def prompt_text(task, catalog) -> str:
-    """What the model reads: the page it is on (the form's labels, types, options and button,
-    as a browser agent sees them) and the instruction. The answer is the action script."""
-    form = catalog[task.form_id]
-    fields = []
-    for f in form.fields:
-        options = f" ({' | '.join(f.options)})" if getattr(f, "options", None) else ""
-        fields.append(f"- {f.label} [{f.type}]{options}")
-    return (f"Form: {form.title}\nFields:\n" + "\n".join(fields) + f"\nButton: {form.submit}\n"
-            f"Task: {task.instruction}\nActions:\n")
+from flowrl_ray.envs.forms.tasks import prompt_text
 
 
 def copy_pairs(tasks, catalog, n: int, seed: int = 0) -> list[tuple[str, str]]:

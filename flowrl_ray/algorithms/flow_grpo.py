@@ -137,8 +137,7 @@ def warn_if_cut(lm, tasks: list, catalog, max_prompt_len: int, gen_length: int, 
     """Warn when prompts are longer than ``max_prompt_len`` tokens (their end, the instruction's
     values, is cut off) or gold action scripts do not fit ``gen_length`` with their [EOS]:
     such a task cannot be solved, whatever the model. -> (prompts cut, answers cut)."""
-    from flowrl_ray.envs.forms import gold_actions
-    from flowrl_ray.pretrain_text import prompt_text
+    from flowrl_ray.envs.forms import gold_actions, prompt_text
     tok = lm.tokenizer
     prompts = sum(len(tok(prompt_text(t, catalog))["input_ids"]) > max_prompt_len for t in tasks)
     answers = sum(len(tok(gold_actions(t, catalog), add_special_tokens=False)["input_ids"]) >= gen_length
@@ -236,7 +235,7 @@ class FlowGRPO(Algorithm):
     @torch.no_grad()
     def generate(self, num_chunks: int, mode: str = "train") -> list[dict]:
         from flowrl_ray.models.masked_diffusion import generate_with_trajectory
-        from flowrl_ray.pretrain_text import prompt_text
+        from flowrl_ray.envs.forms import prompt_text
         c = self.c
         tasks = self._draw_tasks(mode)
         group = 1 if mode == "eval" else c.group_size

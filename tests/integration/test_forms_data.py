@@ -21,7 +21,7 @@ def test_the_committed_sft_base_loads_into_forms_small_and_copies_held_out_value
     from flowrl_ray.config import load_config
     from flowrl_ray.envs.forms import FormsSettings
     from flowrl_ray.models.masked_diffusion import load_sft_checkpoint
-    from flowrl_ray.pretrain_text import prompt_text
+    from flowrl_ray.envs.forms import prompt_text
     bench = _bench()
     root = REPO
     cfg = load_config(root / "configs" / "flow_grpo" / "forms_small.yaml")

@@ -441,6 +441,18 @@ def load_tasks(split: str, forms_dir: str | Path | None = None, seed: int = 0, p
     return tasks
 
 
+def prompt_text(task: FormTask, catalog: FormCatalog) -> str:
+    """What the model reads: the page it is on (the form's labels, types, options and button,
+    as a browser agent sees them) and the instruction. The answer is the action script."""
+    form = catalog[task.form_id]
+    fields = []
+    for f in form.fields:
+        options = f" ({' | '.join(f.options)})" if getattr(f, "options", None) else ""
+        fields.append(f"- {f.label} [{f.type}]{options}")
+    return (f"Form: {form.title}\nFields:\n" + "\n".join(fields) + f"\nButton: {form.submit}\n"
+            f"Task: {task.instruction}\nActions:\n")
+
+
 def gold_actions(task: FormTask, catalog: FormCatalog | None = None) -> str:
     """The action script that solves ``task``: one action per gold field in the form's order,
     then a click on the submit button. ``catalog`` defaults to the shipped forms."""

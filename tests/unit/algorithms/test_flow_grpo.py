@@ -131,7 +131,7 @@ def test_warn_if_cut_counts_prompts_and_answers_that_cannot_fit(sft_dir):
     from flowrl_ray.algorithms.flow_grpo import warn_if_cut
     from flowrl_ray.envs.forms import gold_actions, load_tasks
     from flowrl_ray.models.masked_diffusion import load_sft_checkpoint
-    from flowrl_ray.pretrain_text import prompt_text
+    from flowrl_ray.envs.forms import prompt_text
     lm = load_sft_checkpoint(sft_dir, TINY_MODEL)
     catalog = FormCatalog.load()
     task = load_tasks("heldout_forms", catalog=catalog)[0]

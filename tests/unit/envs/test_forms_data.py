@@ -44,7 +44,7 @@ def test_evaluation_values_are_written_with_tokens_sft_answers_write(catalog):
     a policy has learned to output it. (When each set composed from its own third of the word
     parts, 40 % of the evaluation values' tokens never occurred in an SFT answer.)"""
     from flowrl_ray.models.text_tokenizer import train_tokenizer
-    from flowrl_ray.pretrain_text import prompt_text
+    from flowrl_ray.envs.forms import prompt_text
     sft = load_tasks("sft", per_form=32, catalog=catalog)
     answers = [gold_actions(t, catalog) for t in sft]
     tok = train_tokenizer([prompt_text(t, catalog) for t in sft] + answers, vocab_size=2048)
@@ -193,7 +193,8 @@ def test_copy_benchmark_runs_end_to_end_with_a_tiny_model(catalog, tmp_path):
 
 def test_sft_uses_its_own_tasks_and_copy_pairs_quote_their_answer(catalog):
     from flowrl_ray.config import config_from_dict, read_yaml
-    from flowrl_ray.pretrain_text import copy_pairs, prompt_text, sft_pairs
+    from flowrl_ray.envs.forms import prompt_text
+    from flowrl_ray.pretrain_text import copy_pairs, sft_pairs
     cfg = config_from_dict(read_yaml(REPO / "configs/flow_grpo/forms_small.yaml"))
     pairs = sft_pairs(cfg.env, tasks_per_form=2)
     sft = {prompt_text(t, catalog) for t in load_tasks("sft", per_form=2, catalog=catalog)}
