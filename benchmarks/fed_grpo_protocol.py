@@ -65,7 +65,7 @@ def load_models(run_dir: Path):
     """(the run's config, the base EDM, the run's last EDM, the base's atom-count histogram)."""
     import torch
 
-    from flowrl_ray.algorithms.fed_grpo import load_base_model
+    from flowrl_ray.models.edm import load_base_model
     from flowrl_ray.checkpoint import latest_checkpoint, load_checkpoint
     from flowrl_ray.models.edm import EDM
     cfg = run_config(run_dir)

@@ -53,7 +53,7 @@ def score(cfg, molecules: list) -> dict:
 def models(cfg, run_dir: Path):
     """(base EDM, post-trained EDM, atom-count histogram)."""
     import torch
-    from flowrl_ray.algorithms.fed_grpo import load_base_model
+    from flowrl_ray.models.edm import load_base_model
     from flowrl_ray.checkpoint import latest_checkpoint, load_checkpoint
     from flowrl_ray.models.edm import EDM
     base_ckpt = load_base_model(cfg.algo.base_model)

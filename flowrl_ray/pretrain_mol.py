@@ -30,7 +30,7 @@ def sample_molecules(model, histogram: np.ndarray, count: int, seed: int = 0,
                      batch_size: int = 64) -> list[tuple[np.ndarray, np.ndarray]]:
     """``count`` molecules from ``model`` (atom counts from ``histogram``), as (positions [n, 3] Å,
     atom types [n]) pairs."""
-    from flowrl_ray.algorithms.fed_grpo import to_numpy_molecules
+    from flowrl_ray.models.edm import to_numpy_molecules
     from flowrl_ray.models.edm import NodeDistribution
     generator = torch.Generator().manual_seed(seed)
     nodes = NodeDistribution(histogram)
@@ -98,7 +98,7 @@ def pretrain_edm(cfg: Config, out: str | Path | None = None, steps: int = 2000,
     that many samples, beside EDM's published figures. ``device``: ``"auto"`` trains on CUDA when
     there is one (with TF32 matrix products).
     """
-    from flowrl_ray.algorithms.fed_grpo import check_base_model
+    from flowrl_ray.models.edm import check_base_model
     from flowrl_ray.envs.molecules.qm9 import atom_count_histogram, load_qm9, qm9_splits
     from flowrl_ray.models.edm import EDM, fit_edm
     from flowrl_ray.plotting import plot_curves

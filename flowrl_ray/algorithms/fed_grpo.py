@@ -40,8 +40,7 @@ ELIGN's names: ``sample_group_size`` is the number of prompts per iteration and
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any, Literal, Optional
 
 import numpy as np
@@ -55,7 +54,8 @@ from flowrl_ray.algorithms.losses import ppo_clip_objective
 from flowrl_ray.batch import Batch
 from flowrl_ray.config import Config, ConfigError, check
 from flowrl_ray.envs import EnvSpec
-from flowrl_ray.models.edm import EDM, EDMModelConfig, NodeDistribution, reference_kl, step_log_prob
+from flowrl_ray.models.edm import (EDM, EDMModelConfig, NodeDistribution, check_base_model, load_base_model,
+                                   reference_kl, step_log_prob, to_numpy_molecules)
 
 __all__ = ["fed_advantages", "pbrs_returns", "fed_advantages_pbrs", "schedule_steps", "delta_traces",
            "fed_advantages_delta", "FEDGRPO", "FEDGRPOConfig"]
@@ -218,32 +218,6 @@ def fed_advantages_delta(force_traces: torch.Tensor, energy_traces: torch.Tensor
 
 
 # ---------------------------------------------------------------------- checkpoints of the base model
-
-def load_base_model(path: str | Path) -> dict:
-    """A `flowrl-ray pretrain` EDM checkpoint: {"model_config", "state_dict", "node_histogram", ...}."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config key 'algo.base_model': no such file {str(path)!r} "
-                          f"(make it with `flowrl-ray pretrain CONFIG`)")
-    ckpt = torch.load(p, map_location="cpu", weights_only=False)
-    if not isinstance(ckpt, dict) or "state_dict" not in ckpt or "model_config" not in ckpt:
-        raise ConfigError(f"config key 'algo.base_model': {str(path)!r} is not an EDM pretraining checkpoint")
-    return ckpt
-
-
-def check_base_model(cfg: Config, path: str | Path | None = None) -> None:
-    """The base model's (``path``, default ``algo.base_model``) architecture must be the config's;
-    ConfigError naming the key."""
-    path = cfg.algo.base_model if path is None else path
-    if path is None:
-        return
-    saved = load_base_model(path)["model_config"]
-    mine = asdict(cfg.algo.model)
-    for key, value in saved.items():
-        if key in mine and mine[key] != value:
-            raise ConfigError(f"config key 'algo.model.{key}': {mine[key]!r} does not match the base "
-                              f"model's {value!r} ({path})")
-
 
 # ---------------------------------------------------------------------- the algorithm
 
@@ -490,13 +464,6 @@ class FEDGRPO(Algorithm):
 
 
 # ---------------------------------------------------------------------- helpers
-
-def to_numpy_molecules(positions: torch.Tensor, atom_types: torch.Tensor,
-                        node_mask: torch.Tensor) -> list[tuple[np.ndarray, np.ndarray]]:
-    """[B, N, 3], [B, N], [B, N] -> B molecules (positions [n, 3] float64 in Å, types [n] int)."""
-    pos, types, mask = positions.detach().cpu().double().numpy(), atom_types.cpu().numpy(), node_mask.cpu().numpy()
-    return [(pos[i][mask[i]], types[i][mask[i]].astype(np.int64)) for i in range(len(pos))]
-
 
 def _fill_with_group_mean(values: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
     """NaN entries (unscored rows) replaced by their group's mean of the scored rows (0 if none)."""

@@ -48,7 +48,8 @@ from __future__ import annotations
 import math
 import sys
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -56,12 +57,13 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from flowrl_ray.config import check
+from flowrl_ray.config import ConfigError, check
 from flowrl_ray.models.egnn import EGNNDynamics, remove_mean
 from flowrl_ray.optim import ema_update, optimizer_step
 
 __all__ = ["EDMModelConfig", "remove_mean", "NoiseSchedule", "NodeDistribution", "SampleResult",
-           "EDM", "transition_log_prob", "step_log_prob", "reference_kl", "fit_edm"]
+           "EDM", "transition_log_prob", "step_log_prob", "reference_kl", "fit_edm", "load_base_model",
+           "check_base_model", "to_numpy_molecules"]
 
 
 @dataclass
@@ -370,3 +372,38 @@ def fit_edm(model: EDM, positions, atom_types, *, steps: int, batch_size: int, l
     model.train(was_training)
     return {"loss_history": history, "ema_state_dict": ema, "skipped_steps": skipped,
             "state": {"optimizer": opt.state_dict(), "ema": ema, "norms": list(norms), "step": first + steps}}
+
+
+# ---------------------------------------------------------------------- checkpoints and molecules
+
+def load_base_model(path: str | Path) -> dict:
+    """A `flowrl-ray pretrain` EDM checkpoint: {"model_config", "state_dict", "node_histogram", ...}."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config key 'algo.base_model': no such file {str(path)!r} "
+                          f"(make it with `flowrl-ray pretrain CONFIG`)")
+    ckpt = torch.load(p, map_location="cpu", weights_only=False)
+    if not isinstance(ckpt, dict) or "state_dict" not in ckpt or "model_config" not in ckpt:
+        raise ConfigError(f"config key 'algo.base_model': {str(path)!r} is not an EDM pretraining checkpoint")
+    return ckpt
+
+
+def check_base_model(cfg, path: str | Path | None = None) -> None:
+    """The base model's (``path``, default ``algo.base_model``) architecture must be the config's
+    (``cfg.algo.model``, an :class:`EDMModelConfig`); ConfigError naming the key."""
+    path = cfg.algo.base_model if path is None else path
+    if path is None:
+        return
+    saved = load_base_model(path)["model_config"]
+    mine = asdict(cfg.algo.model)
+    for key, value in saved.items():
+        if key in mine and mine[key] != value:
+            raise ConfigError(f"config key 'algo.model.{key}': {mine[key]!r} does not match the base "
+                              f"model's {value!r} ({path})")
+
+
+def to_numpy_molecules(positions: torch.Tensor, atom_types: torch.Tensor,
+                        node_mask: torch.Tensor) -> list[tuple[np.ndarray, np.ndarray]]:
+    """[B, N, 3], [B, N], [B, N] -> B molecules (positions [n, 3] float64 in Å, types [n] int)."""
+    pos, types, mask = positions.detach().cpu().double().numpy(), atom_types.cpu().numpy(), node_mask.cpu().numpy()
+    return [(pos[i][mask[i]], types[i][mask[i]].astype(np.int64)) for i in range(len(pos))]

@@ -67,7 +67,7 @@ def test_the_committed_base_edm_loads_into_its_config_and_samples_molecules(conf
     in docs/results.md, are the bases of configs/fed_grpo/qm9_small.yaml and qm9_mid.yaml: same
     architecture, QM9's atom-count histogram, a stability curve (small) or the 1,000-sample
     evaluation (mid); each samples molecules of QM9's atom types with finite coordinates."""
-    from flowrl_ray.algorithms.fed_grpo import check_base_model, load_base_model
+    from flowrl_ray.models.edm import check_base_model, load_base_model
     from flowrl_ray.config import load_config
     from flowrl_ray.envs.molecules.chemistry import ATOM_TYPES
     from flowrl_ray.models.edm import EDM
