@@ -30,8 +30,7 @@ def sample_molecules(model, histogram: np.ndarray, count: int, seed: int = 0,
                      batch_size: int = 64) -> list[tuple[np.ndarray, np.ndarray]]:
     """``count`` molecules from ``model`` (atom counts from ``histogram``), as (positions [n, 3] Å,
     atom types [n]) pairs."""
-    from flowrl_ray.models.edm import to_numpy_molecules
-    from flowrl_ray.models.edm import NodeDistribution
+    from flowrl_ray.models.edm import NodeDistribution, to_numpy_molecules
     generator = torch.Generator().manual_seed(seed)
     nodes = NodeDistribution(histogram)
     out: list = []
@@ -79,8 +78,8 @@ def _tf32(enabled: bool):
 
 
 def pretrain_edm(cfg: Config, out: str | Path | None = None, steps: int = 2000,
-                 batch_size: int | None = None, lr: float | None = None, seed: int = 0, eval_samples: int = 0, curve_every: int = 0,
-                 curve_samples: int = 200, checkpoint_every: int = 0, max_minutes: float = 0.0,
+                 batch_size: int | None = None, lr: float | None = None, seed: int = 0,
+                 eval_samples: int = 0, curve_every: int = 0, curve_samples: int = 200, checkpoint_every: int = 0, max_minutes: float = 0.0,
                  resume: bool = False, device: str = "auto", progress: bool = True) -> dict:
     """Train the EDM of ``cfg.algo.model`` on QM9's train split for ``steps`` optimiser steps in all.
 
