@@ -66,7 +66,12 @@ def load_policy(run_dir: str | os.PathLike):
     if path is None:
         raise ConfigError(f"{run_dir} has no checkpoint yet")
     cfg = load_config(run_dir / "config.yaml")
+    algorithm = get_algorithm(cfg.algorithm)
+    if not hasattr(algorithm, "make_policy"):
+        raise ConfigError(f"{run_dir} is a {cfg.algorithm} run: its model samples on the learner "
+                          f"(a group algorithm) and has no env-step policy to load; "
+                          f"`flowrl-ray eval {run_dir}` evaluates it")
     spec = env_family(cfg.env.family).spec(cfg.env)
-    policy = get_algorithm(cfg.algorithm).make_policy(cfg, spec)
+    policy = algorithm.make_policy(cfg, spec)
     policy.load_state_dict(load_checkpoint(path)["policy"])
     return cfg, spec, policy.eval()

@@ -1,7 +1,8 @@
 """Algorithms: one module each, plus shared pieces (advantages, losses). Pure torch.
 
 A config's ``algorithm`` key names a built-in algorithm or a plugin class as
-``"package.module:Class"`` (importable on every Ray node, e.g. shipped with the job's working_dir).
+``"package.module:Class"`` (importable on every Ray node, e.g. shipped with the job's working_dir),
+a subclass of one of the two kinds in :mod:`flowrl_ray.algorithms.base`.
 """
 
 from __future__ import annotations
@@ -31,6 +32,13 @@ def get_algorithm(name: str) -> type:
                           f"{', '.join(BUILTIN_ALGORITHMS)}; plugins as 'package.module:Class'){hint}")
     module_name, attr = target.split(":", 1)
     try:
-        return getattr(importlib.import_module(module_name), attr)
+        cls = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
         raise ConfigError(f"config key 'algorithm': cannot import {target!r}: {e}") from None
+    # the kind classes of algorithms/base.py set rollout_kind (not imported here: base.py's
+    # annotations name the config, which resolves `algorithm` through this function)
+    if getattr(cls, "rollout_kind", None) not in ("env_step", "group"):
+        raise ConfigError(f"config key 'algorithm': {target!r} is not an algorithm: subclass "
+                          f"flowrl_ray.algorithms.base.EnvStepAlgorithm (rollout workers step envs with "
+                          f"a policy copy) or GroupAlgorithm (the learner samples, workers score)")
+    return cls

@@ -15,17 +15,17 @@ from flowrl_ray.envs import EnvSpec
 
 
 class Algorithm(ABC):
-    """An RL algorithm: networks, optimisers, schedulers and the update. No Ray.
+    """What both algorithm kinds give the runtime: networks, optimisers, schedulers and the
+    update. No Ray. An algorithm subclasses one of the two kinds below, which say how its
+    rollouts are produced (the runtime's strategy for each is in ``runtime/rollouts.py``).
 
-    The runtime calls, per policy version: ``prepare(batches)`` (advantages, old log-probs),
-    then ``update(prepared)`` (returns metrics), then ``policy_state_dict()`` to publish the
-    weights that rollout workers load into ``make_policy(cfg, spec)``.
-    ``state_dict()``/``load_state_dict()`` hold everything needed to resume bit-for-bit.
+    Per policy version the runtime calls ``prepare(batches)`` (advantages, old log-probs), then
+    ``update(prepared)`` (returns metrics). ``state_dict()``/``load_state_dict()`` hold
+    everything needed to resume bit-for-bit.
     """
 
-    #: how rollouts are produced: "env_step" (workers step envs with a policy copy) or "group"
-    #: (the learner generates samples, rollout workers score them).
-    rollout_kind = "env_step"
+    #: "env_step" or "group": set by the kind (EnvStepAlgorithm / GroupAlgorithm), never by hand
+    rollout_kind: str = ""
     #: dataclass schema of the config's `algo` section
     config_class: type
     #: what ``load_state_dict`` changed for a resumed run with another ``train.iterations``
@@ -43,19 +43,6 @@ class Algorithm(ABC):
 
     def __init__(self, cfg: Config, spec: EnvSpec, device: torch.device):
         self.cfg, self.spec, self.device = cfg, spec, device
-
-    @staticmethod
-    @abstractmethod
-    def make_policy(cfg: Config, spec: EnvSpec) -> nn.Module:
-        """The rollout copy of the policy: a module with ``act(obs, deterministic, generator)``."""
-
-    @property
-    @abstractmethod
-    def policy(self) -> nn.Module:
-        """The learner's policy (same class as ``make_policy`` returns)."""
-
-    def policy_state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().cpu().clone() for k, v in self.policy.state_dict().items()}
 
     @abstractmethod
     def prepare(self, batches: list[Batch]) -> Any: ...
@@ -81,6 +68,56 @@ class Algorithm(ABC):
 
     @abstractmethod
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class EnvStepAlgorithm(Algorithm):
+    """Rollout workers step vectorised envs with a copy of the policy (PPO, CMA-PPO, FPO++,
+    ReinFlow, FlowSAR).
+
+    After each update the runtime publishes ``policy_state_dict()`` (one ``ray.put`` per
+    version); every worker loads it into its ``make_policy(cfg, spec)`` copy and returns
+    time-major batches of what the policy's ``act`` recorded. Checkpoints carry the same weights
+    under ``"policy"`` for ``eval`` and ``serve``.
+    """
+
+    rollout_kind = "env_step"
+
+    @staticmethod
+    @abstractmethod
+    def make_policy(cfg: Config, spec: EnvSpec) -> nn.Module:
+        """The rollout copy of the policy: a module with ``act(obs, deterministic, generator)``."""
+
+    @property
+    @abstractmethod
+    def policy(self) -> nn.Module:
+        """The learner's policy (same class as ``make_policy`` returns)."""
+
+    def policy_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights rollout workers load (FlowSAR: its EMA rollout policy)."""
+        return {k: v.detach().cpu().clone() for k, v in self.policy.state_dict().items()}
+
+
+class GroupAlgorithm(Algorithm):
+    """The learner samples; scoring workers turn samples into rewards (Flow-GRPO, FED-GRPO).
+
+    Per iteration the runtime calls ``generate(num_chunks, "train")``, which samples each prompt
+    a group of times on the learner's device and keeps what the update needs (trajectories,
+    behaviour log-probs); each chunk goes to one scoring worker (a browser, a force field) made by
+    the env family's ``make_scorer``; the scored batches come back to ``prepare``. Evaluation is
+    ``generate(num_chunks, "eval")``, scored the same way, summarised by ``eval_metrics``.
+    Scorers hold no model, so nothing is published; the model is in ``state_dict()``.
+    """
+
+    rollout_kind = "group"
+
+    @abstractmethod
+    def generate(self, num_chunks: int, mode: str) -> list[dict]:
+        """Sample for ``mode`` ("train": this iteration's groups; "eval": the evaluation set);
+        -> at most ``num_chunks`` chunks of samples for the scorers (the family's format)."""
+
+    @abstractmethod
+    def eval_metrics(self, batches: list[Batch]) -> dict[str, float]:
+        """The ``eval/...`` metrics of the scored evaluation samples (the last "eval" generate)."""
 
 
 def weight_metrics(module: nn.Module, init: dict[str, torch.Tensor] | None = None,

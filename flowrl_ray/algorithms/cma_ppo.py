@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import torch
 
-from flowrl_ray.algorithms.base import Algorithm, weight_metrics
+from flowrl_ray.algorithms.base import EnvStepAlgorithm, weight_metrics
 from flowrl_ray.optim import minibatches, optimizer_step
 from flowrl_ray.algorithms.onpolicy import advantages_from_rollouts
 from flowrl_ray.batch import Batch
@@ -86,7 +86,7 @@ def resample_mirrored(batch: dict[str, torch.Tensor], num_positive: int, generat
             "weights": torch.cat([batch["weights"][:num_positive], w])}
 
 
-class CMAPPO(Algorithm):
+class CMAPPO(EnvStepAlgorithm):
     name = "cma_ppo"
     config_class = CMAPPOConfig
 

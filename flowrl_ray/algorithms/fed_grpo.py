@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from flowrl_ray.algorithms.advantages import group_normalize
-from flowrl_ray.algorithms.base import Algorithm
+from flowrl_ray.algorithms.base import GroupAlgorithm
 from flowrl_ray.optim import clip_and_step, load_scheduler, lr_multiplier
 from flowrl_ray.utils import frozen_copy
 from flowrl_ray.algorithms.losses import ppo_clip_objective
@@ -221,9 +221,8 @@ def fed_advantages_delta(force_traces: torch.Tensor, energy_traces: torch.Tensor
 
 # ---------------------------------------------------------------------- the algorithm
 
-class FEDGRPO(Algorithm):
+class FEDGRPO(GroupAlgorithm):
     name = "fed_grpo"
-    rollout_kind = "group"
     config_class = FEDGRPOConfig
 
     @staticmethod
@@ -264,17 +263,6 @@ class FEDGRPO(Algorithm):
         self.pending: dict = {}
         self.iteration = 0
         self.skipped_updates = 0
-
-    @staticmethod
-    def make_policy(cfg: Config, spec: EnvSpec) -> torch.nn.Module:
-        return torch.nn.Identity()          # sampling happens on the learner; scorers hold no model
-
-    @property
-    def policy(self) -> torch.nn.Module:
-        return self.model
-
-    def policy_state_dict(self) -> dict[str, torch.Tensor]:
-        return {}
 
     # ------------------------------------------------------------------ generation
     def _shaping_steps(self, recorded_steps: list[int]) -> list[int]:

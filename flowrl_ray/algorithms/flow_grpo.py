@@ -54,7 +54,7 @@ import numpy as np
 import torch
 
 from flowrl_ray.algorithms.advantages import group_advantages
-from flowrl_ray.algorithms.base import Algorithm
+from flowrl_ray.algorithms.base import GroupAlgorithm
 from flowrl_ray.optim import clip_and_step, dropout_off
 from flowrl_ray.algorithms.losses import k3, ppo_clip_objective
 from flowrl_ray.batch import Batch
@@ -150,9 +150,8 @@ def warn_if_cut(lm, tasks: list, catalog, max_prompt_len: int, gen_length: int, 
     return prompts, answers
 
 
-class FlowGRPO(Algorithm):
+class FlowGRPO(GroupAlgorithm):
     name = "flow_grpo"
-    rollout_kind = "group"
     config_class = FlowGRPOConfig
 
     @staticmethod
@@ -212,18 +211,6 @@ class FlowGRPO(Algorithm):
         self.pending: dict = {}
         self.iteration = 0
         self.skipped_updates = 0
-
-    # Rollouts happen on the learner; workers only score text.
-    @staticmethod
-    def make_policy(cfg: Config, spec: EnvSpec) -> torch.nn.Module:
-        return torch.nn.Identity()
-
-    @property
-    def policy(self) -> torch.nn.Module:
-        return self.lm.model
-
-    def policy_state_dict(self) -> dict[str, torch.Tensor]:
-        return {}                       # nothing to publish: scorers never run the model
 
     # ------------------------------------------------------------------ generation
     def _draw_tasks(self, mode: str) -> list:

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from flowrl_ray.algorithms.advantages import gae, group_advantages, group_normalize
-from flowrl_ray.algorithms.base import Algorithm
+from flowrl_ray.algorithms.base import EnvStepAlgorithm
 from flowrl_ray.optim import ema_update, load_scheduler, lr_multiplier, minibatches, optimizer_step
 from flowrl_ray.algorithms.episodes import EpisodeAssembler
 from flowrl_ray.models.flow_policy import (check_base_policy, check_flow_arch, image_shape, load_base_policy,
@@ -330,7 +330,7 @@ def ema_coefficient(iteration: int, schedule: str, ema_beta: float = 0.995, eta_
 
 # --------------------------------------------------------------------------- the algorithm
 
-class FlowSAR(Algorithm):
+class FlowSAR(EnvStepAlgorithm):
     name = "flowsar"
     config_class = FlowSARConfig
     extra_plots = (("flowsar/e_within_episode_cv", "flowsar_e_spread.png"),

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from flowrl_ray.algorithms.advantages import explained_variance, normalize
-from flowrl_ray.algorithms.base import Algorithm
+from flowrl_ray.algorithms.base import EnvStepAlgorithm
 from flowrl_ray.models.flow_policy import (check_base_policy, check_flow_arch, executed_row_mask, image_shape,
                                                load_base_policy, make_flow_policy, records_old_losses)
 from flowrl_ray.optim import load_scheduler, lr_multiplier
@@ -135,7 +135,7 @@ def fpopp_objective(ratios: torch.Tensor, advantages: torch.Tensor, clip: float,
     return aspo_objective(ratios, adv, clip) if use_aspo else ppo_clip_objective(ratios, adv, clip)
 
 
-class FPOPP(Algorithm):
+class FPOPP(EnvStepAlgorithm):
     name = "fpopp"
     config_class = FPOPPConfig
 

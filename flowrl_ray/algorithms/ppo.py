@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from flowrl_ray.algorithms.advantages import explained_variance, normalize
-from flowrl_ray.algorithms.base import Algorithm
+from flowrl_ray.algorithms.base import EnvStepAlgorithm
 from flowrl_ray.optim import load_scheduler, lr_multiplier, minibatches, optimizer_step
 from flowrl_ray.algorithms.losses import approx_kl, ppo_clip_objective, value_loss
 from flowrl_ray.algorithms.onpolicy import advantages_from_rollouts
@@ -66,7 +66,7 @@ class PPOBatch:
     returns: torch.Tensor      # [M]
 
 
-class PPO(Algorithm):
+class PPO(EnvStepAlgorithm):
     name = "ppo"
     config_class = PPOConfig
 

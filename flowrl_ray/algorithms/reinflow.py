@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from flowrl_ray.algorithms.advantages import explained_variance, normalize
-from flowrl_ray.algorithms.base import Algorithm
+from flowrl_ray.algorithms.base import EnvStepAlgorithm
 from flowrl_ray.models.flow_policy import (check_base_policy, check_flow_arch, executed_row_mask, image_shape,
                                          load_base_policy)
 from flowrl_ray.algorithms.losses import approx_kl, ppo_clip_objective, value_loss
@@ -170,7 +170,7 @@ def make_noisy_flow_policy(cfg: Config, spec: EnvSpec) -> NoisyFlowPolicy:
                            **{k: getattr(c, k) for k in FLOW_ARCH_DEFAULTS})
 
 
-class ReinFlow(Algorithm):
+class ReinFlow(EnvStepAlgorithm):
     name = "reinflow"
     config_class = ReinFlowConfig
 

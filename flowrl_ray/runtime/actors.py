@@ -1,4 +1,6 @@
-"""The Ray actors: a rollout worker (env + policy copy) and the learner (the algorithm)."""
+"""The Ray actors: the rollout workers of the two algorithm kinds (an env-step worker holds envs
+and a policy copy, a scoring worker holds a scorer) and the learner (the algorithm).
+Which worker a run starts is decided by its rollout strategy (``runtime/rollouts.py``)."""
 
 from __future__ import annotations
 
@@ -17,28 +19,40 @@ from flowrl_ray.envs.rollout import EnvRunner
 from flowrl_ray.utils import default_device, seed_everything, worker_seed
 
 
-@ray.remote
-class RolloutWorker:
-    """A CPU-side rollout actor.
+class _Worker:
+    """What both rollout actors share: their seed (a restarted worker gets fresh env seeds), the
+    runner's state for an exact resume, the process id."""
 
-    env-step algorithms: holds `envs_per_worker` envs and a policy copy; `sample()` steps them.
-    group algorithms: holds a scorer from the env family (a browser, a force field);
-    `score(chunk)` turns the learner's samples into rewards.
-    Both return (meta, batch): the meta goes to the driver (small), the batch ref to the learner.
-    """
+    def __init__(self, cfg: Config, worker_id: int, restarts: int):
+        torch.set_num_threads(cfg.runtime.torch_threads)
+        self.seed = worker_seed(cfg.seed, worker_id, restarts)
+        seed_everything(self.seed)
+        self.worker_id = worker_id
+        self.runner: Any = None
+
+    def get_state(self) -> bytes | None:
+        get = getattr(self.runner, "get_state", None)
+        return get() if get else None
+
+    def set_state(self, blob: bytes | None) -> bool:
+        return bool(blob is not None and hasattr(self.runner, "set_state") and self.runner.set_state(blob))
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+@ray.remote
+class RolloutWorker(_Worker):
+    """An env-step rollout actor (EnvStepAlgorithm): `envs_per_worker` envs and a policy copy;
+    `sample()` steps them. Returns (meta, batch): the meta goes to the driver (small), the batch
+    ref to the learner."""
 
     def __init__(self, cfg: Config, spec: EnvSpec, worker_id: int, restarts: int = 0):
-        torch.set_num_threads(cfg.runtime.torch_threads)
-        seed = worker_seed(cfg.seed, worker_id, restarts)   # a restarted worker: fresh env seeds
-        seed_everything(seed)
-        algorithm, family = get_algorithm(cfg.algorithm), env_family(cfg.env.family)
-        if algorithm.rollout_kind == "group":
-            self.runner = family.make_scorer(cfg.env, seed, worker_id)
-        else:
-            self.runner = EnvRunner(family, cfg.env, cfg.runtime.envs_per_worker, seed,
-                                    algorithm.make_policy(cfg, spec), worker_id)
+        super().__init__(cfg, worker_id, restarts)
+        policy = get_algorithm(cfg.algorithm).make_policy(cfg, spec)
+        self.runner = EnvRunner(env_family(cfg.env.family), cfg.env, cfg.runtime.envs_per_worker,
+                                self.seed, policy, worker_id)
         self.rollout_length = cfg.runtime.rollout_length
-        self.worker_id = worker_id
         self.eval_sampling = cfg.eval.sampling
         self.video = (cfg.eval.video.camera, cfg.eval.video.size)
 
@@ -50,17 +64,6 @@ class RolloutWorker:
     @ray.method(num_returns=2)
     def sample(self) -> tuple[BatchMeta, Batch]:
         batch = self.runner.sample(self.rollout_length)
-        return batch.meta, batch
-
-    @ray.method(num_returns=2)
-    def score(self, chunk: dict) -> tuple[BatchMeta, Batch]:
-        """chunk: {"policy_version", "samples"[, "snapshots"]} as made by Learner.generate;
-        with snapshots N > 0 the scorer also pictures the samples whose id is below N."""
-        t0 = time.perf_counter()
-        n = chunk.get("snapshots", 0)
-        batch = self.runner.score(chunk["samples"], snapshots=n) if n else self.runner.score(chunk["samples"])
-        batch.meta.policy_version, batch.meta.worker_id = chunk["policy_version"], self.worker_id
-        batch.meta.sample_time_s = time.perf_counter() - t0
         return batch.meta, batch
 
     def evaluate(self, episodes: int, video_episodes: int = 0) -> dict:
@@ -75,15 +78,27 @@ class RolloutWorker:
     def policy_state(self) -> dict:
         return self.runner.policy.state_dict()
 
-    def get_state(self) -> bytes | None:
-        get = getattr(self.runner, "get_state", None)
-        return get() if get else None
 
-    def set_state(self, blob: bytes | None) -> bool:
-        return bool(blob is not None and hasattr(self.runner, "set_state") and self.runner.set_state(blob))
+@ray.remote
+class ScoringWorker(_Worker):
+    """A scoring actor (GroupAlgorithm): holds the env family's scorer (a browser, a force field);
+    `score(chunk)` turns the learner's samples into rewards. Returns (meta, batch) as
+    RolloutWorker.sample does."""
 
-    def pid(self) -> int:
-        return os.getpid()
+    def __init__(self, cfg: Config, spec: EnvSpec, worker_id: int, restarts: int = 0):
+        super().__init__(cfg, worker_id, restarts)
+        self.runner = env_family(cfg.env.family).make_scorer(cfg.env, self.seed, worker_id)
+
+    @ray.method(num_returns=2)
+    def score(self, chunk: dict) -> tuple[BatchMeta, Batch]:
+        """chunk: {"policy_version", "samples"[, "snapshots"]} as made by Learner.generate;
+        with snapshots N > 0 the scorer also pictures the samples whose id is below N."""
+        t0 = time.perf_counter()
+        n = chunk.get("snapshots", 0)
+        batch = self.runner.score(chunk["samples"], snapshots=n) if n else self.runner.score(chunk["samples"])
+        batch.meta.policy_version, batch.meta.worker_id = chunk["policy_version"], self.worker_id
+        batch.meta.sample_time_s = time.perf_counter() - t0
+        return batch.meta, batch
 
 
 @ray.remote
@@ -98,10 +113,20 @@ class Learner:
         self.algo = get_algorithm(cfg.algorithm)(cfg, spec, self.device)
         self.version = 0
 
+    def policy_version(self) -> int:
+        return self.version
+
+    # EnvStepAlgorithm: the weights rollout workers load
     def publish(self) -> tuple[list, int]:
         """([ref to the policy weights], version). The ref is wrapped in a list so the driver
         receives the reference, not the weights."""
         return [ray.put(self.algo.policy_state_dict())], self.version
+
+    def policy_weights(self) -> dict:
+        """The published weights themselves, for the checkpoint's "policy"."""
+        return self.algo.policy_state_dict()
+
+    # GroupAlgorithm: sampling on the learner
 
     def generate(self, num_chunks: int, mode: str = "train", snapshots: int = 0) -> list:
         """Group algorithms: sample on the learner's device; returns refs (one ray.put per
@@ -132,7 +157,7 @@ class Learner:
 
     def get_state(self) -> dict[str, Any]:
         return {"algorithm": self.algo.state_dict(), "version": self.version,
-                "torch_rng": torch.get_rng_state(), "policy": self.algo.policy_state_dict()}
+                "torch_rng": torch.get_rng_state()}
 
     def pid(self) -> int:
         return os.getpid()

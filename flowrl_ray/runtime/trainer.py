@@ -1,14 +1,14 @@
 """The driver: starts the actors, runs the loop, checkpoints, evaluates, logs.
 
-Per iteration (synchronous mode):
-    every worker: sample() -> (meta ref, batch ref)      metas come to the driver, batches don't
-    learner.update([batch refs])                          the learner fetches the batches itself
-    learner.publish() -> [weights ref], version           one ray.put per policy version
-    every worker: set_weights(weights ref, version)
-In asynchronous mode each worker samples again as soon as its batch is in, so sampling overlaps
-the update; batches more than `max_staleness` versions old are dropped and counted.
-A worker that dies or times out is replaced (up to `max_worker_restarts`), given the current
-weights, and the iteration goes on with the batches that arrived.
+Per iteration:
+    rollouts.sample() -> (metas, batch refs)      metas come to the driver, batches don't
+    learner.update([batch refs])                  the learner fetches the batches itself
+    rollouts.publish() -> policy version          env-step: one ray.put of the weights per version
+The rollout strategy (``runtime/rollouts.py``) is picked at start from the algorithm's kind:
+env-step workers step envs with a policy copy, scoring workers score what the learner generated.
+A worker that dies or times out is replaced (up to `max_worker_restarts`), given what its
+strategy gives a new worker (the current weights), and the iteration goes on with the batches
+that arrived. A learner that dies is resumed from the last checkpoint (`max_learner_restarts`).
 """
 
 from __future__ import annotations
@@ -27,13 +27,14 @@ from flowrl_ray.algorithms import get_algorithm
 from flowrl_ray.algorithms.base import Algorithm
 from flowrl_ray.batch import BatchMeta
 from flowrl_ray.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from flowrl_ray.config import Config, ConfigError, save_config
+from flowrl_ray.config import Config, save_config
 from flowrl_ray.envs import EnvSpec, env_family
 from flowrl_ray.errors import TrainingError
-from flowrl_ray.runtime.actors import Learner, RolloutWorker
+from flowrl_ray.runtime.actors import Learner
 from flowrl_ray.runtime.cluster import cluster_gpus, init_ray, learner_gpus
 from flowrl_ray.runtime.dashboard import RunGauges, metrics_endpoint
 from flowrl_ray.runtime.metrics import MetricsLogger, Progress, read_metrics, truncate_metrics
+from flowrl_ray.runtime.rollouts import rollout_strategy
 from flowrl_ray.runtime.tracking import open_trackers, preflight
 from flowrl_ray.utils import atomic_write_text
 
@@ -101,30 +102,24 @@ class Trainer:
         # The spec is read before Ray starts: a bad env id stops here with a clear message.
         family = env_family(cfg.env.family)
         self.spec: EnvSpec = family.spec(cfg.env)
-        if cfg.eval.snapshots.episodes and not hasattr(family, "save_snapshots"):
-            raise ConfigError(f"config key 'eval.snapshots.episodes': env family {cfg.env.family!r} "
-                              f"makes no pictures (it has no save_snapshots)")
         algorithm = get_algorithm(cfg.algorithm)
+        strategy = rollout_strategy(algorithm)
+        strategy.check_config(cfg, family)
         algorithm.preflight(cfg, self.spec)
         if not tune_trial:          # a trial's W&B / MLflow run belongs to Tune's callbacks
             preflight(cfg.logging)
-        self.group_rollouts = algorithm.rollout_kind == "group"
-        if cfg.eval.video.episodes:
-            check_video = getattr(env_family(cfg.env.family), "check_video", None)
-            if check_video is None or self.group_rollouts:
-                raise ConfigError(f"config key 'eval.video': videos are rendered for robot tasks "
-                                  f"(env.family robot) only, not env.family {cfg.env.family!r}")
-            check_video(cfg.eval.video)
         self.counters = Counters()
         self.workers: list = []
+        self.version = 0
         self._started_ray = False
-        self._inflight: dict = {}     # meta ref -> (worker index, batch ref), async mode
+        self.rollouts = strategy(self)
 
     # ------------------------------------------------------------------ setup
     def _new_worker(self, index: int, restarts: int = 0):
         rt = self.cfg.runtime
-        return RolloutWorker.options(num_cpus=rt.num_cpus_per_worker, num_gpus=rt.num_gpus_per_worker,
-                                     name=None).remote(self.cfg, self.spec, index, restarts)
+        return self.rollouts.worker_class.options(
+            num_cpus=rt.num_cpus_per_worker, num_gpus=rt.num_gpus_per_worker,
+            name=None).remote(self.cfg, self.spec, index, restarts)
 
     def _new_learner(self):
         gpus = learner_gpus(self.cfg, cluster_gpus())
@@ -142,7 +137,7 @@ class Trainer:
             truncate_metrics(self.run_dir, 0)
         # On resume this records the overrides given then (e.g. a longer train.iterations).
         save_config(self.cfg, self.run_dir / "config.yaml")
-        self._publish()
+        self.version = self.rollouts.publish()
         trackers = [] if self.tune_trial else open_trackers(self.cfg, self.run_dir, self.resume)
         for tracker in trackers:
             self._log(("continuing " if self.resume else "logging to ") + tracker.where)
@@ -167,14 +162,6 @@ class Trainer:
             self._log(f"train.iterations {ckpt['config']['train']['iterations']} -> "
                       f"{self.cfg.train.iterations}: {note}")
 
-    def _publish(self) -> None:
-        """One ray.put of the new weights; every worker gets the same ref."""
-        refs, self.version = self._learner_call("publish")
-        self.weights_ref = refs[0]
-        if not self.group_rollouts:          # scoring workers hold no policy
-            for w in self.workers:
-                w.set_weights.remote(self.weights_ref, self.version)
-
     def _log(self, msg: str) -> None:
         if not self.quiet:
             print(f"[flowrl_ray] {msg}", flush=True)
@@ -193,8 +180,7 @@ class Trainer:
         except Exception:  # noqa: BLE001 - it may be gone already
             pass
         self.workers[index] = self._new_worker(index, restarts=c.worker_restarts)
-        if not self.group_rollouts:
-            self.workers[index].set_weights.remote(self.weights_ref, self.version)
+        self.rollouts.worker_restarted(index)
 
     def _collect(self, pending: dict, needed: int) -> tuple[list[BatchMeta], list]:
         """Wait for `needed` batches among `pending` (meta ref -> (worker index, batch ref,
@@ -224,56 +210,6 @@ class Trainer:
         return metas, batch_refs
 
     # ------------------------------------------------------------------ the loop
-    def _issue_sample(self, index: int) -> None:
-        meta_ref, batch_ref = self.workers[index].sample.remote()
-        self._inflight[meta_ref] = (index, batch_ref, None)
-
-    def _score_group(self, mode: str = "train", snapshots: int = 0) -> tuple[list[BatchMeta], list]:
-        """Group rollouts: the learner samples, the workers score one chunk each (and picture
-        the samples with ids below `snapshots`, returned in their metas)."""
-        chunk_refs = self._learner_call("generate", len(self.workers), mode, snapshots)
-        pending = {}
-        for i, chunk in enumerate(chunk_refs):
-            index = i % len(self.workers)
-            meta_ref, batch_ref = self.workers[index].score.remote(chunk)
-            pending[meta_ref] = (index, batch_ref, chunk)
-        metas, refs = self._collect(pending, len(chunk_refs))
-        order = sorted(range(len(metas)), key=lambda i: metas[i].worker_id)
-        return [metas[i] for i in order], [refs[i] for i in order]
-
-    def _sample(self) -> tuple[list[BatchMeta], list]:
-        rt = self.cfg.runtime
-        if self.group_rollouts:
-            return self._score_group()
-        if rt.mode == "sync":
-            self._inflight = {}
-            for i in range(len(self.workers)):
-                self._issue_sample(i)
-            metas, refs = self._collect(self._inflight, len(self.workers))
-            self._inflight = {}
-            # Arrival order varies from run to run; worker order keeps updates reproducible.
-            order = sorted(range(len(metas)), key=lambda i: metas[i].worker_id)
-            return [metas[i] for i in order], [refs[i] for i in order]
-        # async: keep one sample in flight per worker; take the first num_workers fresh batches
-        busy = {index for index, _, _ in self._inflight.values()}
-        for i in range(len(self.workers)):
-            if i not in busy:
-                self._issue_sample(i)
-        metas, refs = [], []
-        while len(metas) < len(self.workers):
-            got_metas, got_refs = self._collect(self._inflight, 1)
-            for meta, ref in zip(got_metas, got_refs):
-                if self.version - meta.policy_version > rt.max_staleness:
-                    self.counters.dropped_batches += 1
-                else:
-                    metas.append(meta)
-                    refs.append(ref)
-                self._issue_sample(meta.worker_id)
-            for i in range(len(self.workers)):                 # restarted workers sample again
-                if i not in {index for index, _, _ in self._inflight.values()}:
-                    self._issue_sample(i)
-        return metas, refs
-
     def _learner_call(self, method: str, *args):
         """ray.get of a learner method; if the learner has died, a new one resumes from the last
         checkpoint's learner state and the call is made again (batch refs stay valid)."""
@@ -289,42 +225,6 @@ class Trainer:
             self.learner = self._new_learner()
             ray.get(self.learner.set_state.remote(load_checkpoint(path)["learner"]))
             return ray.get(getattr(self.learner, method).remote(*args))
-
-    def _evaluate(self) -> dict:
-        if self.group_rollouts:
-            snapshots = self.cfg.eval.snapshots.episodes if snapshots_due(self.cfg, self.counters.iteration) else 0
-            metas, refs = self._score_group(mode="eval", snapshots=snapshots)
-            if snapshots:
-                self._save_snapshots(metas)
-            return self._learner_call("eval_metrics", refs) if refs else {}
-        episodes = self.cfg.eval.episodes
-        n = len(self.workers)
-        shares = [episodes // n + (i < episodes % n) for i in range(n)]
-        # Videos of the first eval.video.episodes episodes, taken from the first workers' shares.
-        wanted = self._video_episodes()
-        videos = [min(s, max(0, wanted - sum(shares[:i]))) for i, s in enumerate(shares)]
-        refs = {self.workers[i].evaluate.remote(s, videos[i]): i for i, s in enumerate(shares) if s > 0}
-        returns, lengths, successes, recorded = [], [], [], []
-        for ref, i in refs.items():
-            try:
-                result = ray.get(ref, timeout=self.cfg.runtime.sample_timeout_s)
-            except (RayError, GetTimeoutError) as e:
-                self._restart_worker(i, f"during evaluation: {type(e).__name__}")
-                continue
-            returns += result["episode_returns"]
-            lengths += result["episode_lengths"]
-            successes += result.get("episode_successes", [])
-            recorded += result.get("videos", [])
-        if recorded:
-            self._write_videos(recorded)
-        if not returns:
-            return {}
-        out = {"eval/return_mean": float(np.mean(returns)), "episode_reward": float(np.mean(returns)),
-               "eval/return_std": float(np.std(returns)),
-               "eval/length_mean": float(np.mean(lengths)), "eval/episodes": len(returns)}
-        if successes:
-            out["eval/success_rate"] = float(np.mean(successes))
-        return out
 
     def _save_snapshots(self, metas: list[BatchMeta]) -> None:
         """Pictures the scorers made at this evaluation (in their metas): the env family writes
@@ -343,6 +243,9 @@ class Trainer:
                           f"{written[0][0].parent.relative_to(self.run_dir)}/ ({len(items)} samples pictured)")
         except Exception as e:  # noqa: BLE001 - a picture must not fail the run
             self._log(f"could not write the evaluation pictures: {type(e).__name__}: {e}")
+
+    def _snapshots_due(self) -> bool:
+        return snapshots_due(self.cfg, self.counters.iteration)
 
     def _video_episodes(self) -> int:
         """Episodes to film at this evaluation: eval.video.episodes at the evaluations numbered
@@ -365,9 +268,7 @@ class Trainer:
         self._log(f"videos: {', '.join(str(p.relative_to(self.run_dir)) for p in paths)}")
 
     def checkpoint(self) -> Path:
-        if self._inflight:                       # async: let in-flight samples land first
-            ray.wait(list(self._inflight), num_returns=len(self._inflight),
-                     timeout=self.cfg.runtime.sample_timeout_s)
+        self.rollouts.drain()                    # async: let in-flight samples land first
         learner_state = self._learner_call("get_state")
         worker_states = []
         for i, w in enumerate(self.workers):
@@ -376,8 +277,8 @@ class Trainer:
             except (RayError, GetTimeoutError):
                 worker_states.append(None)
         payload = {"trainer": vars(self.counters).copy(), "learner": learner_state,
-                   "policy": learner_state["policy"], "workers": worker_states,
-                   "config": self.cfg.to_dict()}
+                   "workers": worker_states, "config": self.cfg.to_dict(),
+                   **self.rollouts.checkpoint_part()}
         return save_checkpoint(self.run_dir, self.counters.iteration, payload, self.cfg.runtime.keep_checkpoints)
 
     def train(self) -> dict:
@@ -391,19 +292,19 @@ class Trainer:
         last_saved = c.iteration
         if cfg.eval.at_start and c.iteration == 0 and not any(r.get("iteration") == 0 for r in read_metrics(self.run_dir)):
             # The starting point of fine-tuning: the loaded (pretrained) policy, before any update.
-            row = {"iteration": 0, "env_steps": 0, "time_s": 0.0, **self._evaluate()}
+            row = {"iteration": 0, "env_steps": 0, "time_s": 0.0, **self.rollouts.evaluate()}
             self.logger.log(row)
             self.gauges.update(row)
             self._log("initial policy: " + ", ".join(f"{k} {v:.3g}" for k, v in row.items()
                                                      if k.startswith("eval/") and isinstance(v, float)))
         while c.iteration < total:
             t0 = time.perf_counter()
-            metas, refs = self._sample()
+            metas, refs = self.rollouts.sample()
             if not refs:
                 raise TrainingError("no rollout batch arrived in this iteration")
             t_sampled = time.perf_counter()
             learner_metrics = self._learner_call("update", refs)
-            self._publish()
+            self.version = self.rollouts.publish()
             c.iteration += 1
             steps = sum(m.env_steps for m in metas)
             c.env_steps += steps
@@ -427,7 +328,7 @@ class Trainer:
             if recent_success:
                 row["success_rate"] = float(np.mean(recent_success))
             if cfg.eval.interval and (c.iteration % cfg.eval.interval == 0 or c.iteration == total):
-                row.update(self._evaluate())
+                row.update(self.rollouts.evaluate())
                 if row.get("eval/return_mean") is not None:
                     best = c.best_eval_return
                     c.best_eval_return = row["eval/return_mean"] if best is None else max(best, row["eval/return_mean"])

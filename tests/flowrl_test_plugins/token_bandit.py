@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from flowrl_ray.algorithms.advantages import group_advantages
-from flowrl_ray.algorithms.base import Algorithm
+from flowrl_ray.algorithms.base import GroupAlgorithm
 from flowrl_ray.optim import optimizer_step
 from flowrl_ray.algorithms.losses import ppo_clip_objective
 from flowrl_ray.batch import Batch, BatchMeta
@@ -74,8 +74,7 @@ class TokenPolicy(nn.Module):
         self.logits = nn.Parameter(torch.zeros(NUM_PROMPTS, NUM_TOKENS))
 
 
-class TokenGRPO(Algorithm):
-    rollout_kind = "group"
+class TokenGRPO(GroupAlgorithm):
     config_class = TokenGRPOConfig
 
     def __init__(self, cfg, spec, device):
@@ -84,14 +83,6 @@ class TokenGRPO(Algorithm):
         self.optimizer = torch.optim.Adam(self._policy.parameters(), lr=cfg.algo.lr)
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.pending: dict = {}
-
-    @staticmethod
-    def make_policy(cfg, spec):
-        return TokenPolicy()
-
-    @property
-    def policy(self):
-        return self._policy
 
     def generate(self, num_chunks: int, mode: str) -> list[dict]:
         g = self.cfg.algo.group_size

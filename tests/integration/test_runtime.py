@@ -25,7 +25,7 @@ def test_weights_reach_every_worker_with_their_version(local_ray, tmp_path):
     try:
         trainer.setup()
         trainer.train()
-        learner_policy = ray.get(trainer.learner.get_state.remote())["policy"]
+        learner_policy = ray.get(trainer.learner.policy_weights.remote())
         assert trainer.version == 2
         for w in trainer.workers:
             assert ray.get(w.policy_version.remote()) == 2

@@ -1,0 +1,230 @@
+"""Rollout strategies: how the Trainer gets experience for each algorithm kind.
+
+The Trainer picks one at start (``rollout_strategy(algorithm class)``) and drives it without
+knowing the kind:
+
+    sample()            -> (metas, batch refs)   metas come to the driver, batches go to the learner
+    publish()           -> policy version        after each update
+    evaluate()          -> eval/... metrics
+    worker_restarted(i)                          a replaced worker gets what it needs
+    drain()                                      samples still in flight land (before a checkpoint)
+    checkpoint_part()   -> extra checkpoint keys
+
+EnvStepRollouts (EnvStepAlgorithm): every rollout worker steps its envs with a policy copy; the
+learner's weights go out once per version (one ray.put, the same ref to every worker). In
+asynchronous mode each worker samples again as soon as its batch is in, so sampling overlaps the
+update; batches more than ``runtime.max_staleness`` versions old are dropped and counted.
+
+GroupRollouts (GroupAlgorithm): the learner generates (``generate(num_workers, mode)``: one ray.put
+per chunk), every scoring worker scores one chunk; nothing is published, scorers hold no model.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import numpy as np
+import ray
+from ray.exceptions import GetTimeoutError, RayError
+
+from flowrl_ray.batch import BatchMeta
+from flowrl_ray.config import Config, ConfigError
+from flowrl_ray.runtime.actors import RolloutWorker, ScoringWorker
+
+
+class Rollouts(ABC):
+    """The strategy's contract (see the module docstring). ``worker_class`` is the Ray actor the
+    Trainer starts ``runtime.num_workers`` of; the Trainer keeps the workers, their restarts
+    (``Trainer._restart_worker``), the wait for batches (``Trainer._collect``) and the learner."""
+
+    worker_class = None
+
+    def __init__(self, trainer):
+        """trainer: the ``Trainer`` that drives this strategy (not imported here: it imports this)."""
+        self.trainer, self.cfg = trainer, trainer.cfg
+
+    @staticmethod
+    def check_config(cfg: Config, family) -> None:
+        """What this kind of run refuses before Ray starts; ConfigError naming the key."""
+
+    @abstractmethod
+    def sample(self) -> tuple[list[BatchMeta], list]:
+        """See the module docstring."""
+
+    @abstractmethod
+    def publish(self) -> int:
+        """See the module docstring."""
+
+    @abstractmethod
+    def evaluate(self) -> dict:
+        """See the module docstring."""
+
+    def worker_restarted(self, index: int) -> None:
+        """Worker ``index`` was replaced by a fresh actor."""
+
+    def drain(self) -> None:
+        """Let samples still in flight land (async mode) before the workers' state is saved."""
+
+    def checkpoint_part(self) -> dict:
+        return {}
+
+
+def _by_worker(metas: list[BatchMeta], refs: list) -> tuple[list[BatchMeta], list]:
+    """Arrival order varies from run to run; worker order keeps updates reproducible."""
+    order = sorted(range(len(metas)), key=lambda i: metas[i].worker_id)
+    return [metas[i] for i in order], [refs[i] for i in order]
+
+
+class EnvStepRollouts(Rollouts):
+    worker_class = RolloutWorker
+
+    def __init__(self, trainer):
+        super().__init__(trainer)
+        self.weights_ref = None
+        self.version = 0
+        self._inflight: dict = {}     # meta ref -> (worker index, batch ref, None), async mode
+
+    @staticmethod
+    def check_config(cfg: Config, family) -> None:
+        if cfg.eval.video.episodes:
+            check_video = getattr(family, "check_video", None)
+            if check_video is None:
+                raise ConfigError(f"config key 'eval.video': videos are rendered for robot tasks "
+                                  f"(env.family robot) only, not env.family {cfg.env.family!r}")
+            check_video(cfg.eval.video)
+
+    # ------------------------------------------------------------------ weights
+    def publish(self) -> int:
+        """One ray.put of the new weights (by the learner); every worker gets the same ref."""
+        refs, self.version = self.trainer._learner_call("publish")
+        self.weights_ref = refs[0]
+        for w in self.trainer.workers:
+            w.set_weights.remote(self.weights_ref, self.version)
+        return self.version
+
+    def worker_restarted(self, index: int) -> None:
+        self.trainer.workers[index].set_weights.remote(self.weights_ref, self.version)
+
+    def checkpoint_part(self) -> dict:
+        """The published weights, which ``eval``, ``serve`` and the protocol load."""
+        return {"policy": self.trainer._learner_call("policy_weights")}
+
+    # ------------------------------------------------------------------ sampling
+    def _issue(self, index: int) -> None:
+        meta_ref, batch_ref = self.trainer.workers[index].sample.remote()
+        self._inflight[meta_ref] = (index, batch_ref, None)
+
+    def sample(self) -> tuple[list[BatchMeta], list]:
+        t, rt = self.trainer, self.cfg.runtime
+        n = len(t.workers)
+        if rt.mode == "sync":
+            self._inflight = {}
+            for i in range(n):
+                self._issue(i)
+            metas, refs = t._collect(self._inflight, n)
+            self._inflight = {}
+            return _by_worker(metas, refs)
+        # async: keep one sample in flight per worker; take the first num_workers fresh batches
+        self._refill()
+        metas, refs = [], []
+        while len(metas) < n:
+            got_metas, got_refs = t._collect(self._inflight, 1)
+            for meta, ref in zip(got_metas, got_refs):
+                if self.version - meta.policy_version > rt.max_staleness:
+                    t.counters.dropped_batches += 1
+                else:
+                    metas.append(meta)
+                    refs.append(ref)
+                self._issue(meta.worker_id)
+            self._refill()                                   # restarted workers sample again
+        return metas, refs
+
+    def _refill(self) -> None:
+        busy = {index for index, _, _ in self._inflight.values()}
+        for i in range(len(self.trainer.workers)):
+            if i not in busy:
+                self._issue(i)
+
+    def drain(self) -> None:
+        if self._inflight:
+            ray.wait(list(self._inflight), num_returns=len(self._inflight),
+                     timeout=self.cfg.runtime.sample_timeout_s)
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self) -> dict:
+        """``eval.episodes`` episodes shared among the workers (their own eval envs), the first
+        ``eval.video.episodes`` filmed where an evaluation is due for videos."""
+        t = self.trainer
+        episodes, n = self.cfg.eval.episodes, len(t.workers)
+        shares = [episodes // n + (i < episodes % n) for i in range(n)]
+        # Videos of the first eval.video.episodes episodes, taken from the first workers' shares.
+        wanted = t._video_episodes()
+        videos = [min(s, max(0, wanted - sum(shares[:i]))) for i, s in enumerate(shares)]
+        refs = {t.workers[i].evaluate.remote(s, videos[i]): i for i, s in enumerate(shares) if s > 0}
+        returns, lengths, successes, recorded = [], [], [], []
+        for ref, i in refs.items():
+            try:
+                result = ray.get(ref, timeout=self.cfg.runtime.sample_timeout_s)
+            except (RayError, GetTimeoutError) as e:
+                t._restart_worker(i, f"during evaluation: {type(e).__name__}")
+                continue
+            returns += result["episode_returns"]
+            lengths += result["episode_lengths"]
+            successes += result.get("episode_successes", [])
+            recorded += result.get("videos", [])
+        if recorded:
+            t._write_videos(recorded)
+        if not returns:
+            return {}
+        out = {"eval/return_mean": float(np.mean(returns)), "episode_reward": float(np.mean(returns)),
+               "eval/return_std": float(np.std(returns)),
+               "eval/length_mean": float(np.mean(lengths)), "eval/episodes": len(returns)}
+        if successes:
+            out["eval/success_rate"] = float(np.mean(successes))
+        return out
+
+
+class GroupRollouts(Rollouts):
+    worker_class = ScoringWorker
+
+    @staticmethod
+    def check_config(cfg: Config, family) -> None:
+        if cfg.eval.video.episodes:
+            raise ConfigError(f"config key 'eval.video': videos are rendered for robot tasks "
+                              f"(env.family robot) only, not env.family {cfg.env.family!r}")
+        if cfg.eval.snapshots.episodes and not hasattr(family, "save_snapshots"):
+            raise ConfigError(f"config key 'eval.snapshots.episodes': env family {cfg.env.family!r} "
+                              f"makes no pictures (it has no save_snapshots)")
+
+    def publish(self) -> int:
+        """Scorers hold no model: only the learner's version is read."""
+        return self.trainer._learner_call("policy_version")
+
+    def _score(self, mode: str, snapshots: int = 0) -> tuple[list[BatchMeta], list]:
+        """The learner samples, the workers score one chunk each (and picture the samples with
+        ids below `snapshots`, returned in their metas). A scorer that fails is replaced and its
+        chunk scored again by the new one (``Trainer._collect``)."""
+        t = self.trainer
+        chunk_refs = t._learner_call("generate", len(t.workers), mode, snapshots)
+        pending = {}
+        for i, chunk in enumerate(chunk_refs):
+            index = i % len(t.workers)
+            meta_ref, batch_ref = t.workers[index].score.remote(chunk)
+            pending[meta_ref] = (index, batch_ref, chunk)
+        return _by_worker(*t._collect(pending, len(chunk_refs)))
+
+    def sample(self) -> tuple[list[BatchMeta], list]:
+        return self._score("train")
+
+    def evaluate(self) -> dict:
+        t = self.trainer
+        snapshots = self.cfg.eval.snapshots.episodes if t._snapshots_due() else 0
+        metas, refs = self._score("eval", snapshots)
+        if snapshots:
+            t._save_snapshots(metas)
+        return t._learner_call("eval_metrics", refs) if refs else {}
+
+
+def rollout_strategy(algorithm_cls: type) -> type[Rollouts]:
+    """The strategy for an algorithm class (by its kind, see ``algorithms/base.py``)."""
+    return {"env_step": EnvStepRollouts, "group": GroupRollouts}[algorithm_cls.rollout_kind]
