@@ -12,9 +12,10 @@ policy trained from a binary episode reward R in {0, 1} (here: task success).
                        credit weights per episode: z = e standardised within the episode
                            (error_scale: standardized; literal: z = e, the spec's formula),
                            success softmax(z / T), failure softmax(-z / T)  (or the
-                           `normalized` / ablation rules), then scaled to mean 1 per real step
-                           (weight_scale: mean_one; sum_one: the spec's sum to 1;
-                           episode_mean: each episode sums to the batch's mean length)
+                           `normalized` / ablation rules), then scaled so that each episode's
+                           weights sum to the batch's mean episode length (weight_scale:
+                           episode_mean; mean_one: mean 1 per real step; sum_one: the spec's
+                           sum to 1)
                        labels R in {0, 1} (label_baseline: batch, beyond the spec: DiffusionNFT's
                            r = 1/2 + 1/2 clip((R - mean R) / std R, -1, 1) over the batch)
     update:            weighted mirror loss, t ~ U[t_min, t_max]:
@@ -73,11 +74,12 @@ class FlowSARHyper:
     # standardized: the softmax acts on e standardised within each episode, so T is a scale-free
     # sharpness (literal: on e itself, the spec's formula, whose spread grows with the chunk size)
     error_scale: Literal["standardized", "literal"] = "standardized"
-    # mean_one: an episode's weights average 1 over its steps (uniform == DiffusionNFT's per-sample
-    # loss); sum_one: they sum to 1 (the spec's formula: each step H times weaker than the KL term);
-    # episode_mean: each episode's sum to the batch's mean episode length, so every episode counts
-    # the same (with mean_one a 38-step failure counts 2-8 times a short success)
-    weight_scale: Literal["mean_one", "sum_one", "episode_mean"] = "mean_one"
+    # episode_mean: each episode's weights sum to the batch's mean episode length, so every episode
+    # counts the same (with mean_one a 38-step Lift failure counts 2-8 times a short success, and
+    # the policy drifted: see docs/algorithms/flowsar.md); mean_one: an episode's weights average 1
+    # over its steps (uniform == DiffusionNFT's per-sample loss); sum_one: they sum to 1 (the spec's
+    # formula: each step H times weaker than the KL term)
+    weight_scale: Literal["mean_one", "sum_one", "episode_mean"] = "episode_mean"
     # beyond the spec: batch centres the labels as DiffusionNFT does (see centred_labels)
     label_baseline: Literal["none", "batch"] = "none"
     shaped_lambda: Optional[float] = field(default=None, metadata=check(ge=0, le=1))  # None: off

@@ -44,8 +44,10 @@ def test_demos_pretrain_train_analysis_eval(tmp_path, capsys):
     assert rows[1]["flowsar/ema_coefficient"] == 0.0 and rows[2]["flowsar/ema_coefficient"] == pytest.approx(0.001)
     analysis = np.load(run / "analysis" / "iter_0002.npz")
     weights, mask = analysis["weights"], analysis["mask"]
-    real = mask.any(1)                                          # the default mean_one: 1 per real step
-    np.testing.assert_allclose(weights.sum(1)[real] / mask.sum(1)[real], 1.0, rtol=1e-5)
+    real = mask.any(1)              # the default episode_mean: every episode sums to the batch's mean length
+    sums, lengths = weights.sum(1)[real], mask.sum(1)[real]
+    np.testing.assert_allclose(sums, sums[0], rtol=1e-5)
+    assert lengths.min() - 1e-5 <= sums[0] <= lengths.max() + 1e-5
     for png in ("flowsar_errors.png", "flowsar_weights.png", "flowsar_e_spread.png", "success_rate.png"):
         assert (run / "plots" / png).stat().st_size > 0, png
 

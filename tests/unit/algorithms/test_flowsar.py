@@ -594,8 +594,9 @@ def test_episode_spanning_two_batches_is_counted_once_it_ends():
     expect_actions = np.concatenate([b1["actions"][:, 0], b2["actions"][:2, 0], b1["actions"][:, 1], b2["actions"][:, 1]])
     assert np.array_equal(out["actions"].numpy(), expect_actions)
     assert out["weights"].shape == (20,)
-    torch.testing.assert_close(out["weights"][:8].sum(), torch.tensor(8.0))     # mean 1 per step
-    torch.testing.assert_close(out["weights"][8:].sum(), torch.tensor(12.0))
+    # the default episode_mean: each episode's weights sum to the mean length (8 + 12) / 2
+    torch.testing.assert_close(out["weights"][:8].sum(), torch.tensor(10.0))
+    torch.testing.assert_close(out["weights"][8:].sum(), torch.tensor(10.0))
     assert out["rewards"].tolist() == [1.0] * 8 + [0.0] * 12
     assert out["stats"]["flowsar/episodes"] == 2.0
     assert algo.assembler.pending_steps == 4                     # env 0, t = 2..5 of batch 2
@@ -638,9 +639,9 @@ def test_prepared_weights_literal_spec_are_the_softmax_of_the_old_policys_errors
     assert out["rewards"].tolist() == [1.0] * 4 + [0.0] * 6
 
 
-def test_prepared_weights_by_default_standardise_three_draws_and_average_one():
+def test_prepared_weights_by_default_standardise_three_draws_and_sum_to_the_mean_length():
     # The default: e averaged over 3 eps draws, standardised per episode (population std),
-    # softmax(+-z / T), times the episode's length.
+    # softmax(+-z / T), times the batch's mean episode length (4 + 6) / 2 = 5.
     algo = FlowSAR(tiny_cfg(temperature=0.5), SPEC, torch.device("cpu"))
     b = make_batch(0, ends={(3, 0): "term", (5, 1): "term"}, rewards={(3, 0): 1.0}, seed=3)
     gen = torch.Generator()
@@ -648,9 +649,9 @@ def test_prepared_weights_by_default_standardise_three_draws_and_average_one():
     out = algo.prepare([b])
     e = _errors_by_hand(algo, out, gen, draws=3)
     z = lambda x: (x - x.mean()) / (x.std(unbiased=False) + 1e-8)   # noqa: E731
-    torch.testing.assert_close(out["weights"][:4], 4 * torch.softmax(z(e[:4]) / 0.5, 0))
-    torch.testing.assert_close(out["weights"][4:], 6 * torch.softmax(-z(e[4:]) / 0.5, 0))
-    torch.testing.assert_close(out["weights"][:4].mean(), torch.tensor(1.0))
+    torch.testing.assert_close(out["weights"][:4], 5 * torch.softmax(z(e[:4]) / 0.5, 0))
+    torch.testing.assert_close(out["weights"][4:], 5 * torch.softmax(-z(e[4:]) / 0.5, 0))
+    torch.testing.assert_close(out["weights"].sum(), torch.tensor(10.0))    # the batch's steps
 
 
 def test_batch_label_baseline_gives_the_centred_labels_to_every_step():
