@@ -3,6 +3,7 @@ the algorithms and by pretraining alike.
 
 - :func:`optimizer_step` / :func:`clip_and_step`: backward, clip (each optimiser by its own norm),
   step; a non-finite loss or gradient skips the step (the caller counts it).
+- :class:`Accumulator`: several backward passes into one such step (gradient accumulation).
 - :func:`minibatches`: one shuffled pass over a batch's rows, in minibatches of index tensors.
 - :func:`ema_update`: an exponential moving average of a module's weights (or of a state dict).
 - :func:`dropout_off`: the log-probs of a ratio are computed with every dropout off.
@@ -62,6 +63,51 @@ def clip_and_step(optimizers: list[torch.optim.Optimizer], max_grad_norm: float 
     for o in optimizers:
         o.step()
     return norms, True
+
+
+class Accumulator:
+    """Several backward passes into one optimiser step (Flow-GRPO's unmasking steps, FED-GRPO's
+    micro-batches and denoising steps), with the rule of :func:`optimizer_step`: a non-finite loss
+    poisons the step, which is then skipped and counted.
+
+        acc = Accumulator([opt], max_grad_norm)
+        for loss in losses:
+            if not acc.backward(loss / n):     # non-finite: nothing more is accumulated
+                break
+        norms, stepped = acc.step()            # clip_and_step, or the skip; grads cleared after
+    """
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer], max_grad_norm: float | None,
+                 joint: bool = False):
+        self.optimizers, self.max_grad_norm, self.joint = list(optimizers), max_grad_norm, joint
+        self.finite = True
+        self.skipped = 0            # steps skipped so far: non-finite losses or gradients
+
+    def zero_grad(self) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=True)
+
+    def backward(self, loss: torch.Tensor) -> bool:
+        """Accumulate ``loss``'s gradients; False (and nothing accumulated) once a loss of this
+        step was not finite."""
+        if self.finite and not torch.isfinite(loss):
+            self.finite = False
+        if self.finite:
+            loss.backward()
+        return self.finite
+
+    def step(self) -> tuple[list[float], bool]:
+        """Clip and step what was accumulated (:func:`clip_and_step`), or skip a poisoned step;
+        either way the gradients are cleared and the next step starts clean.
+        Returns (norms before clipping, whether stepped)."""
+        if self.finite:
+            norms, stepped = clip_and_step(self.optimizers, self.max_grad_norm, self.joint)
+        else:
+            norms, stepped = [float("nan")] * (1 if self.joint else len(self.optimizers)), False
+        self.skipped += not stepped
+        self.finite = True
+        self.zero_grad()
+        return norms, stepped
 
 
 def minibatches(m: int, size: int, generator: torch.Generator | None = None,

@@ -48,7 +48,7 @@ import torch
 
 from flowrl_ray.algorithms.advantages import group_normalize
 from flowrl_ray.algorithms.base import GroupAlgorithm
-from flowrl_ray.optim import clip_and_step, load_scheduler, lr_multiplier
+from flowrl_ray.optim import Accumulator, load_scheduler, lr_multiplier
 from flowrl_ray.utils import frozen_copy
 from flowrl_ray.algorithms.losses import ppo_clip_objective
 from flowrl_ray.batch import Batch
@@ -373,9 +373,9 @@ class FEDGRPO(GroupAlgorithm):
                  for i in range(0, n_rows, c.train_micro_batch_size)]
         stats: dict[str, list[float]] = {}
         self.model.train()
+        acc = Accumulator([self.opt], c.max_grad_norm)       # gradient_accumulation_steps micro-batches a step
         for _ in range(c.epochs):
-            self.opt.zero_grad(set_to_none=True)
-            finite = True
+            acc.zero_grad()
             for m, rows in enumerate(micro):
                 for j in range(k_steps):
                     t = int(steps[j])
@@ -390,33 +390,29 @@ class FEDGRPO(GroupAlgorithm):
                             _, mu_ref = step_log_prob(self.reference, z[j, rows], z[j + 1, rows], t, node_mask[rows])
                         kl = reference_kl(mu, mu_ref, sigma[j], node_mask[rows]).mean()
                         loss = loss + c.kl_penalty_weight * kl
-                    if not torch.isfinite(loss):
-                        finite = False
+                    if not acc.backward(loss / (c.gradient_accumulation_steps * k_steps)):
                         break
-                    (loss / (c.gradient_accumulation_steps * k_steps)).backward()
                     with torch.no_grad():
                         for name, v in (("pg_loss", pg), ("kl", kl), ("ratio_mean", ratio.mean()),
                                         ("ratio_max", ratio.max()), ("ratio_min", ratio.min()),
                                         ("clipfrac", ((ratio - 1).abs() > c.clip_range).float().mean())):
                             stats.setdefault(name, []).append(float(v))
-                if not finite:
+                if not acc.finite:
                     break
                 if (m + 1) % c.gradient_accumulation_steps == 0 or m + 1 == len(micro):
-                    self._optimizer_step(stats)
-            if not finite:                          # NaN loss: drop this epoch's gradients, count it
-                self.opt.zero_grad(set_to_none=True)
-                self.skipped_updates += 1
+                    self._optimizer_step(acc, stats)
+            if not acc.finite:                      # NaN loss: drop this epoch's gradients, count it
+                self._optimizer_step(acc, stats)
         self.iteration += 1
         return self._metrics(stats, p)
 
-    def _optimizer_step(self, stats: dict) -> None:
-        (norm,), stepped = clip_and_step([self.opt], self.c.max_grad_norm)   # one optimiser: one norm
+    def _optimizer_step(self, acc: Accumulator, stats: dict) -> None:
+        (norm,), stepped = acc.step()          # one optimiser: one norm; non-finite: skipped
         if stepped:
             self.scheduler.step()
             stats.setdefault("grad_norm", []).append(norm)
         else:
             self.skipped_updates += 1
-        self.opt.zero_grad(set_to_none=True)
 
     def _metrics(self, stats: dict, p: dict) -> dict[str, float]:
         s, adv = p["scores"], p["advantages"]

@@ -55,7 +55,7 @@ import torch
 
 from flowrl_ray.algorithms.advantages import group_advantages
 from flowrl_ray.algorithms.base import GroupAlgorithm
-from flowrl_ray.optim import clip_and_step, dropout_off
+from flowrl_ray.optim import Accumulator, dropout_off
 from flowrl_ray.algorithms.losses import k3, ppo_clip_objective
 from flowrl_ray.batch import Batch
 from flowrl_ray.config import Config, ConfigError, check
@@ -327,12 +327,13 @@ class FlowGRPO(GroupAlgorithm):
         sampler_gap = 0.0                  # |recomputed - sampler's| old log-prob: numerics only
         ratios: list[torch.Tensor] = []
         stats: dict[str, list[float]] = {}
+        acc = Accumulator([self.opt], c.grad_clip)            # one optimiser step per minibatch
+        acc.zero_grad()
         for plan in epochs:
             for mb, picked in plan:
                 rows = minibatches[mb]
                 a, keep = adv[rows], valid[rows]
-                self.opt.zero_grad(set_to_none=True)
-                total, finite = 0.0, True
+                total = 0.0
                 for s in picked:
                     weight = (unmasked[s][rows].any(-1) & keep).double()      # valid rows that unmasked at s
                     if weight.sum() == 0:
@@ -353,10 +354,8 @@ class FlowGRPO(GroupAlgorithm):
                     kl = (kl_penalty(token_logp, ref[mb, s], c.kl_estimator) if c.kl_coeff > 0
                           else torch.zeros_like(logp))
                     loss = ((pg + c.kl_coeff * kl) * weight).sum()
-                    if not torch.isfinite(loss):
-                        finite = False
+                    if not acc.backward(loss):                  # non-finite: the step is skipped
                         break
-                    loss.backward()
                     total += float(loss.detach())
                     with torch.no_grad():
                         w = weight * len(picked)
@@ -366,19 +365,17 @@ class FlowGRPO(GroupAlgorithm):
                                      "approx_kl": (k3(log_ratio) * w).sum(),
                                      "clipfrac": (((ratio - 1).abs() > c.clip_range).double() * w).sum()}.items():
                             stats.setdefault(k, []).append(float(v))
-                if not finite:
-                    self.opt.zero_grad(set_to_none=True)
-                    self.skipped_updates += 1
+                finite_loss = acc.finite
+                if not finite_loss:
                     with torch.no_grad():          # still before any step: the old log-probs it left out
                         for key in [(mb, t) for t in picked if (mb, t) not in old and plan is epochs[0]]:
                             old[key] = self._step_log_prob(model, traj, key[1], rows)
-                    continue
-                (norm,), stepped = clip_and_step([self.opt], c.grad_clip)       # one optimiser: one norm
+                (norm,), stepped = acc.step()                                   # one optimiser: one norm
+                self.skipped_updates += not stepped
                 if stepped:
                     stats.setdefault("grad_norm", []).append(norm)
-                else:
-                    self.skipped_updates += 1
-                stats.setdefault("loss", []).append(total)
+                if finite_loss:
+                    stats.setdefault("loss", []).append(total)
         self.iteration += 1
         out = {f"flow_grpo/{k}": float(np.mean(v)) for k, v in stats.items()}
         if ratios:

@@ -12,7 +12,7 @@ import torch
 
 from flowrl_ray.algorithms.flow_grpo import k3_kl
 from flowrl_ray.algorithms.losses import approx_kl, k3
-from flowrl_ray.optim import ema_update, minibatches
+from flowrl_ray.optim import Accumulator, ema_update, minibatches
 
 
 def test_minibatches_cover_every_row_once_in_the_stream_randperm_draws():
@@ -91,3 +91,27 @@ def test_pretraining_skips_a_non_finite_step_and_counts_it(tmp_path, monkeypatch
             assert unchanged and math.isnan(rows[0]["loss"])         # nothing taken: no mean loss
         else:
             assert not unchanged and np.isfinite(rows[0]["loss"])   # the finite step went on
+
+
+def test_accumulator_sums_gradients_into_one_clipped_step_and_skips_a_poisoned_one():
+    w = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
+    opt = torch.optim.SGD([w], lr=0.1)
+    acc = Accumulator([opt], max_grad_norm=1.0)
+    # d/dw of (w . [1, 0]) / 2 + (w . [0, 3]) / 2 = [0.5, 1.5]: norm sqrt(2.5), clipped to 1
+    assert acc.backward((w * torch.tensor([1.0, 0.0])).sum() / 2)
+    assert acc.backward((w * torch.tensor([0.0, 3.0])).sum() / 2)
+    (norm,), stepped = acc.step()
+    assert stepped and norm == pytest.approx(math.sqrt(2.5))
+    g = torch.tensor([0.5, 1.5]) / math.sqrt(2.5)
+    torch.testing.assert_close(w.detach(), torch.tensor([1.0, 2.0]) - 0.1 * g)
+    assert w.grad is None                                   # cleared for the next step
+    # a non-finite loss: nothing more accumulates, the step is skipped and counted, weights kept
+    before = w.detach().clone()
+    assert acc.backward(w.sum())
+    assert not acc.backward(w.sum() * float("nan"))
+    assert not acc.backward(w.sum())                         # still poisoned until the step
+    (norm,), stepped = acc.step()
+    assert not stepped and math.isnan(norm) and acc.skipped == 1
+    torch.testing.assert_close(w.detach(), before)
+    # the next step starts clean
+    assert acc.backward(w.sum()) and acc.step()[1] and acc.skipped == 1

@@ -281,3 +281,29 @@ def test_molecule_summary_by_hand():
     assert out["stability_reward_mean"] == pytest.approx(0.2) and out["force_gated_fraction"] == pytest.approx(2 / 3)
     assert out["energy_gated_fraction"] == pytest.approx(1 / 3) and out["overlap_fraction"] == pytest.approx(1 / 3)
     assert out["under_bonded_atoms"] == pytest.approx(2.0) and out["over_bonded_atoms"] == pytest.approx(1 / 3)
+
+
+def test_a_non_finite_loss_skips_the_epochs_step_and_counts_it(monkeypatch):
+    """One micro-batch whose log-prob is NaN: that epoch's accumulated gradients are dropped,
+    the weights stay, the skip is counted; a finite update then steps."""
+    import flowrl_ray.algorithms.fed_grpo as fed
+    algo = _algo(epochs=1)
+    chunks = algo.generate(2)
+    prepared = algo.prepare(_scored(chunks, force=[1, 2, 3, 0, 1, 2], energy=[0, 1, 0, 2, 0, 1]))
+    before = {k: v.clone() for k, v in algo.model.state_dict().items()}
+    real = fed.step_log_prob
+
+    def poisoned(model, *args):
+        logp, mu = real(model, *args)
+        return logp * float("nan"), mu
+
+    monkeypatch.setattr(fed, "step_log_prob", poisoned)
+    out = algo.update(prepared)
+    assert out["fed_grpo/skipped_updates"] == 1.0 and algo.skipped_updates == 1
+    for k, v in algo.model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert all(p.grad is None for p in algo.model.parameters())
+    monkeypatch.setattr(fed, "step_log_prob", real)
+    algo.update(prepared)
+    assert algo.skipped_updates == 1
+    assert any(not torch.equal(v, before[k]) for k, v in algo.model.state_dict().items())
