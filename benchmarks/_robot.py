@@ -128,7 +128,7 @@ def run_summary(run_dir: Path) -> dict:
     against wall-clock minutes, the mean learner update and rollout seconds per iteration, up to the last
     checkpoint (an interrupted run's policy is its last checkpoint's)."""
     from flowrl_ray.checkpoint import latest_checkpoint, load_checkpoint
-    from flowrl_ray.runtime.metrics import read_metrics
+    from flowrl_ray.metrics import read_metrics
     rows = read_metrics(run_dir)
     saved = load_checkpoint(latest_checkpoint(run_dir))["trainer"]["iteration"]
     rows = [r for r in rows if r["iteration"] <= saved]

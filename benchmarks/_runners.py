@@ -39,7 +39,7 @@ def run_flowrl(config_path, steps: int, seed: int, overrides=(), eval_episodes: 
     from flowrl_ray.config import load_config
     from flowrl_ray.envs import env_family
     from flowrl_ray.envs.rollout import EnvRunner
-    from flowrl_ray.runtime.metrics import read_metrics
+    from flowrl_ray.metrics import read_metrics
 
     per_iter = steps_per_iteration(load_config(config_path, list(overrides)))
     iterations = math.ceil(steps / per_iter)

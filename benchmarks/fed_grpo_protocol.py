@@ -138,7 +138,7 @@ CURVES = (("eval/rms_force_eV_per_A", "force_curve", "RMS force (eV/Å)", 1.0),
 
 def run_info(run_dir: Path) -> dict:
     """The run's length, training wall-clock and its periodic evaluation curves (CURVES)."""
-    from flowrl_ray.runtime.metrics import read_metrics
+    from flowrl_ray.metrics import read_metrics
     rows = read_metrics(run_dir)
     last = rows[-1] if rows else {}
     return {"iterations": last.get("iteration"), "molecules_trained": last.get("env_steps"), "time_s": last.get("time_s"),

@@ -104,7 +104,7 @@ def summarise(base: dict, runs: list[dict], n_boot: int) -> dict:
 
 def run_curve(run_dir: Path) -> dict:
     """The run's periodic held-out evaluation ([episodes, value]) and its training wall-clock."""
-    from flowrl_ray.runtime.metrics import read_metrics
+    from flowrl_ray.metrics import read_metrics
     rows = read_metrics(run_dir)
     last = rows[-1]
     return {"eval_curve": metric_curve(rows, "eval/return_mean"),

@@ -230,7 +230,8 @@ def _write_eval_videos(cfg, run_dir: str, iteration: int, videos: list[dict]) ->
     """RUN/videos/eval/iter_<i>_<k>_<success|failure>.mp4 (beside the training's videos, not over
     them), each also to the run's media sinks at the checkpoint's env step: TensorBoard, and the
     run's own W&B / MLflow runs (tracking.json) when its config has a `logging` section."""
-    from flowrl_ray.runtime.metrics import MetricsLogger, read_metrics
+    from flowrl_ray.metrics import read_metrics
+    from flowrl_ray.runtime.metrics import MetricsLogger
     from flowrl_ray.runtime.tracking import open_trackers
     from flowrl_ray.video import save_videos, video_caption
     paths = save_videos(videos, Path(run_dir) / "videos" / "eval", iteration)

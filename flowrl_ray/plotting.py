@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from flowrl_ray.runtime.metrics import read_metrics  # no Ray import at module level
+from flowrl_ray.metrics import read_metrics
 
 
 def _label(run_dir: Path) -> str:

@@ -1,6 +1,6 @@
-"""Progress lines for long work counted in items (evaluation episodes, demos): no Ray, no
-terminal tricks, one line per update (readable in job logs). The training loop's per-iteration
-line is :class:`flowrl_ray.runtime.metrics.Progress`."""
+"""Progress lines: no Ray, no terminal tricks, one line per update (readable in job logs).
+:class:`CountProgress` for long work counted in items (evaluation episodes, demos),
+:class:`Progress` for the training loop's iterations."""
 
 from __future__ import annotations
 
@@ -29,4 +29,35 @@ class CountProgress:
                  f"{per:.1f} s/{one}" if math.isfinite(per) else f"- s/{one}",
                  f"elapsed {format_duration(elapsed)}",
                  f"ETA {format_duration(eta)}" if math.isfinite(eta) else "ETA -"]
+        print(" | ".join(parts), file=self.stream, flush=True)
+
+
+class Progress:
+    """One line per iteration with throughput and ETA (readable in job logs, no terminal tricks).
+
+    ``unit``: what env_steps counts: "steps", or "chunks" where the env executes an action chunk
+    per step (robot tasks: ``unit_note`` says how many robosuite steps one chunk runs)."""
+
+    def __init__(self, total: int, label: str, start_iteration: int = 0, stream=None,
+                 unit: str = "steps", unit_note: str = ""):
+        self.total, self.label, self.stream = total, label, stream or sys.stdout
+        self.unit, self.unit_note = unit, unit_note
+        self.start_iteration, self.t0 = start_iteration, time.perf_counter()
+
+    def update(self, row: dict) -> None:
+        it = row["iteration"]
+        done = it - self.start_iteration
+        elapsed = time.perf_counter() - self.t0
+        eta = elapsed / done * (self.total - it) if done > 0 else float("nan")
+        ret = row.get("episode_return_mean")
+        note = f" ({self.unit_note})" if self.unit_note else ""
+        parts = [f"[{self.label}] it {it}/{self.total}", f"{self.unit} {row.get('env_steps', 0):,}{note}",
+                 f"return {ret:.1f}" if isinstance(ret, (int, float)) else "return -"]
+        if row.get("eval/return_mean") is not None:
+            parts.append(f"eval {row['eval/return_mean']:.1f}")
+        parts += [f"{row.get('env_steps_per_s', 0):,.0f} {self.unit}/s",
+                  f"elapsed {format_duration(elapsed)}",
+                  f"ETA {format_duration(eta)}" if math.isfinite(eta) else "ETA -"]
+        if row.get("worker_restarts"):
+            parts.append(f"restarts {row['worker_restarts']}")
         print(" | ".join(parts), file=self.stream, flush=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from flowrl_ray.config import Config, load_config
-from flowrl_ray.runtime.metrics import read_metrics
+from flowrl_ray.metrics import read_metrics
 
 
 def learning_curve_area(rows: list[dict], key: str = "episode_return_mean") -> float | None:

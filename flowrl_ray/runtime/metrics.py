@@ -1,42 +1,14 @@
-"""Metrics sinks: metrics.jsonl, TensorBoard, Tune, W&B and MLflow (flowrl_ray.runtime.tracking);
-the progress line. The Ray dashboard's gauges: flowrl_ray.runtime.dashboard."""
+"""Metrics sinks: metrics.jsonl, TensorBoard, Tune, W&B and MLflow (flowrl_ray.runtime.tracking).
+The Ray dashboard's gauges: flowrl_ray.runtime.dashboard. The per-iteration progress line:
+flowrl_ray.progress.Progress."""
 
 from __future__ import annotations
 
 import json
-import math
 import sys
-import time
 from pathlib import Path
 
-from flowrl_ray.utils import atomic_write_text, format_duration
-
-
-def _clean(value):
-    """JSON-safe: NaN/inf become null."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    return value
-
-
-def read_metrics(run_dir: str | Path) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue   # a line cut by a crash mid-write
-    return rows
-
-
-def truncate_metrics(run_dir: str | Path, last_iteration: int) -> None:
-    """Drop rows after `last_iteration` (used on resume so the file matches the checkpoint)."""
-    rows = [r for r in read_metrics(run_dir) if r.get("iteration", 0) <= last_iteration]
-    atomic_write_text(Path(run_dir) / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+from flowrl_ray.metrics import json_safe
 
 
 def report_tracker_failure(label: str, error: Exception, stream=None) -> None:
@@ -90,7 +62,7 @@ class MetricsLogger:
         self._tune = tune
 
     def log(self, row: dict) -> None:
-        row = {k: _clean(v) for k, v in row.items()}
+        row = {k: json_safe(v) for k, v in row.items()}
         self._jsonl.write(json.dumps(row) + "\n")
         self._jsonl.flush()
         step = row.get("env_steps", row.get("iteration", 0))
@@ -148,35 +120,3 @@ class MetricsLogger:
             self._tb.close()
         self._to_trackers("close")
         self.trackers = []
-
-
-class Progress:
-    """One line per iteration with throughput and ETA (readable in job logs, no terminal tricks).
-
-    ``unit``: what env_steps counts: "steps", or "chunks" where the env executes an action chunk
-    per step (robot tasks: ``unit_note`` says how many robosuite steps one chunk runs)."""
-
-    def __init__(self, total: int, label: str, start_iteration: int = 0, stream=None,
-                 unit: str = "steps", unit_note: str = ""):
-        self.total, self.label, self.stream = total, label, stream or sys.stdout
-        self.unit, self.unit_note = unit, unit_note
-        self.start_iteration, self.t0 = start_iteration, time.perf_counter()
-
-    def update(self, row: dict) -> None:
-        it = row["iteration"]
-        done = it - self.start_iteration
-        elapsed = time.perf_counter() - self.t0
-        eta = elapsed / done * (self.total - it) if done > 0 else float("nan")
-        ret = row.get("episode_return_mean")
-        note = f" ({self.unit_note})" if self.unit_note else ""
-        parts = [f"[{self.label}] it {it}/{self.total}", f"{self.unit} {row.get('env_steps', 0):,}{note}",
-                 f"return {ret:.1f}" if isinstance(ret, (int, float)) else "return -"]
-        if row.get("eval/return_mean") is not None:
-            parts.append(f"eval {row['eval/return_mean']:.1f}")
-        parts += [f"{row.get('env_steps_per_s', 0):,.0f} {self.unit}/s",
-                  f"elapsed {format_duration(elapsed)}",
-                  f"ETA {format_duration(eta)}" if math.isfinite(eta) else "ETA -"]
-        if row.get("worker_restarts"):
-            parts.append(f"restarts {row['worker_restarts']}")
-        print(" | ".join(parts), file=self.stream, flush=True)
-

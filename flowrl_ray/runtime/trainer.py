@@ -30,10 +30,12 @@ from flowrl_ray.checkpoint import latest_checkpoint, load_checkpoint, save_check
 from flowrl_ray.config import Config, save_config
 from flowrl_ray.envs import EnvSpec, env_family
 from flowrl_ray.errors import TrainingError
+from flowrl_ray.metrics import read_metrics, truncate_metrics
+from flowrl_ray.progress import Progress
 from flowrl_ray.runtime.actors import Learner
 from flowrl_ray.runtime.cluster import cluster_gpus, init_ray, learner_gpus
 from flowrl_ray.runtime.dashboard import RunGauges, metrics_endpoint
-from flowrl_ray.runtime.metrics import MetricsLogger, Progress, read_metrics, truncate_metrics
+from flowrl_ray.runtime.metrics import MetricsLogger
 from flowrl_ray.runtime.rollouts import rollout_strategy
 from flowrl_ray.runtime.tracking import open_trackers, preflight
 from flowrl_ray.utils import atomic_write_text

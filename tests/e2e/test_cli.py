@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from flowrl_ray.runtime.metrics import read_metrics
+from flowrl_ray.metrics import read_metrics
 
 from conftest import REPO, TINY, TINY_RUNTIME
 

@@ -14,7 +14,7 @@ import yaml  # noqa: E402
 from flowrl_ray.checkpoint import latest_checkpoint, load_checkpoint  # noqa: E402
 from conftest import free_port  # noqa: E402
 from flowrl_ray.cli import main  # noqa: E402
-from flowrl_ray.runtime.metrics import read_metrics  # noqa: E402
+from flowrl_ray.metrics import read_metrics  # noqa: E402
 
 
 @pytest.mark.slow

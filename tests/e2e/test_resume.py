@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from flowrl_ray.runtime.metrics import read_metrics
+from flowrl_ray.metrics import read_metrics
 
 from conftest import PENDULUM, REPO, TINY
 

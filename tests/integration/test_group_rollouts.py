@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from flowrl_ray.runtime.metrics import read_metrics
+from flowrl_ray.metrics import read_metrics
 
 from conftest import TESTS, run_trainer
 from unit.runtime.test_group_rollouts import _config

@@ -12,7 +12,7 @@ import ray
 import torch
 
 from flowrl_ray.checkpoint import latest_checkpoint, load_checkpoint
-from flowrl_ray.runtime.metrics import read_metrics
+from flowrl_ray.metrics import read_metrics
 from flowrl_ray.runtime.trainer import Trainer
 
 from conftest import REPO, TINY_RUNTIME, run_trainer, tiny_config

@@ -173,7 +173,7 @@ def test_media_reach_tensorboard_wandb_and_mlflow(tmp_path, offline_wandb):
 def test_failing_tracker_is_dropped_once_and_the_rest_go_on(tmp_path, offline_wandb):
     from mlflow.tracking import MlflowClient
 
-    from flowrl_ray.runtime.metrics import read_metrics
+    from flowrl_ray.metrics import read_metrics
     from flowrl_ray.runtime.tracking import mlflow_store_uri
     cfg = tiny_config(*tracking_overrides(tmp_path))
     stream = io.StringIO()
@@ -207,7 +207,7 @@ def test_ppo_run_tracked_and_resumed_as_one_run(tmp_path, offline_wandb, local_r
     from mlflow.tracking import MlflowClient
 
     from flowrl_ray.checkpoint import latest_checkpoint
-    from flowrl_ray.runtime.metrics import read_metrics
+    from flowrl_ray.metrics import read_metrics
     from flowrl_ray.runtime.tracking import mlflow_store_uri
     run_dir = tmp_path / "run"
     # 50-step episodes: every iteration ends some, so the learning curve is drawn
@@ -270,7 +270,7 @@ def test_ppo_run_tracked_and_resumed_as_one_run(tmp_path, offline_wandb, local_r
 @pytest.mark.slow
 def test_backend_failing_mid_run_does_not_stop_training(tmp_path, local_ray, capsys, monkeypatch):
     from flowrl_ray.runtime import tracking
-    from flowrl_ray.runtime.metrics import read_metrics
+    from flowrl_ray.metrics import read_metrics
     real_log = tracking.MlflowTracker.log
 
     def log_until_second_iteration(self, row, step):
@@ -291,7 +291,7 @@ def test_backend_failing_mid_run_does_not_stop_training(tmp_path, local_ray, cap
 def test_tune_sweep_one_tracked_run_per_trial(tmp_path, offline_wandb, local_ray):
     from mlflow.tracking import MlflowClient
 
-    from flowrl_ray.runtime.metrics import read_metrics
+    from flowrl_ray.metrics import read_metrics
     from flowrl_ray.runtime.tracking import mlflow_store_uri
     from flowrl_ray.runtime.tune import parse_search_space, run_sweep
     overrides = ["train.iterations=2", "runtime.num_workers=1", "runtime.envs_per_worker=2",
