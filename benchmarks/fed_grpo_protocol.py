@@ -83,7 +83,7 @@ def evaluate_model(model, histogram, cfg, molecules: int, seed: int, label: str)
     import numpy as np
 
     from flowrl_ray.envs import env_family
-    from flowrl_ray.pretrain_mol import sample_molecules
+    from flowrl_ray.pretrain.edm_qm9 import sample_molecules
     t0 = time.perf_counter()
     mols = sample_molecules(model, histogram, molecules, seed=seed)
     scorer = env_family(cfg.env.family).make_scorer(cfg.env, cfg.seed, 0)

@@ -77,7 +77,7 @@ def main() -> None:
     args = p.parse_args()
     os.chdir(REPO_ROOT)
     from flowrl_ray.config import load_config
-    from flowrl_ray.pretrain_mol import sample_molecules
+    from flowrl_ray.pretrain.edm_qm9 import sample_molecules
     cfg = load_config(args.config, args.overrides)
     if not Path(cfg.algo.base_model).is_file():
         subprocess.run(FLOWRL + ["pretrain", args.config, "--steps", str(args.pretrain_steps), "--lr", "3e-4",

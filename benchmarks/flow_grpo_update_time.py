@@ -66,7 +66,7 @@ def main() -> None:
     if fresh:                      # a fresh model of the config's size, its tokenizer trained here
         from flowrl_ray.models.masked_diffusion import build_masked_lm
         from flowrl_ray.models.text_tokenizer import train_tokenizer
-        from flowrl_ray.pretrain_text import sft_pairs
+        from flowrl_ray.pretrain.text_sft import sft_pairs
         print(f"[bench] {sft} not found: a fresh model of the config's size", flush=True)
         model_cfg = dict(raw["algo"].get("model") or {})
         texts = [t for pair in sft_pairs(config_from_dict(raw).env)[:400] for t in pair]

@@ -76,7 +76,7 @@ def main(argv=None) -> dict:
     from flowrl_ray.envs.forms import FormCatalog, FormsSettings, load_tasks
     from flowrl_ray.models.masked_diffusion import build_masked_lm, fit_sft
     from flowrl_ray.models.text_tokenizer import train_tokenizer
-    from flowrl_ray.pretrain_text import copy_pairs, sft_pairs
+    from flowrl_ray.pretrain.text_sft import copy_pairs, sft_pairs
     from flowrl_ray.stats import paired_bootstrap_gain
 
     args = parse_args(argv)

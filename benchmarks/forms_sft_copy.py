@@ -122,7 +122,7 @@ def token_coverage(lm, cfg, tasks, catalog) -> dict:
     from collections import Counter
 
     from flowrl_ray.envs.forms.tasks import format_value
-    from flowrl_ray.pretrain_text import sft_pairs
+    from flowrl_ray.pretrain.text_sft import sft_pairs
     tok = lm.tokenizer
     seen = Counter(t for _, a in sft_pairs(cfg.env, 200) for t in tok(a, add_special_tokens=False)["input_ids"])
     values = [format_value(f, t.ground_truth_fields[f.name]) for t in tasks for f in catalog[t.form_id].fields

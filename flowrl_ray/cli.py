@@ -368,32 +368,40 @@ def cmd_demos(args: argparse.Namespace) -> int:
     return 0
 
 
+#: `flowrl-ray pretrain` flags: each sets the key of the same name in the config's typed
+#: `pretrain:` section (flowrl_ray.config), whose schema the algorithm chooses
+PRETRAIN_FLAGS = ("dataset", "out", "epochs", "steps", "batch_size", "lr", "eval_episodes",
+                  "tasks_per_form", "copy_aux", "eval_samples", "curve_every", "curve_samples",
+                  "checkpoint_every", "max_minutes", "resume", "device", "seed")
+
+
 def cmd_pretrain(args: argparse.Namespace) -> int:
+    """The config's `pretrain:` section, with the flags given on top, run by flowrl_ray.pretrain."""
+    from dataclasses import fields
+
+    from flowrl_ray.algorithms import get_algorithm
+    from flowrl_ray.pretrain import METHODS, pretrain
     data = apply_overrides(read_yaml(args.config), args.overrides)
-    if data.get("algorithm") != "fed_grpo" and (args.curve_every or args.resume or args.device != "auto"
-                                                  or args.checkpoint_every or args.max_minutes):
-        raise UserError("--curve-every, --checkpoint-every, --max-minutes, --resume and --device are for "
-                        "FED-GRPO configs (EDM pretraining)")
-    if data.get("algorithm") == "flow_grpo":
-        return _pretrain_text(args, data)
-    if args.tasks_per_form is not None or args.copy_aux:
-        raise UserError("--tasks-per-form and --copy-aux are for Flow-GRPO configs (the forms SFT)")
-    if data.get("algorithm") == "fed_grpo":
-        return _pretrain_edm(args, data)
-    from flowrl_ray.pretrain import pretrain
-    args.epochs = 50 if args.epochs is None else args.epochs
-    args.batch_size = 256 if args.batch_size is None else args.batch_size
-    args.lr = 1e-3 if args.lr is None else args.lr
-    algo = data.get("algo")
-    # algo.base_policy names the file this creates: validate without loading it.
-    out = args.out or (algo.get("base_policy") if isinstance(algo, dict) else None)
-    cfg = config_from_dict(apply_overrides(data, ["algo.base_policy=null"]))
-    if args.dataset is not None and not Path(args.dataset).is_file():
-        raise UserError(f"--dataset: no such file {args.dataset!r}")
-    summary = pretrain(cfg, dataset=args.dataset, out=out, epochs=args.epochs, batch_size=args.batch_size,
-                       lr=args.lr, seed=cfg.seed if args.seed is None else args.seed,
-                       eval_episodes=args.eval_episodes, progress=True)
-    print(json.dumps(summary), flush=True)
+    name = data.get("algorithm", "ppo")
+    schema = get_algorithm(name).pretrain_config_class
+    if schema is None:
+        raise UserError(f"{args.config}: algorithm {name!r} has no pretraining (flowrl-ray pretrain starts "
+                        f"fpopp, reinflow, flowsar, flow_grpo and fed_grpo)")
+    keys = [f.name for f in fields(schema)]
+    section = dict(data.get("pretrain") or {})
+    for flag in PRETRAIN_FLAGS:
+        value = getattr(args, flag)
+        if value is None:
+            continue
+        if flag not in keys:
+            raise UserError(f"--{flag.replace('_', '-')}: {name}'s pretraining ({METHODS[schema][0]}) has no "
+                            f"such setting; it takes " + ", ".join(f"--{k.replace('_', '-')}" for k in keys))
+        section[flag] = value
+    data["pretrain"] = section
+    cfg = config_from_dict(data)
+    if getattr(cfg.pretrain, "dataset", None) is not None and not Path(cfg.pretrain.dataset).is_file():
+        raise UserError(f"--dataset: no such file {cfg.pretrain.dataset!r}")
+    print(json.dumps(pretrain(cfg, progress=True)), flush=True)
     return 0
 
 
@@ -427,52 +435,6 @@ def cmd_import_reinflow(args: argparse.Namespace) -> int:
                "parameters": sum(v.numel() for v in ckpt["policy"].values()),
                "norm_dataset": None if norm_out is None else str(norm_out),
                "overrides": config_overrides(ckpt, out, norm_out)}
-    print(json.dumps(summary), flush=True)
-    return 0
-
-
-def _pretrain_text(args: argparse.Namespace, data: dict) -> int:
-    """Masked-diffusion SFT of a Flow-GRPO config's language model (flowrl_ray.pretrain_text)."""
-    from flowrl_ray.pretrain_text import pretrain_text
-    if args.dataset is not None or args.eval_episodes:
-        raise UserError("--dataset and --eval-episodes are for robot demos; Flow-GRPO's SFT reads the "
-                        "forms train split (then `flowrl-ray train` evaluates on held-out tasks)")
-    if args.epochs is not None and args.steps is not None:
-        raise UserError("--epochs and --steps: give one SFT budget, not both")
-    if args.copy_aux < 0:
-        raise UserError(f"--copy-aux must be >= 0, got {args.copy_aux}")
-    if args.tasks_per_form is not None and args.tasks_per_form < 1:
-        raise UserError(f"--tasks-per-form must be >= 1, got {args.tasks_per_form}")
-    cfg = config_from_dict(data)
-    steps = 2000 if args.steps is None and args.epochs is None else args.steps
-    summary = pretrain_text(cfg, out=args.out, epochs=args.epochs, steps=steps,
-                            batch_size=32 if args.batch_size is None else args.batch_size,
-                            lr=1e-3 if args.lr is None else args.lr,
-                            tasks_per_form=200 if args.tasks_per_form is None else args.tasks_per_form,
-                            seed=cfg.seed if args.seed is None else args.seed,
-                            copy_aux=args.copy_aux, progress=True)
-    print(json.dumps(summary), flush=True)
-    return 0
-
-
-def _pretrain_edm(args: argparse.Namespace, data: dict) -> int:
-    """EDM training on QM9 for a FED-GRPO config (flowrl_ray.pretrain_mol)."""
-    from flowrl_ray.pretrain_mol import pretrain_edm
-    if args.dataset is not None or args.eval_episodes:
-        raise UserError("--dataset and --eval-episodes are for robot demos; EDM pretraining reads QM9 "
-                        "(qm9pack) and --eval-samples N samples N molecules afterwards")
-    if args.epochs is not None:
-        raise UserError("--epochs: EDM pretraining counts optimiser steps; use --steps")
-    algo = data.get("algo")
-    out = args.out or (algo.get("base_model") if isinstance(algo, dict) else None)
-    cfg = config_from_dict(apply_overrides(data, ["algo.base_model=null"]))   # the file this creates
-    summary = pretrain_edm(cfg, out=out, steps=2000 if args.steps is None else args.steps,
-                           batch_size=args.batch_size, lr=args.lr,
-                           seed=cfg.seed if args.seed is None else args.seed,
-                           eval_samples=args.eval_samples, curve_every=args.curve_every,
-                           curve_samples=args.curve_samples, checkpoint_every=args.checkpoint_every,
-                           max_minutes=args.max_minutes, resume=args.resume, device=args.device,
-                           progress=True)
     print(json.dumps(summary), flush=True)
     return 0
 
@@ -694,52 +656,56 @@ def build_parser() -> argparse.ArgumentParser:
 
     pr = sub.add_parser("pretrain", help="supervised start of a policy: flow-matching BC from robot demos, "
                                          "masked-diffusion SFT of a Flow-GRPO language model, or EDM on QM9",
-                        description="Robot configs (fpopp, reinflow, flowsar): flow-matching behaviour cloning of the "
-                                    "config's flow policy on a robomimic dataset (env.dataset or --dataset); "
-                                    "writes the checkpoint that algo.base_policy loads (--out or "
-                                    "algo.base_policy), <stem>.metrics.jsonl and <stem>.loss.png. Flow-GRPO "
-                                    "configs: masked-diffusion SFT on the forms train split (prompt -> gold "
-                                    "action script), written to algo.sft_checkpoint (or --out). FED-GRPO configs: "
-                                    "EDM training on QM9 (the train split), written to algo.base_model (or --out). "
-                                    "Prints a JSON summary.")
+                        description="Runs the pretraining of the config's algorithm with the settings of its "
+                                    "`pretrain:` section (defaults in flowrl_ray/config.py); each flag sets "
+                                    "the key of the same name. Robot configs (fpopp, reinflow, flowsar): "
+                                    "flow-matching behaviour cloning of the config's flow policy on a "
+                                    "robomimic dataset (env.dataset or --dataset); writes the checkpoint that "
+                                    "algo.base_policy loads (--out or algo.base_policy), <stem>.metrics.jsonl "
+                                    "and <stem>.loss.png. Flow-GRPO configs: masked-diffusion SFT on the forms "
+                                    "train split (prompt -> gold action script), written to "
+                                    "algo.sft_checkpoint (or --out). FED-GRPO configs: EDM training on QM9 "
+                                    "(the train split), written to algo.base_model (or --out). Prints a JSON "
+                                    "summary.")
     pr.add_argument("config")
-    pr.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. algo.hidden_sizes=[256,256]")
-    pr.add_argument("--dataset", help="robomimic hdf5 (default env.dataset)")
-    pr.add_argument("--out", help="checkpoint path (default algo.base_policy)")
-    pr.add_argument("--epochs", type=int, help="default 50 (robot); the language model's SFT counts --steps "
-                    "unless --epochs is given")
+    pr.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. algo.hidden_sizes=[256,256] "
+                    "or pretrain.epochs=20")
+    pr.add_argument("--dataset", help="robot: robomimic hdf5 (default env.dataset)")
+    pr.add_argument("--out", help="checkpoint path (default algo.base_policy / sft_checkpoint / base_model)")
+    pr.add_argument("--epochs", type=int, help="robot: passes (default 50); language model: passes instead "
+                    "of --steps")
     pr.add_argument("--batch-size", type=int,
                     help="default 256 (robot), 32 (language model), 64 (EDM; with --resume: the checkpoint's)")
     pr.add_argument("--lr", type=float, help="default 1e-3 (EDM: 1e-4; with --resume: the checkpoint's)")
-    pr.add_argument("--eval-episodes", type=int, default=0,
-                    help="then evaluate in the env: success with zero and random sampling")
+    pr.add_argument("--eval-episodes", type=int,
+                    help="robot: then evaluate in the env: success with zero and random sampling (default 0)")
     pr.add_argument("--steps", type=int, help="optimiser steps, default 2000 (EDM for FED-GRPO configs, the "
                     "language model of Flow-GRPO configs)")
     pr.add_argument("--tasks-per-form", type=int,
                     help="language model: tasks drawn per training form for SFT, default 200 "
                          "(the sft task set: its own values, disjoint from the RL and evaluation tasks)")
-    pr.add_argument("--copy-aux", type=float, default=0.0, metavar="F",
+    pr.add_argument("--copy-aux", type=float, metavar="F",
                     help="language model: add F auxiliary 'repeat the quoted value' pairs per task pair "
                          "(default 0)")
-    pr.add_argument("--eval-samples", type=int, default=1000,
+    pr.add_argument("--eval-samples", type=int,
                     help="EDM: then sample N molecules and report EDM's stability, validity and uniqueness "
-                         "(0: skip)")
-    pr.add_argument("--curve-every", type=int, default=0, metavar="N",
+                         "(default 1000; 0: skip)")
+    pr.add_argument("--curve-every", type=int, metavar="N",
                     help="EDM: every N steps sample --curve-samples molecules from the EMA weights, log "
                          "their stability and validity (metrics.jsonl, <stem>.stability.png) and write "
                          "the checkpoint")
-    pr.add_argument("--curve-samples", type=int, default=200, help="EDM: molecules per curve point")
-    pr.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+    pr.add_argument("--curve-samples", type=int, help="EDM: molecules per curve point (default 200)")
+    pr.add_argument("--checkpoint-every", type=int, metavar="N",
                     help="EDM: also write the checkpoint every N steps (no sampling; for --resume after a "
                          "stop)")
-    pr.add_argument("--max-minutes", type=float, default=0.0, metavar="M",
+    pr.add_argument("--max-minutes", type=float, metavar="M",
                     help="EDM: stop at the first checkpoint or curve point after M minutes of this "
-                         "invocation (the run stays resumable with --resume; 0: no limit)")
-    pr.add_argument("--resume", action="store_true",
+                         "invocation (the run stays resumable with --resume; default 0: no limit)")
+    pr.add_argument("--resume", action="store_true", default=None,
                     help="EDM: continue the run whose checkpoint is at the output path (weights, EMA, "
                          "optimiser, data sampler, curves) up to --steps in all; a new run when there is none")
-    pr.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                    help="EDM: where to train (auto: CUDA when there is one)")
+    pr.add_argument("--device", choices=["auto", "cpu", "cuda"],
+                    help="EDM: where to train (default auto: CUDA when there is one)")
     pr.add_argument("--seed", type=int, help="default: the config's seed")
     pr.set_defaults(func=cmd_pretrain)
 

@@ -205,6 +205,55 @@ def check_logging(cfg: "LoggingConfig") -> None:
         raise ConfigError("config key 'logging.mlflow.tracking_uri': must not be empty")
 
 
+# --------------------------------------------------------------------------- pretraining
+# The `pretrain:` section: the settings of `flowrl-ray pretrain` (flowrl_ray.pretrain), one schema
+# per method, chosen by the algorithm (its `pretrain_config_class`). Its command-line flags set
+# the same keys.
+
+@dataclass
+class FlowBCPretrainConfig:
+    """Flow-matching behaviour cloning of the config's flow policy on robot demos (FPO++, ReinFlow,
+    FlowSAR): writes the checkpoint ``algo.base_policy`` loads."""
+    dataset: Optional[str] = None       # robomimic hdf5; None: env.dataset
+    out: Optional[str] = None           # None: algo.base_policy
+    epochs: int = field(default=50, metadata=check(gt=0))
+    batch_size: int = field(default=256, metadata=check(gt=0))
+    lr: float = field(default=1e-3, metadata=check(gt=0))
+    eval_episodes: int = field(default=0, metadata=check(ge=0))   # then success by zero / random sampling
+    seed: Optional[int] = field(default=None, metadata=check(ge=0))   # None: the config's seed
+
+
+@dataclass
+class TextSFTPretrainConfig:
+    """Masked-diffusion SFT of Flow-GRPO's language model on the forms train split (prompt ->
+    gold action script): writes the checkpoint directory ``algo.sft_checkpoint`` loads."""
+    out: Optional[str] = None           # None: algo.sft_checkpoint
+    steps: Optional[int] = field(default=None, metadata=check(gt=0))    # None and no epochs: 2000
+    epochs: Optional[int] = field(default=None, metadata=check(gt=0))   # passes instead of steps
+    batch_size: int = field(default=32, metadata=check(gt=0))
+    lr: float = field(default=1e-3, metadata=check(gt=0))
+    tasks_per_form: int = field(default=200, metadata=check(gt=0))    # the sft task set per training form
+    copy_aux: float = field(default=0.0, metadata=check(ge=0))         # 'repeat the quoted value' pairs per pair
+    seed: Optional[int] = field(default=None, metadata=check(ge=0))
+
+
+@dataclass
+class EDMPretrainConfig:
+    """EDM on QM9's train split for FED-GRPO: writes the checkpoint ``algo.base_model`` loads."""
+    out: Optional[str] = None           # None: algo.base_model
+    steps: int = field(default=2000, metadata=check(gt=0))            # optimiser steps in all
+    batch_size: Optional[int] = field(default=None, metadata=check(gt=0))   # None: 64, resumed: the checkpoint's
+    lr: Optional[float] = field(default=None, metadata=check(gt=0))         # None: 1e-4, resumed: the checkpoint's
+    eval_samples: int = field(default=1000, metadata=check(ge=0))     # molecules for EDM's metrics at the end
+    curve_every: int = field(default=0, metadata=check(ge=0))         # a stability point every N steps
+    curve_samples: int = field(default=200, metadata=check(gt=0))
+    checkpoint_every: int = field(default=0, metadata=check(ge=0))
+    max_minutes: float = field(default=0.0, metadata=check(ge=0))     # end this invocation after M minutes
+    resume: bool = False                # continue the run whose checkpoint is at `out`
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    seed: Optional[int] = field(default=None, metadata=check(ge=0))
+
+
 @dataclass
 class Config:
     algorithm: str = "ppo"
@@ -216,6 +265,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     algo: Any = None                  # instance of the algorithm's `config_class`
+    pretrain: Any = None              # its `pretrain_config_class`'s (None: no pretraining)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -328,16 +378,24 @@ def _check_bounds(obj: Any, prefix: str) -> None:
 
 def config_from_dict(data: dict) -> Config:
     """Build and validate a Config. The `algo` section's schema is the `config_class` of the
-    algorithm that `algorithm` names (a built-in name, or "package.module:Class" for a plugin);
-    the algorithm's `validate_config(cfg)` then checks constraints that span sections."""
+    algorithm that `algorithm` names (a built-in name, or "package.module:Class" for a plugin),
+    the `pretrain` section's its `pretrain_config_class`; the algorithm's `validate_config(cfg)`
+    then checks constraints that span sections."""
     from flowrl_ray.algorithms import get_algorithm
     if not isinstance(data, dict):
         raise ConfigError(f"config must be a mapping at the top level, got {type(data).__name__}")
     data = dict(data)
     algorithm_cls = get_algorithm(data.get("algorithm", "ppo"))
     algo_data = data.pop("algo", None) or {}
+    pretrain_data = data.pop("pretrain", None)
     cfg = _build(Config, data, "")
     cfg.algo = _build(algorithm_cls.config_class, algo_data, "algo.")
+    pretrain_cls = getattr(algorithm_cls, "pretrain_config_class", None)
+    if pretrain_cls is not None:
+        cfg.pretrain = _build(pretrain_cls, pretrain_data or {}, "pretrain.")
+    elif pretrain_data:
+        raise ConfigError(f"config key 'pretrain': algorithm {cfg.algorithm!r} has no pretraining "
+                          f"(flowrl-ray pretrain starts fpopp, reinflow, flowsar, flow_grpo and fed_grpo)")
     check_logging(cfg.logging)
     resolve_shaping_gamma(cfg)
     algorithm_cls.validate_config(cfg)

@@ -28,6 +28,9 @@ class Algorithm(ABC):
     rollout_kind: str = ""
     #: dataclass schema of the config's `algo` section
     config_class: type
+    #: schema of the `pretrain` section (flowrl_ray.config; its class picks the method of
+    #: flowrl_ray.pretrain); None: `flowrl-ray pretrain` has nothing to start for this algorithm
+    pretrain_config_class: type | None = None
     #: what ``load_state_dict`` changed for a resumed run with another ``train.iterations``
     #: (schedules extended to the new total, see ``load_scheduler``), one line each
     resume_notes: tuple[str, ...] = ()

@@ -52,7 +52,7 @@ from flowrl_ray.optim import Accumulator, load_scheduler, lr_multiplier
 from flowrl_ray.utils import frozen_copy
 from flowrl_ray.algorithms.losses import ppo_clip_objective
 from flowrl_ray.batch import Batch
-from flowrl_ray.config import Config, ConfigError, check
+from flowrl_ray.config import Config, ConfigError, EDMPretrainConfig, check
 from flowrl_ray.envs import EnvSpec
 from flowrl_ray.models.edm import (EDM, EDMModelConfig, NodeDistribution, check_base_model, load_base_model,
                                    reference_kl, step_log_prob, to_numpy_molecules)
@@ -224,6 +224,7 @@ def fed_advantages_delta(force_traces: torch.Tensor, energy_traces: torch.Tensor
 class FEDGRPO(GroupAlgorithm):
     name = "fed_grpo"
     config_class = FEDGRPOConfig
+    pretrain_config_class = EDMPretrainConfig
 
     @staticmethod
     def validate_config(cfg: Config) -> None:

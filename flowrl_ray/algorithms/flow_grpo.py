@@ -58,7 +58,7 @@ from flowrl_ray.algorithms.base import GroupAlgorithm
 from flowrl_ray.optim import Accumulator, dropout_off
 from flowrl_ray.algorithms.losses import k3, ppo_clip_objective
 from flowrl_ray.batch import Batch
-from flowrl_ray.config import Config, ConfigError, check
+from flowrl_ray.config import Config, ConfigError, TextSFTPretrainConfig, check
 from flowrl_ray.envs import EnvSpec
 
 __all__ = ["group_advantages", "k3_kl", "kl_penalty", "FlowGRPO", "FlowGRPOConfig"]
@@ -153,6 +153,7 @@ def warn_if_cut(lm, tasks: list, catalog, max_prompt_len: int, gen_length: int, 
 class FlowGRPO(GroupAlgorithm):
     name = "flow_grpo"
     config_class = FlowGRPOConfig
+    pretrain_config_class = TextSFTPretrainConfig
 
     @staticmethod
     def validate_config(cfg: Config) -> None:

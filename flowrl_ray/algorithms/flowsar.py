@@ -55,7 +55,7 @@ from flowrl_ray.models.flow_policy import (check_base_policy, check_flow_arch, i
                                          make_flow_policy)
 from flowrl_ray.algorithms.losses import value_loss
 from flowrl_ray.batch import Batch, map_obs
-from flowrl_ray.config import Config, ConfigError, check, check_layer_sizes, check_minibatch_size
+from flowrl_ray.config import Config, ConfigError, FlowBCPretrainConfig, check, check_layer_sizes, check_minibatch_size
 from flowrl_ray.envs import EnvSpec
 from flowrl_ray.models.flow import FlowPolicy, ValueMLP, VelocityFn
 
@@ -335,6 +335,7 @@ def ema_coefficient(iteration: int, schedule: str, ema_beta: float = 0.995, eta_
 class FlowSAR(EnvStepAlgorithm):
     name = "flowsar"
     config_class = FlowSARConfig
+    pretrain_config_class = FlowBCPretrainConfig
     extra_plots = (("flowsar/e_within_episode_cv", "flowsar_e_spread.png"),
                    ("flowsar/weight_entropy_ratio", "flowsar_weight_entropy.png"),
                    ("flowsar/kl", "flowsar_kl.png"),

@@ -41,7 +41,7 @@ from flowrl_ray.optim import load_scheduler, lr_multiplier
 from flowrl_ray.algorithms.losses import approx_kl, aspo_objective, ppo_clip_objective, value_loss
 from flowrl_ray.algorithms.onpolicy import actor_critic_epochs, advantages_from_rollouts, critic_values
 from flowrl_ray.batch import Batch, map_obs
-from flowrl_ray.config import Config, ConfigError, check, check_layer_sizes, check_minibatch_size
+from flowrl_ray.config import Config, ConfigError, FlowBCPretrainConfig, check, check_layer_sizes, check_minibatch_size
 from flowrl_ray.envs import EnvSpec
 from flowrl_ray.models.flow import FlowPolicy, ValueMLP, random_shift, sum_rows
 
@@ -138,6 +138,7 @@ def fpopp_objective(ratios: torch.Tensor, advantages: torch.Tensor, clip: float,
 class FPOPP(EnvStepAlgorithm):
     name = "fpopp"
     config_class = FPOPPConfig
+    pretrain_config_class = FlowBCPretrainConfig
 
     @staticmethod
     def validate_config(cfg: Config) -> None:

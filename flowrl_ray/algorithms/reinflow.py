@@ -45,7 +45,7 @@ from flowrl_ray.models.flow_policy import (check_base_policy, check_flow_arch, e
 from flowrl_ray.algorithms.losses import approx_kl, ppo_clip_objective, value_loss
 from flowrl_ray.algorithms.onpolicy import actor_critic_epochs, advantages_from_rollouts, critic_values
 from flowrl_ray.batch import Batch, map_obs
-from flowrl_ray.config import Config, ConfigError, check, check_layer_sizes, check_minibatch_size
+from flowrl_ray.config import Config, ConfigError, FlowBCPretrainConfig, check, check_layer_sizes, check_minibatch_size
 from flowrl_ray.envs import EnvSpec
 from flowrl_ray.models.flow import FLOW_ARCH_DEFAULTS, FlowPolicy, Obs, ValueMLP, obs_batch_size
 from flowrl_ray.models.noisy_flow import NoiseStdNet, chain_entropy, chain_log_prob, noisy_flow_sample
@@ -173,6 +173,7 @@ def make_noisy_flow_policy(cfg: Config, spec: EnvSpec) -> NoisyFlowPolicy:
 class ReinFlow(EnvStepAlgorithm):
     name = "reinflow"
     config_class = ReinFlowConfig
+    pretrain_config_class = FlowBCPretrainConfig
 
     @staticmethod
     def validate_config(cfg: Config) -> None:

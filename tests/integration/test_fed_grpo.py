@@ -71,7 +71,7 @@ def test_the_committed_base_edm_loads_into_its_config_and_samples_molecules(conf
     from flowrl_ray.config import load_config
     from flowrl_ray.envs.molecules.chemistry import ATOM_TYPES
     from flowrl_ray.models.edm import EDM
-    from flowrl_ray.pretrain_mol import sample_molecules
+    from flowrl_ray.pretrain.edm_qm9 import sample_molecules
     root = REPO
     cfg = load_config(root / "configs" / "fed_grpo" / f"{config}.yaml")
     path = root / cfg.algo.base_model
@@ -100,7 +100,7 @@ def test_pretraining_stops_at_a_checkpoint_after_max_minutes_and_resumes_with_it
     the checkpoint written; --resume without --batch-size / --lr takes the checkpoint's and reaches
     the weights of the uninterrupted run."""
     from flowrl_ray.config import config_from_dict
-    from flowrl_ray.pretrain_mol import pretrain_edm
+    from flowrl_ray.pretrain.edm_qm9 import pretrain_edm
     cfg = config_from_dict(_config())
     whole, parts = tmp_path / "whole.pt", tmp_path / "parts.pt"
     pretrain_edm(cfg, out=whole, steps=4, batch_size=4, lr=1e-3, progress=False)
@@ -118,7 +118,7 @@ def test_pretraining_resumed_from_its_checkpoint_is_the_uninterrupted_run(tmp_pa
     the checkpoint; a checkpoint of another architecture is refused naming the key."""
     from flowrl_ray.cli import main
     from flowrl_ray.config import ConfigError, config_from_dict
-    from flowrl_ray.pretrain_mol import pretrain_edm
+    from flowrl_ray.pretrain.edm_qm9 import pretrain_edm
     cfg = config_from_dict(_config())
     whole, parts = tmp_path / "whole.pt", tmp_path / "parts.pt"
     kw = dict(batch_size=4, lr=1e-3, curve_every=2, curve_samples=2, progress=False)
@@ -137,7 +137,7 @@ def test_pretraining_resumed_from_its_checkpoint_is_the_uninterrupted_run(tmp_pa
     rows = [json.loads(line) for line in (tmp_path / "parts.metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "atom_stability" in r] == [2, 4]
     # at its end already: nothing is trained or sampled again, its evaluation stands
-    import flowrl_ray.pretrain_mol as pm
+    import flowrl_ray.pretrain.edm_qm9 as pm
     monkeypatch.setattr(pm, "evaluate_model", lambda *a, **k: pytest.fail("sampled again"))
     again = pretrain_edm(cfg, out=parts, steps=4, resume=True, eval_samples=2, **kw)
     assert again["steps"] == 4 and again["eval"] == summary["eval"]
@@ -146,4 +146,5 @@ def test_pretraining_resumed_from_its_checkpoint_is_the_uninterrupted_run(tmp_pa
         pretrain_edm(wider, out=parts, steps=6, resume=True, **kw)
     forms = REPO / "configs" / "flow_grpo" / "forms_small.yaml"
     assert main(["pretrain", str(forms), "--resume"]) == 2
-    assert "--curve-every, --checkpoint-every, --max-minutes, --resume and --device are for FED-GRPO" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--resume: flow_grpo's pretraining (text_sft) has no such setting; it takes --out, --steps" in err

@@ -15,7 +15,7 @@ from flowrl_ray.config import ConfigError, config_from_dict  # noqa: E402
 from flowrl_ray.envs import robomimic_data as rd                             # noqa: E402
 from flowrl_ray.envs import robot                                            # noqa: E402
 from flowrl_ray.envs.robot.experts import collect_demos                      # noqa: E402
-from flowrl_ray.pretrain import pretrain  # noqa: E402
+from flowrl_ray.pretrain.flow_bc import pretrain_flow_policy as pretrain  # noqa: E402
 
 
 def _config(dataset, **env):

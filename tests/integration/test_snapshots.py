@@ -64,7 +64,7 @@ def test_flow_grpo_run_writes_a_picture_per_evaluation_task(tmp_path, local_ray)
     from unit.algorithms.test_flow_grpo import TINY_MODEL, _config
     from flowrl_ray.models.masked_diffusion import build_masked_lm
     from flowrl_ray.models.text_tokenizer import train_tokenizer
-    from flowrl_ray.pretrain_text import sft_pairs
+    from flowrl_ray.pretrain.text_sft import sft_pairs
     data = _config(tmp_path, str(tmp_path / "sft"), epochs=1, num_generation_steps=4)
     data["train"]["iterations"] = 1
     data["eval"] = {"interval": 1, "episodes": 2, "snapshots": {"episodes": 2}}

@@ -47,7 +47,7 @@ def test_pretraining_evaluation_and_demo_collection_show_progress(tmp_path, caps
     from flowrl_ray.algorithms.fpopp import FPOPP
     from flowrl_ray.envs import env_family
     from flowrl_ray.envs.robot.experts import collect_demos
-    from flowrl_ray.pretrain import evaluate
+    from flowrl_ray.pretrain.flow_bc import evaluate
     cfg = config_from_dict(robot_config())
     policy = FPOPP.make_policy(cfg, env_family("robot").spec(cfg.env))
     result = evaluate(cfg, policy, 2, progress=True)

@@ -65,7 +65,7 @@ def test_k3_by_hand_and_its_two_users():
 def test_pretraining_skips_a_non_finite_step_and_counts_it(tmp_path, monkeypatch):
     """A NaN loss in behaviour cloning leaves the weights as they were and is counted in the
     epoch's row; the finite steps go on."""
-    import flowrl_ray.pretrain as pretrain
+    import flowrl_ray.pretrain.flow_bc as pretrain
     from flowrl_ray.models.flow import FlowPolicy
 
     real = FlowPolicy.bc_loss

@@ -14,7 +14,7 @@ from flowrl_ray.config import ConfigError, EnvConfig  # noqa: E402
 from flowrl_ray.envs import robomimic_data as rd                             # noqa: E402
 from flowrl_ray.envs import robot                                            # noqa: E402
 from flowrl_ray.envs.robot.env import RobotEnv                               # noqa: E402
-from flowrl_ray.pretrain import chunk_dataset  # noqa: E402
+from flowrl_ray.pretrain.flow_bc import chunk_dataset  # noqa: E402
 
 LIFT_ARGS = {"env_name": "Lift", "env_version": "1.5.2", "type": 1, "env_kwargs": {}}
 

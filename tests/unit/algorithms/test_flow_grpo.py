@@ -65,7 +65,7 @@ def sft_dir(tmp_path_factory):
     math tests only need fixed weights)."""
     from flowrl_ray.models.masked_diffusion import build_masked_lm
     from flowrl_ray.models.text_tokenizer import train_tokenizer
-    from flowrl_ray.pretrain_text import sft_pairs
+    from flowrl_ray.pretrain.text_sft import sft_pairs
     cfg = config_from_dict(_config(None, "unused"))
     texts = [t for pair in sft_pairs(cfg.env)[:40] for t in pair]
     lm = build_masked_lm(TINY_MODEL, tokenizer=train_tokenizer(texts, TINY_MODEL["vocab_size"]), seed=0)
@@ -115,7 +115,7 @@ def test_config_mistakes_name_the_key(sft_dir):
 
 
 def test_sft_pairs_with_more_tasks_per_form_keep_the_split_and_add_new_training_records():
-    from flowrl_ray.pretrain_text import sft_pairs
+    from flowrl_ray.pretrain.text_sft import sft_pairs
     env = config_from_dict(_config(None, "unused")).env
     split, more = sft_pairs(env), sft_pairs(env, tasks_per_form=40)
     per_form = len(split) // len(FormCatalog.load().ids(heldout=False))

@@ -194,7 +194,7 @@ def test_copy_benchmark_runs_end_to_end_with_a_tiny_model(catalog, tmp_path):
 def test_sft_uses_its_own_tasks_and_copy_pairs_quote_their_answer(catalog):
     from flowrl_ray.config import config_from_dict, read_yaml
     from flowrl_ray.envs.forms import prompt_text
-    from flowrl_ray.pretrain_text import copy_pairs, sft_pairs
+    from flowrl_ray.pretrain.text_sft import copy_pairs, sft_pairs
     cfg = config_from_dict(read_yaml(REPO / "configs/flow_grpo/forms_small.yaml"))
     pairs = sft_pairs(cfg.env, tasks_per_form=2)
     sft = {prompt_text(t, catalog) for t in load_tasks("sft", per_form=2, catalog=catalog)}

@@ -97,9 +97,9 @@ def evaluate(cfg: Config, policy, episodes: int, seed: int = 0, progress: bool =
     return out
 
 
-def pretrain(cfg: Config, dataset: str | Path | None = None, out: str | Path | None = None,
-             epochs: int = 50, batch_size: int = 256, lr: float = 1e-3, seed: int = 0,
-             eval_episodes: int = 0, progress: bool = True) -> dict:
+def pretrain_flow_policy(cfg: Config, dataset: str | Path | None = None, out: str | Path | None = None,
+                         epochs: int = 50, batch_size: int = 256, lr: float = 1e-3, seed: int = 0,
+                         eval_episodes: int = 0, progress: bool = True) -> dict:
     """Train the config's flow policy on ``dataset`` (default ``env.dataset``) and write the
     checkpoint to ``out`` (default ``algo.base_policy``), with ``<stem>.metrics.jsonl`` and
     ``<stem>.loss.png`` beside it. Returns the summary."""

@@ -1,0 +1,83 @@
+"""The typed `pretrain:` section and its one entry point, without training: each algorithm's schema
+and defaults, config mistakes naming the key, flags mapped onto the section's keys, and a flag the
+algorithm's method does not take refused before anything runs."""
+
+import json
+
+import pytest
+import yaml
+
+import flowrl_ray.pretrain as pretraining
+from flowrl_ray.cli import main
+from flowrl_ray.config import (ConfigError, EDMPretrainConfig, FlowBCPretrainConfig, TextSFTPretrainConfig,
+                               config_from_dict, load_config, save_config)
+from flowrl_ray.pretrain import METHODS
+
+from conftest import REPO
+
+CONFIGS = {"fpopp": ("fpopp/lift_state_quickstart.yaml", FlowBCPretrainConfig),
+           "reinflow": ("reinflow/lift_state_quickstart.yaml", FlowBCPretrainConfig),
+           "flowsar": ("flowsar/lift_state_quickstart.yaml", FlowBCPretrainConfig),
+           "flow_grpo": ("flow_grpo/forms_small.yaml", TextSFTPretrainConfig),
+           "fed_grpo": ("fed_grpo/qm9_small.yaml", EDMPretrainConfig)}
+
+
+@pytest.mark.parametrize("algorithm", sorted(CONFIGS))
+def test_each_pretraining_algorithm_gets_its_methods_schema_with_defaults(algorithm, tmp_path):
+    path, schema = CONFIGS[algorithm]
+    cfg = load_config(REPO / "configs" / path)
+    assert type(cfg.pretrain) is schema and cfg.pretrain == schema()
+    assert METHODS[schema][1] in vars(cfg.algo)            # the algo key naming the file it writes
+    save_config(cfg, tmp_path / "config.yaml")             # the resolved section is saved and reloads
+    assert load_config(tmp_path / "config.yaml").pretrain == cfg.pretrain
+
+
+def test_defaults_are_the_methods_and_live_in_the_schema():
+    assert (FlowBCPretrainConfig().epochs, FlowBCPretrainConfig().batch_size, FlowBCPretrainConfig().lr) == (50, 256, 1e-3)
+    assert (TextSFTPretrainConfig().batch_size, TextSFTPretrainConfig().tasks_per_form) == (32, 200)
+    assert (EDMPretrainConfig().steps, EDMPretrainConfig().eval_samples, EDMPretrainConfig().device) == (2000, 1000, "auto")
+
+
+def test_config_mistakes_in_the_section_name_the_key():
+    base = {"algorithm": "fed_grpo", "env": {"family": "molecules", "id": "qm9"}}
+    with pytest.raises(ConfigError, match=r"pretrain\.stepz.*pretrain\.steps"):
+        config_from_dict({**base, "pretrain": {"stepz": 3}})
+    with pytest.raises(ConfigError, match=r"pretrain\.max_minutes.*>= 0"):
+        config_from_dict({**base, "pretrain": {"max_minutes": -1}})
+    with pytest.raises(ConfigError, match=r"pretrain\.device"):
+        config_from_dict({**base, "pretrain": {"device": "tpu"}})
+    with pytest.raises(ConfigError, match=r"config key 'pretrain': algorithm 'ppo' has no pretraining"):
+        config_from_dict({"algorithm": "ppo", "pretrain": {"epochs": 3}})
+    assert config_from_dict({"algorithm": "ppo"}).pretrain is None
+
+
+def test_the_entry_point_refuses_two_sft_budgets_and_an_algorithm_without_pretraining():
+    cfg = load_config(REPO / "configs/flow_grpo/forms_small.yaml", ["pretrain.steps=3", "pretrain.epochs=1"])
+    with pytest.raises(ConfigError, match=r"'pretrain\.steps' and 'pretrain\.epochs'"):
+        pretraining.pretrain(cfg, progress=False)
+    with pytest.raises(ConfigError, match="has no pretraining"):
+        pretraining.pretrain(config_from_dict({"algorithm": "ppo"}), progress=False)
+
+
+def test_cli_flags_and_overrides_set_the_section_the_entry_point_runs(tmp_path, monkeypatch, capsys):
+    seen = []
+    monkeypatch.setattr(pretraining, "pretrain", lambda cfg, progress: seen.append(cfg.pretrain) or {"ok": 1})
+    config = tmp_path / "edm.yaml"
+    config.write_text(yaml.safe_dump({**yaml.safe_load((REPO / "configs/fed_grpo/qm9_small.yaml").read_text()),
+                                      "pretrain": {"steps": 10, "eval_samples": 8}}))
+    assert main(["pretrain", str(config), "--steps", "20", "--resume", "pretrain.curve_every=5"]) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == {"ok": 1}
+    p = seen[-1]
+    # the file's section, a flag over it, an override, and the schema's defaults for the rest
+    assert (p.steps, p.eval_samples, p.resume, p.curve_every, p.device) == (20, 8, True, 5, "auto")
+
+
+def test_a_flag_the_method_does_not_take_is_refused_naming_what_it_takes(monkeypatch, capsys):
+    monkeypatch.setattr(pretraining, "pretrain", lambda cfg, progress: pytest.fail("ran"))
+    assert main(["pretrain", str(REPO / "configs/flow_grpo/forms_small.yaml"), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "--resume: flow_grpo's pretraining (text_sft) has no such setting; it takes --out, --steps" in err
+    assert main(["pretrain", str(REPO / "configs/fpopp/lift_state_quickstart.yaml"), "--copy-aux", "1"]) == 2
+    assert "--copy-aux: fpopp's pretraining (flow_bc)" in capsys.readouterr().err
+    assert main(["pretrain", str(REPO / "configs/ppo/pendulum.yaml")]) == 2
+    assert "algorithm 'ppo' has no pretraining" in capsys.readouterr().err
