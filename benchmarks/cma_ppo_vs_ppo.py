@@ -45,7 +45,7 @@ SIDES = ["cma_ppo", "cma_ppo_4k", "ppo", "rllib"]
 LABELS = {"cma_ppo": "CMA-PPO (spec defaults)", "cma_ppo_4k": "CMA-PPO (4k steps/iter, policy kernel)",
           "ppo": "PPO (flowrl_ray)", "rllib": "PPO (RLlib)"}
 #: cma_ppo_4k: 2 workers x 4 envs x 512 steps = 4,096 per iteration
-CMA_4K = ["runtime.envs_per_worker=4", "runtime.rollout_length=512", "algo.batch_size=512", "algo.n_updates=12",
+CMA_4K = ["runtime.envs_per_worker=4", "runtime.rollout_length=512", "algo.minibatch_size=512", "algo.epochs=12",
           "algo.kernel=policy"]
 
 

@@ -64,7 +64,7 @@ def one_update(cfg, lr: float) -> dict:
     from flowrl_ray.batch import Batch, BatchMeta
     from flowrl_ray.config import apply_overrides, config_from_dict
     from flowrl_ray.envs import EnvSpec
-    cfg = config_from_dict(apply_overrides(cfg, [f"algo.learning_rate={lr}"]))
+    cfg = config_from_dict(apply_overrides(cfg, [f"algo.lr={lr}"]))
     torch.manual_seed(cfg.seed)
     algo = FlowGRPO(cfg, EnvSpec(obs_shape=(1,), action_dim=1), torch.device("cpu"))
     chunks = algo.generate(1, "train")

@@ -88,7 +88,7 @@ def make_config(args: argparse.Namespace):
                  "flow_steps": args.flow_steps, "n_mc": args.n_mc, "clip": 0.05, "use_aspo": False,
                  "ratio_mode": "per_sample", "cfm_loss_clamp": 0.0, "cfm_diff_clamp": 5.0,
                  "gamma": 0.99, "gae_lambda": 0.99, "epochs": 1, "minibatch_size": args.minibatch,
-                 "actor_lr": 1e-5, "critic_lr": 1e-4, "weight_decay": 1e-4, "max_grad_norm": 1.0,
+                 "lr": 1e-5, "critic_lr": 1e-4, "weight_decay": 1e-4, "max_grad_norm": 1.0,
                  "critic_warmup_iters": 0, "normalize_advantages": True, "target_kl": None}})
 
 

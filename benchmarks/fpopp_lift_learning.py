@@ -80,7 +80,7 @@ def main() -> None:
         run_cfg, _, policy = load_policy(run_dir)
         results["runs"].append({"run_dir": str(run_dir), **run_summary(run_dir),
                                 "ratio_mode": run_cfg.algo.ratio_mode, "n_mc": run_cfg.algo.n_mc,
-                                "actor_lr": run_cfg.algo.actor_lr, "base_policy": base_key(run_cfg),
+                                "actor_lr": run_cfg.algo.lr, "base_policy": base_key(run_cfg),
                                 "act_steps": run_cfg.env.act_steps,
                                 "final": evaluate(policy, run_cfg, args.eval_episodes)})
     results["eval_time_s"] = round(time.perf_counter() - t0, 1)

@@ -335,12 +335,30 @@ def check_known_keys(data: dict, allowed: list[str], prefix: str) -> None:
             raise ConfigError(f"unknown config key '{prefix}{key}'{hint}")
 
 
+def resolve_aliases(cls: type, data: dict, prefix: str) -> dict:
+    """One name per concept: a section's ``ALIASES`` (a class attribute of its dataclass: earlier
+    or paper names, e.g. Flow-GRPO's ``learning_rate`` for ``lr``) are accepted in configs,
+    overrides and old run directories and mapped to the one name; both given is a ConfigError."""
+    aliases = getattr(cls, "ALIASES", None)
+    if not aliases or not any(k in data for k in aliases):
+        return data
+    data = dict(data)
+    for alias, name in aliases.items():
+        if alias in data:
+            if name in data:
+                raise ConfigError(f"config keys '{prefix}{alias}' and '{prefix}{name}': one setting given "
+                                  f"twice ('{alias}' is another name of '{name}')")
+            data[name] = data.pop(alias)
+    return data
+
+
 def _build(cls: type, data: dict, prefix: str) -> Any:
     if not isinstance(data, dict):
         raise ConfigError(f"config key '{prefix.rstrip('.') or '<root>'}': expected a mapping, "
                           f"got {data!r}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    data = resolve_aliases(cls, data, prefix)
     check_known_keys(data, list(fields), prefix)
     kwargs = {}
     for name, f in fields.items():
@@ -456,6 +474,9 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """``key.sub=value`` overrides on a config mapping. An override of an `algo` key given by
+    either of its names (see :func:`resolve_aliases`) replaces the setting however the file
+    named it."""
     data = _deepcopy(data)
     for text in overrides:
         path, value = parse_override(text)
@@ -467,8 +488,24 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             if not isinstance(child, dict):
                 raise ConfigError(f"override {text!r}: '{part}' is not a section")
             node = child
+        if len(path) == 2 and path[0] == "algo":
+            aliases = _algo_aliases(data.get("algorithm", "ppo"))
+            name = aliases.get(path[-1], path[-1])
+            for key in [name, *(a for a, n in aliases.items() if n == name)]:
+                node.pop(key, None)
+            path = path[:-1] + [name]
         node[path[-1]] = value
     return data
+
+
+def _algo_aliases(algorithm: Any) -> dict:
+    """The `algo` section's ALIASES of an algorithm name ({} when it does not resolve: the config
+    check then names the key)."""
+    from flowrl_ray.algorithms import get_algorithm
+    try:
+        return dict(getattr(get_algorithm(algorithm).config_class, "ALIASES", None) or {})
+    except ConfigError:
+        return {}
 
 
 def _deepcopy(data: Any) -> Any:

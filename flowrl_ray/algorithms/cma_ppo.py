@@ -10,7 +10,7 @@ Per iteration (pre-tanh actions a, advantages A from GAE):
     (2) mean       on the current iteration's CMA batch:
                    L_mean = -mean(w * log N(a' | mu(s), var(s).detach()))
     (3) value      on the current iteration: MSE(V(s), returns)
-Unclipped, no entropy bonus, `n_updates` epochs each. The variance step before the mean step is
+Unclipped, no entropy bonus, `epochs` epochs each. The variance step before the mean step is
 the CMA-ES rank-mu order: the distribution's shape adapts from where the mean was.
 """
 
@@ -33,13 +33,15 @@ from flowrl_ray.models.cma import CMAPolicy
 
 @dataclass
 class CMAPPOConfig:
+    #: earlier or paper names of keys, accepted and mapped to the one name (config.py)
+    ALIASES = {"lam": "gae_lambda", "n_updates": "epochs", "batch_size": "minibatch_size"}
     gamma: float = field(default=0.99, metadata=check(ge=0, le=1))
-    lam: float = field(default=0.95, metadata=check(ge=0, le=1))
+    gae_lambda: float = field(default=0.95, metadata=check(ge=0, le=1))
     lr_mean: float = field(default=3e-4, metadata=check(gt=0))
     lr_var: float = field(default=3e-4, metadata=check(gt=0))
     lr_value: float = field(default=1e-3, metadata=check(gt=0))
-    batch_size: int = field(default=2048, metadata=check(gt=0))        # minibatch size
-    n_updates: int = field(default=5, metadata=check(gt=0))            # epochs per network
+    minibatch_size: int = field(default=2048, metadata=check(gt=0))
+    epochs: int = field(default=5, metadata=check(gt=0))               # epochs per network
     history_size: int = field(default=5, metadata=check(gt=0))
     kernel_std: float = field(default=0.1, metadata=check(gt=0))
     kernel: Literal["fixed", "policy"] = "fixed"     # policy: the policy's own per-dim variance
@@ -119,7 +121,7 @@ class CMAPPO(EnvStepAlgorithm):
 
     def prepare(self, batches: list[Batch]) -> dict[str, torch.Tensor]:
         c = self.c
-        return advantages_from_rollouts(batches, self._policy.value, c.gamma, c.lam, c.reward_scale, self.device)
+        return advantages_from_rollouts(batches, self._policy.value, c.gamma, c.gae_lambda, c.reward_scale, self.device)
 
     # ------------------------------------------------------------------ the CMA batch of one entry
     @torch.no_grad()
@@ -132,15 +134,15 @@ class CMAPPO(EnvStepAlgorithm):
         return batch
 
     def _epochs(self, batch: dict, loss_fn, optimizer) -> float:
-        """n_updates epochs of shuffled minibatches; returns the mean loss.
+        """`epochs` epochs of shuffled minibatches; returns the mean loss.
 
         Mean, variance and value networks each have their own loss and optimiser, stepped in
         turn, so each gradient is clipped by its own norm: per-network clipping is what this
         always did.
         """
         losses, m = [], next(iter(batch.values())).shape[0]
-        for _ in range(self.c.n_updates):
-            for idx in minibatches(m, self.c.batch_size, self.generator, self.device):
+        for _ in range(self.c.epochs):
+            for idx in minibatches(m, self.c.minibatch_size, self.generator, self.device):
                 loss = loss_fn({k: v[idx] for k, v in batch.items()})
                 _, stepped = optimizer_step(loss, optimizer, self.c.max_grad_norm)
                 self.skipped_updates += int(not stepped)

@@ -78,18 +78,20 @@ class ShapingConfig:
 
 @dataclass
 class FEDGRPOConfig:
+    #: earlier or paper names of keys, accepted and mapped to the one name (config.py)
+    ALIASES = {"learning_rate": "lr", "clip_range": "clip", "kl_penalty_weight": "kl_coeff"}
     model: EDMModelConfig = field(default_factory=EDMModelConfig)
     base_model: Optional[str] = None           # `flowrl-ray pretrain` output: start and KL reference
     sample_group_size: int = field(default=4, metadata=check(gt=0))     # prompts per iteration
     each_prompt_sample: int = field(default=24, metadata=check(gt=1))   # G, samples per prompt
     shared_prefix_steps: int = field(default=0, metadata=check(ge=0))
-    learning_rate: float = field(default=4e-6, metadata=check(gt=0))
+    lr: float = field(default=4e-6, metadata=check(gt=0))
     lr_schedule: Literal["constant", "cosine"] = "constant"
     warmup_steps: int = field(default=0, metadata=check(ge=0))          # optimiser steps
     min_lr_ratio: float = field(default=0.0, metadata=check(ge=0, le=1))
     weight_decay: float = field(default=0.0, metadata=check(ge=0))
-    clip_range: float = field(default=2e-3, metadata=check(gt=0))
-    kl_penalty_weight: float = field(default=0.04, metadata=check(ge=0))
+    clip: float = field(default=2e-3, metadata=check(gt=0))
+    kl_coeff: float = field(default=0.04, metadata=check(ge=0))
     force_adv_weight: float = field(default=1.0, metadata=check(ge=0))
     energy_adv_weight: float = field(default=0.1, metadata=check(ge=0))
     stability_adv_weight: float = field(default=0.0, metadata=check(ge=0))   # w_S: the stability channel
@@ -252,7 +254,7 @@ class FEDGRPO(GroupAlgorithm):
             histogram = np.asarray(ckpt["node_histogram"], dtype=np.float64)
         self.node_distribution = NodeDistribution(histogram)
         self.reference = frozen_copy(self.model)               # the base model, for the KL penalty
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.c.learning_rate,
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.c.lr,
                                      weight_decay=self.c.weight_decay)
         rows = self.c.sample_group_size * self.c.each_prompt_sample
         steps_per_iter = math.ceil(math.ceil(rows / self.c.train_micro_batch_size)
@@ -383,20 +385,20 @@ class FEDGRPO(GroupAlgorithm):
                     logp, mu = step_log_prob(self.model, z[j, rows], z[j + 1, rows], t, node_mask[rows])  # [b], [b, N, D]
                     ratio = torch.exp(logp - logp_old[j, rows])
                     a = adv[rows, j]
-                    pg = -ppo_clip_objective(ratio, a, c.clip_range).mean()
+                    pg = -ppo_clip_objective(ratio, a, c.clip).mean()
                     loss = pg
                     kl = torch.zeros(())
-                    if c.kl_penalty_weight > 0:
+                    if c.kl_coeff > 0:
                         with torch.no_grad():
                             _, mu_ref = step_log_prob(self.reference, z[j, rows], z[j + 1, rows], t, node_mask[rows])
                         kl = reference_kl(mu, mu_ref, sigma[j], node_mask[rows]).mean()
-                        loss = loss + c.kl_penalty_weight * kl
+                        loss = loss + c.kl_coeff * kl
                     if not acc.backward(loss / (c.gradient_accumulation_steps * k_steps)):
                         break
                     with torch.no_grad():
                         for name, v in (("pg_loss", pg), ("kl", kl), ("ratio_mean", ratio.mean()),
                                         ("ratio_max", ratio.max()), ("ratio_min", ratio.min()),
-                                        ("clipfrac", ((ratio - 1).abs() > c.clip_range).float().mean())):
+                                        ("clipfrac", ((ratio - 1).abs() > c.clip).float().mean())):
                             stats.setdefault(name, []).append(float(v))
                 if not acc.finite:
                     break

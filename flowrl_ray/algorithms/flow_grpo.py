@@ -85,11 +85,13 @@ class MaskedLMConfig:
 
 @dataclass
 class FlowGRPOConfig:
+    #: earlier or paper names of keys, accepted and mapped to the one name (config.py)
+    ALIASES = {"learning_rate": "lr", "clip_range": "clip", "grad_clip": "max_grad_norm"}
     model: MaskedLMConfig = field(default_factory=MaskedLMConfig)
     sft_checkpoint: Optional[str] = None       # `flowrl-ray pretrain` output: start and KL reference
     prompts_per_iteration: int = field(default=8, metadata=check(gt=0))
     group_size: int = field(default=2, metadata=check(gt=1))
-    learning_rate: float = field(default=1e-5, metadata=check(gt=0))
+    lr: float = field(default=1e-5, metadata=check(gt=0))
     epochs: int = field(default=2, metadata=check(gt=0))               # passes over each batch (2-4)
     minibatch_groups: Optional[int] = field(default=None, metadata=check(gt=0))   # whole groups per
     #                                          optimiser step; None: all prompts_per_iteration groups
@@ -98,9 +100,9 @@ class FlowGRPOConfig:
     kl_coeff: float = field(default=0.04, metadata=check(ge=0))
     kl_estimator: str = "step"                 # step: k3 of the step's joint log-ratio (the spec's);
     #                                          token: the sum of the step's per-token k3 (see kl_penalty)
-    clip_range: float = field(default=0.2, metadata=check(gt=0))
+    clip: float = field(default=0.2, metadata=check(gt=0))
     adv_clip_max: float = field(default=5.0, metadata=check(gt=0))
-    grad_clip: float = field(default=1.0, metadata=check(gt=0))
+    max_grad_norm: float = field(default=1.0, metadata=check(gt=0))
     num_generation_steps: int = field(default=10, metadata=check(gt=0))
     sampler: str = "gumbel_topk"               # which positions a step unmasks: gumbel_topk |
     #                                          confidence_topk (the ReFusion reference generate)
@@ -193,7 +195,7 @@ class FlowGRPO(GroupAlgorithm):
         # of its SFT adapter), never a second copy of an 8B base
         self.reference = KLReference(self.lm.model) if self.c.kl_coeff > 0 else None
         params = [p for p in self.lm.model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(params, lr=self.c.learning_rate, weight_decay=0.0)
+        self.opt = torch.optim.AdamW(params, lr=self.c.lr, weight_decay=0.0)
         forms = FormsSettings.from_env_cfg(cfg.env)
         self.catalog = FormCatalog.load(forms.forms_dir)
         # the RL prompts: a task file's tasks (env.kwargs.task_file) or the config's split
@@ -328,7 +330,7 @@ class FlowGRPO(GroupAlgorithm):
         sampler_gap = 0.0                  # |recomputed - sampler's| old log-prob: numerics only
         ratios: list[torch.Tensor] = []
         stats: dict[str, list[float]] = {}
-        acc = Accumulator([self.opt], c.grad_clip)            # one optimiser step per minibatch
+        acc = Accumulator([self.opt], c.max_grad_norm)            # one optimiser step per minibatch
         acc.zero_grad()
         for plan in epochs:
             for mb, picked in plan:
@@ -351,7 +353,7 @@ class FlowGRPO(GroupAlgorithm):
                         sampler_gap = max(sampler_gap, float(gap.max()) if gap.numel() else 0.0)
                     log_ratio = logp - old[mb, s]
                     ratio = torch.exp(log_ratio)
-                    pg = -ppo_clip_objective(ratio, a, c.clip_range)
+                    pg = -ppo_clip_objective(ratio, a, c.clip)
                     kl = (kl_penalty(token_logp, ref[mb, s], c.kl_estimator) if c.kl_coeff > 0
                           else torch.zeros_like(logp))
                     loss = ((pg + c.kl_coeff * kl) * weight).sum()
@@ -364,7 +366,7 @@ class FlowGRPO(GroupAlgorithm):
                         ratios.append(r)
                         for k, v in {"pg_loss": (pg * w).sum(), "kl": (kl * w).sum(),
                                      "approx_kl": (k3(log_ratio) * w).sum(),
-                                     "clipfrac": (((ratio - 1).abs() > c.clip_range).double() * w).sum()}.items():
+                                     "clipfrac": (((ratio - 1).abs() > c.clip).double() * w).sum()}.items():
                             stats.setdefault(k, []).append(float(v))
                 finite_loss = acc.finite
                 if not finite_loss:

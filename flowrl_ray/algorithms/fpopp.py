@@ -48,6 +48,8 @@ from flowrl_ray.models.flow import FlowPolicy, ValueMLP, random_shift, sum_rows
 
 @dataclass
 class FPOPPConfig:
+    #: earlier or paper names of keys, accepted and mapped to the one name (config.py)
+    ALIASES = {"actor_lr": "lr", "actor_lr_warmup_iters": "lr_warmup_iters"}
     base_policy: Optional[str] = None   # a `flowrl-ray pretrain` checkpoint; None: random init
     # the flow policy (must match the base policy's; `flowrl-ray pretrain` reads the same keys)
     hidden_sizes: list = field(default_factory=lambda: [512, 512, 512])
@@ -88,13 +90,13 @@ class FPOPPConfig:
     minibatch_size: int = field(default=500, metadata=check(gt=0))
     grad_accumulation: int = field(default=1, metadata=check(gt=0))  # minibatch split in parts
     normalize_advantages: bool = True
-    actor_lr: float = field(default=1e-5, metadata=check(gt=0))
+    lr: float = field(default=1e-5, metadata=check(gt=0))
     critic_lr: float = field(default=1e-4, metadata=check(gt=0))
     lr_schedule: Literal["constant", "cosine"] = "constant"
     # Linear warm-up of the actor's lr over its first iterations: Adam's first steps are
     # lr * sign(g) on every weight, a large move in function space while its moment
     # estimates are still empty.
-    actor_lr_warmup_iters: int = field(default=0, metadata=check(ge=0))
+    lr_warmup_iters: int = field(default=0, metadata=check(ge=0))
     weight_decay: float = field(default=0.0, metadata=check(ge=0))
     vf_coef: float = field(default=0.5, metadata=check(ge=0))
     max_grad_norm: float = field(default=1.0, metadata=check(gt=0))
@@ -171,12 +173,12 @@ class FPOPP(EnvStepAlgorithm):
         if c.base_policy is not None:
             self._policy.load_state_dict(load_base_policy(c.base_policy)["policy"])
         self.critic = ValueMLP(spec.obs_dim, c.critic_hidden_sizes, image_shape(cfg), c.feature_dim).to(device)
-        self.actor_opt = torch.optim.AdamW(self._policy.parameters(), lr=c.actor_lr, weight_decay=c.weight_decay)
+        self.actor_opt = torch.optim.AdamW(self._policy.parameters(), lr=c.lr, weight_decay=c.weight_decay)
         self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=c.critic_lr, weight_decay=c.weight_decay)
         # The actor's schedule counts its own iterations: it starts after the critic warm-up,
         # so it has that many fewer to reach its end (its warm-up counts actor iterations too).
         actor_iterations = max(1, cfg.train.iterations - c.critic_warmup_iters)
-        actor_schedule = lr_multiplier(c.lr_schedule, actor_iterations, c.actor_lr_warmup_iters)
+        actor_schedule = lr_multiplier(c.lr_schedule, actor_iterations, c.lr_warmup_iters)
         critic_schedule = lr_multiplier(c.lr_schedule, cfg.train.iterations)
         self.schedulers = [torch.optim.lr_scheduler.LambdaLR(self.actor_opt, actor_schedule),
                            torch.optim.lr_scheduler.LambdaLR(self.critic_opt, critic_schedule)]

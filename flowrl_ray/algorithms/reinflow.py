@@ -54,6 +54,8 @@ from flowrl_ray.optim import load_scheduler, lr_multiplier
 
 @dataclass
 class ReinFlowConfig:
+    #: earlier or paper names of keys, accepted and mapped to the one name (config.py)
+    ALIASES = {"actor_lr": "lr", "actor_lr_warmup_iters": "lr_warmup_iters"}
     base_policy: Optional[str] = None   # a `flowrl-ray pretrain` checkpoint; None: random init
     # the flow policy (must match the base policy's; `flowrl-ray pretrain` reads the same keys)
     hidden_sizes: list = field(default_factory=lambda: [512, 512, 512])
@@ -81,11 +83,11 @@ class ReinFlowConfig:
     epochs: int = field(default=5, metadata=check(gt=0))
     minibatch_size: int = field(default=500, metadata=check(gt=0))
     normalize_advantages: bool = True
-    actor_lr: float = field(default=4.5e-5, metadata=check(gt=0))   # the velocity network
-    noise_lr: Optional[float] = field(default=None, metadata=check(gt=0))   # None: actor_lr
+    lr: float = field(default=4.5e-5, metadata=check(gt=0))   # the velocity network
+    noise_lr: Optional[float] = field(default=None, metadata=check(gt=0))   # None: lr
     critic_lr: float = field(default=6.5e-4, metadata=check(gt=0))
     lr_schedule: Literal["constant", "cosine"] = "constant"
-    actor_lr_warmup_iters: int = field(default=0, metadata=check(ge=0))
+    lr_warmup_iters: int = field(default=0, metadata=check(ge=0))
     weight_decay: float = field(default=0.0, metadata=check(ge=0))
     vf_coef: float = field(default=0.5, metadata=check(ge=0))
     max_grad_norm: float = field(default=1.0, metadata=check(gt=0))
@@ -207,12 +209,12 @@ class ReinFlow(EnvStepAlgorithm):
         # one optimiser for the actor (its grad norm is clipped as one), the velocity and the
         # noise network in two groups with their own learning rates
         self.actor_opt = torch.optim.AdamW(
-            [{"params": flow_params, "lr": c.actor_lr},
-             {"params": noise_params, "lr": c.noise_lr if c.noise_lr is not None else c.actor_lr}],
+            [{"params": flow_params, "lr": c.lr},
+             {"params": noise_params, "lr": c.noise_lr if c.noise_lr is not None else c.lr}],
             weight_decay=c.weight_decay)
         self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=c.critic_lr, weight_decay=c.weight_decay)
         actor_iterations = max(1, cfg.train.iterations - c.critic_warmup_iters)
-        actor_schedule = lr_multiplier(c.lr_schedule, actor_iterations, c.actor_lr_warmup_iters)
+        actor_schedule = lr_multiplier(c.lr_schedule, actor_iterations, c.lr_warmup_iters)
         critic_schedule = lr_multiplier(c.lr_schedule, cfg.train.iterations)
         self.schedulers = [torch.optim.lr_scheduler.LambdaLR(self.actor_opt, actor_schedule),
                            torch.optim.lr_scheduler.LambdaLR(self.critic_opt, critic_schedule)]

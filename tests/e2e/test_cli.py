@@ -59,7 +59,7 @@ def test_train_resume_eval_plot(tmp_path):
 def test_cma_ppo_trains_and_evaluates_through_the_cli(tmp_path):
     run = tmp_path / "cma"
     proc = _cli("train", "configs/cma_ppo/pendulum.yaml", *TINY_RUNTIME, "env.max_episode_steps=50", "eval.interval=2",
-                "eval.episodes=2", "algo.batch_size=64", "--run-dir", str(run), "--no-tensorboard")
+                "eval.episodes=2", "algo.minibatch_size=64", "--run-dir", str(run), "--no-tensorboard")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_metrics(run)
     assert [r["iteration"] for r in rows] == [1, 2, 3]

@@ -16,7 +16,7 @@ def test_pretrain_train_eval_through_the_cli(tmp_path, capsys):
     from flowrl_ray.cli import main
     base, run, config = tmp_path / "edm.pt", tmp_path / "run", tmp_path / "fed.yaml"
     data = _config(base_model=str(base), shaping={"mode": "pbrs_return_to_go", "stride": 2},
-                   shared_prefix_steps=2, learning_rate=1e-4)
+                   shared_prefix_steps=2, lr=1e-4)
     config.write_text(yaml.safe_dump(data))
     assert main(["pretrain", str(config), "--steps", "3", "--batch-size", "8", "--eval-samples", "4"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

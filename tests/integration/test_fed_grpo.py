@@ -27,7 +27,7 @@ def _objective_gradient(algo: FEDGRPO, prepared: dict) -> list[torch.Tensor]:
     return grads
 
 def test_update_starts_at_ratio_one_and_moves_up_the_advantage_weighted_log_prob():
-    algo = _algo(learning_rate=1e-6, clip_range=10.0, kl_penalty_weight=0.0)
+    algo = _algo(lr=1e-6, clip=10.0, kl_coeff=0.0)
     chunks = algo.generate(2)
     prepared = algo.prepare(_scored(chunks, force=[1, 2, 3, 3, 2, 1], energy=[0] * 6))
     grads = _objective_gradient(algo, prepared)
@@ -43,12 +43,12 @@ def test_update_starts_at_ratio_one_and_moves_up_the_advantage_weighted_log_prob
     assert step > 0
 
 def test_kl_penalty_is_zero_at_the_start_and_grows_after_updates():
-    algo = _algo(learning_rate=1e-3, clip_range=10.0, kl_penalty_weight=0.04, epochs=2)
+    algo = _algo(lr=1e-3, clip=10.0, kl_coeff=0.04, epochs=2)
     chunks = algo.generate(2)
     metrics = algo.update(algo.prepare(_scored(chunks, force=[1, 2, 3, 3, 2, 1], energy=[0] * 6)))
     # epoch 1 at the reference (kl 0), epoch 2 after one step (kl > 0): the mean is positive
     assert metrics["kl"] > 0
-    first = _algo(kl_penalty_weight=0.04)
+    first = _algo(kl_coeff=0.04)
     m0 = first.update(first.prepare(_scored(first.generate(1), force=[1, 2, 3, 3, 2, 1], energy=[0] * 6)))
     assert m0["kl"] == pytest.approx(0.0, abs=1e-12)
 

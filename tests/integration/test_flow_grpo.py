@@ -41,7 +41,7 @@ def test_recorded_behaviour_log_probs_give_first_epoch_ratios_of_one(sft_dir):
 @pytest.mark.parametrize("kl_estimator", ["step", "token"])
 def test_tied_rewards_leave_the_model_unchanged(sft_dir, kl_estimator):
     # A = 0 for every rollout and k3's gradient is 0 while theta == ref: no update at all.
-    algo = _algorithm(sft_dir, learning_rate=1e-2, kl_estimator=kl_estimator)
+    algo = _algorithm(sft_dir, lr=1e-2, kl_estimator=kl_estimator)
     before = {k: v.clone() for k, v in algo.lm.model.state_dict().items()}
     chunks = algo.generate(1, "train")
     metrics = algo.update(algo.prepare(_scored(algo, chunks, [0.5, 0.5, 0.5, 0.5])))
@@ -52,7 +52,7 @@ def test_tied_rewards_leave_the_model_unchanged(sft_dir, kl_estimator):
 def test_update_raises_the_log_prob_of_the_better_rollout_and_moves_away_from_the_reference(sft_dir):
     from flowrl_ray.models.masked_diffusion import trajectory_log_probs
     from flowrl_ray.utils import frozen_copy
-    algo = _algorithm(sft_dir, learning_rate=3e-3, epochs=1, kl_coeff=0.0)
+    algo = _algorithm(sft_dir, lr=3e-3, epochs=1, kl_coeff=0.0)
     assert algo.reference is None                     # no KL term: no reference kept
     start = frozen_copy(algo.lm.model)
     chunks = algo.generate(1, "train")
@@ -139,7 +139,7 @@ def test_update_plan_uses_whole_groups_and_k_of_s_steps_and_resumes_the_same_pic
 
 def test_update_takes_one_step_per_minibatch_per_epoch_and_reports_the_metrics(sft_dir):
     algo = _algorithm(sft_dir, prompts_per_iteration=2, minibatch_groups=1, epochs=2, timestep_fraction=0.5,
-                      learning_rate=1e-3)
+                      lr=1e-3)
     chunks = algo.generate(1, "train")
     metrics = algo.update(algo.prepare(_scored_with(algo, chunks, [1.0, 0.0, 0.0, 1.0], ["", "", "", ""])))
     assert metrics["flow_grpo/optimizer_steps"] == 4 and metrics["flow_grpo/steps"] == 6
@@ -152,7 +152,7 @@ def test_update_takes_one_step_per_minibatch_per_epoch_and_reports_the_metrics(s
     assert metrics["kl"] > 0 and metrics["invalid_episodes"] == 0
 
 def test_invalid_episodes_are_counted_and_left_out_of_the_loss(sft_dir):
-    algo = _algorithm(sft_dir, learning_rate=1e-2)
+    algo = _algorithm(sft_dir, lr=1e-2)
     before = {k: v.clone() for k, v in algo.lm.model.state_dict().items()}
     chunks = algo.generate(1, "train")
     # each group has one valid member: no advantage; the invalid ones would have +-1 if counted as 0
@@ -165,7 +165,7 @@ def test_invalid_episodes_are_counted_and_left_out_of_the_loss(sft_dir):
     assert all(torch.equal(before[k], after[k]) for k in before)       # A = 0 and k3 = 0 at theta = ref
 
 def test_a_non_finite_loss_skips_and_counts_the_minibatch_step(sft_dir):
-    algo = _algorithm(sft_dir, learning_rate=1e-2, epochs=2)
+    algo = _algorithm(sft_dir, lr=1e-2, epochs=2)
     before = {k: v.clone() for k, v in algo.lm.model.state_dict().items()}
     chunks = algo.generate(1, "train")
     p = algo.prepare(_scored(algo, chunks, [1.0, 0.0, 0.0, 1.0]))
@@ -181,7 +181,7 @@ def test_the_kl_estimator_setting_reaches_the_update(sft_dir):
     moved, is the chosen estimator's, so the logged KL and the weights differ."""
     logged, weights = {}, {}
     for estimator in ("step", "token"):
-        algo = _algorithm(sft_dir, learning_rate=1e-2, kl_coeff=1.0, kl_estimator=estimator)
+        algo = _algorithm(sft_dir, lr=1e-2, kl_coeff=1.0, kl_estimator=estimator)
         chunks = algo.generate(1, "train")
         logged[estimator] = algo.update(algo.prepare(_scored(algo, chunks, [1.0, 0.0, 1.0, 0.0])))["flow_grpo/kl"]
         weights[estimator] = {k: v.clone() for k, v in algo.lm.model.state_dict().items()}

@@ -14,7 +14,7 @@ from unit.algorithms.test_fpopp import _rollout_batch, tiny_cfg
 
 
 def test_update_freezes_the_actor_during_critic_warmup_then_moves_it():
-    cfg = tiny_cfg(critic_warmup_iters=1, actor_lr=1e-3)
+    cfg = tiny_cfg(critic_warmup_iters=1, lr=1e-3)
     algo = FPOPP(cfg, EnvSpec((19,), 7), torch.device("cpu"))
     actor0 = copy.deepcopy(algo.policy.state_dict())
     critic0 = copy.deepcopy(algo.critic.state_dict())
@@ -30,7 +30,7 @@ def test_update_freezes_the_actor_during_critic_warmup_then_moves_it():
         assert key in m and m[key] == m[key], key                     # present and not NaN
 
 def test_actor_lr_warms_up_over_its_own_iterations_and_the_critics_does_not():
-    cfg = tiny_cfg(critic_warmup_iters=1, actor_lr=1e-3, critic_lr=1e-2, actor_lr_warmup_iters=4)
+    cfg = tiny_cfg(critic_warmup_iters=1, lr=1e-3, critic_lr=1e-2, lr_warmup_iters=4)
     algo = FPOPP(cfg, EnvSpec((19,), 7), torch.device("cpu"))
     actor_lrs, critic_lrs = [], []
     for i in range(6):
@@ -42,7 +42,7 @@ def test_actor_lr_warms_up_over_its_own_iterations_and_the_critics_does_not():
     assert critic_lrs == pytest.approx([1e-2] * 6)
 
 def test_target_kl_stops_the_actor_and_the_critic_goes_on():
-    cfg = tiny_cfg(critic_warmup_iters=0, actor_lr=3e-2, epochs=20, target_kl=1e-4, minibatch_size=32)
+    cfg = tiny_cfg(critic_warmup_iters=0, lr=3e-2, epochs=20, target_kl=1e-4, minibatch_size=32)
     algo = FPOPP(cfg, EnvSpec((19,), 7), torch.device("cpu"))
     m = algo.update(algo.prepare([_rollout_batch(algo)]))
     # 32 samples = 1 minibatch per epoch: the first step is on policy (KL 0), the second is past

@@ -23,7 +23,7 @@ def test_fpopp_actor_step_does_not_depend_on_the_critic_gradient():
     runs = {}
     for vf_coef in (0.5, 5000.0):
         torch.manual_seed(0)                                  # the same initial actor and critic
-        algo = FPOPP(fpopp_cfg(critic_warmup_iters=0, actor_lr=1e-3, vf_coef=vf_coef, max_grad_norm=1.0),
+        algo = FPOPP(fpopp_cfg(critic_warmup_iters=0, lr=1e-3, vf_coef=vf_coef, max_grad_norm=1.0),
                      spec, torch.device("cpu"))
         metrics = algo.update(algo.prepare([fpopp_rollout_batch(algo)]))
         runs[vf_coef] = (copy.deepcopy(algo.policy.state_dict()), metrics)

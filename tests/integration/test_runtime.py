@@ -106,7 +106,7 @@ def _resume_config(algorithm: str):
     from flowrl_ray.config import load_config
     # history_size 2: the checkpoint at iteration 2 holds a full history that iteration 3 reuses.
     return load_config(REPO / "configs" / "cma_ppo" / "pendulum.yaml",
-                       TINY_RUNTIME + resume + ["algo.batch_size=64", "algo.n_updates=2", "algo.history_size=2",
+                       TINY_RUNTIME + resume + ["algo.minibatch_size=64", "algo.epochs=2", "algo.history_size=2",
                                                 "algo.hidden_sizes=[16, 16]", "algo.mirror_sampling=resample"])
 
 

@@ -2,7 +2,8 @@
 
 import pytest
 
-from flowrl_ray.config import ConfigError, apply_overrides, load_config, parse_override, read_yaml
+from flowrl_ray.config import (ConfigError, apply_overrides, config_from_dict, load_config, parse_override,
+                               read_yaml, save_config)
 
 from conftest import PENDULUM, REPO
 
@@ -127,3 +128,30 @@ def test_bad_env_id_is_a_config_error():
 def test_hidden_sizes_must_be_positive_ints(config, sizes):
     with pytest.raises(ConfigError, match="algo.hidden_sizes"):
         load_config(REPO / "configs" / config, [f"algo.hidden_sizes={sizes}"])
+
+
+def test_one_name_per_concept_with_the_earlier_and_paper_names_as_aliases(tmp_path):
+    """Flow-GRPO's and FED-GRPO's paper names, FPO++'s actor_lr and CMA-PPO's lam / n_updates /
+    batch_size map to the one name; a config written with them (an old run directory) still loads
+    and is saved with the one name; both names at once is an error naming both keys."""
+    forms = REPO / "configs" / "flow_grpo" / "forms_small.yaml"
+    cfg = load_config(forms, ["algo.learning_rate=3e-5", "algo.clip_range=0.1", "algo.grad_clip=0.5"])
+    assert (cfg.algo.lr, cfg.algo.clip, cfg.algo.max_grad_norm) == (3e-5, 0.1, 0.5)
+    fed = load_config(REPO / "configs" / "fed_grpo" / "qm9_small.yaml", ["algo.kl_penalty_weight=0.1"])
+    assert fed.algo.kl_coeff == 0.1 and not hasattr(fed.algo, "kl_penalty_weight")
+    fpopp = load_config(REPO / "configs" / "fpopp" / "lift_state_quickstart.yaml",
+                        ["algo.actor_lr=2e-5", "algo.actor_lr_warmup_iters=3"])
+    assert (fpopp.algo.lr, fpopp.algo.lr_warmup_iters) == (2e-5, 3)
+    cma = load_config(REPO / "configs" / "cma_ppo" / "pendulum.yaml",
+                      ["algo.lam=0.9", "algo.n_updates=3", "algo.batch_size=64"])
+    assert (cma.algo.gae_lambda, cma.algo.epochs, cma.algo.minibatch_size) == (0.9, 3, 64)
+    save_config(cma, tmp_path / "config.yaml")
+    saved = (tmp_path / "config.yaml").read_text()
+    assert "gae_lambda: 0.9" in saved and "lam:" not in saved and "n_updates" not in saved
+    # an override by either name replaces the file's setting; the last one given wins
+    assert load_config(forms, ["algo.learning_rate=3e-5", "algo.lr=1e-5"]).algo.lr == 1e-5
+    assert load_config(forms, ["algo.lr=1e-5", "algo.learning_rate=3e-5"]).algo.lr == 3e-5
+    data = read_yaml(forms)
+    data["algo"]["learning_rate"] = 3e-5                      # the file names it twice
+    with pytest.raises(ConfigError, match=r"'algo\.learning_rate' and 'algo\.lr'"):
+        config_from_dict(data)

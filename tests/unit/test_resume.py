@@ -128,7 +128,7 @@ def test_ppo_linear_lr_extended_from_4_to_8_iterations():
 def _fpopp(iterations: int):
     from flowrl_ray.algorithms.fpopp import FPOPP
     from unit.algorithms.test_fpopp import tiny_cfg
-    cfg = tiny_cfg(critic_warmup_iters=2, actor_lr=1e-3, critic_lr=1e-2, actor_lr_warmup_iters=1, lr_schedule="cosine")
+    cfg = tiny_cfg(critic_warmup_iters=2, lr=1e-3, critic_lr=1e-2, lr_warmup_iters=1, lr_schedule="cosine")
     cfg.train.iterations = iterations
     return FPOPP(cfg, EnvSpec((19,), 7), torch.device("cpu"))
 
@@ -162,7 +162,7 @@ def test_fed_grpo_cosine_in_optimiser_steps_extended_keeps_its_warmup():
     from unit.algorithms.test_fed_grpo import _config
 
     def algo(iterations):
-        data = _config(lr_schedule="cosine", warmup_steps=3, min_lr_ratio=0.2, learning_rate=1e-3)
+        data = _config(lr_schedule="cosine", warmup_steps=3, min_lr_ratio=0.2, lr=1e-3)
         data["train"]["iterations"] = iterations
         return FEDGRPO(config_from_dict(data), EnvSpec((1,), 1), torch.device("cpu"))
     a = algo(4)          # 6 rows per iteration in micro-batches of 6: 1 optimiser step each, 4 in all

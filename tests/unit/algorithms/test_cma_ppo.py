@@ -18,7 +18,7 @@ CMA_PENDULUM = REPO / "configs" / "cma_ppo" / "pendulum.yaml"
 
 def _cfg(*overrides):
     return load_config(CMA_PENDULUM, ["runtime.num_workers=1", "runtime.envs_per_worker=2",
-                                      "runtime.rollout_length=16", "algo.batch_size=8", "algo.n_updates=2",
+                                      "runtime.rollout_length=16", "algo.minibatch_size=8", "algo.epochs=2",
                                       "algo.hidden_sizes=[8, 8]", *overrides])
 
 
@@ -134,7 +134,7 @@ def test_variance_loss_has_no_gradient_on_the_mean_and_vice_versa():
 
 
 def test_mean_step_moves_the_mean_toward_positive_and_mirrored_samples():
-    algo = CMAPPO(_cfg("algo.normalize_obs=false", "algo.lr_mean=0.01", "algo.n_updates=20"), EnvSpec((3,), 1),
+    algo = CMAPPO(_cfg("algo.normalize_obs=false", "algo.lr_mean=0.01", "algo.epochs=20"), EnvSpec((3,), 1),
                   torch.device("cpu"))
     obs = torch.zeros(4, 3)
     with torch.no_grad():

@@ -370,7 +370,7 @@ def test_the_clamped_fraction_counts_the_pairs_past_the_loss_clamp():
 def test_positive_advantage_actions_get_more_likely():
     # Maximising the surrogate for a single positive-advantage action lowers its CFM loss
     # (raises its ratio), i.e. makes it more likely under the flow.
-    cfg = tiny_cfg(critic_warmup_iters=0, actor_lr=1e-3, epochs=3, normalize_advantages=False, clip=10.0)
+    cfg = tiny_cfg(critic_warmup_iters=0, lr=1e-3, epochs=3, normalize_advantages=False, clip=10.0)
     algo = FPOPP(cfg, EnvSpec((19,), 7), torch.device("cpu"))
     batch = _rollout_batch(algo)
     b = algo.prepare([batch])

@@ -98,7 +98,7 @@ def test_policy_gradient_reaches_both_nets_and_entropy_only_the_noise_net():
 
 
 def test_an_update_raises_the_log_prob_of_the_chain_with_the_positive_advantage():
-    cfg = robot_cfg(epochs=1, minibatch_size=6, clip=10.0, actor_lr=1e-3, noise_lr=1e-3, normalize_advantages=False)
+    cfg = robot_cfg(epochs=1, minibatch_size=6, clip=10.0, lr=1e-3, noise_lr=1e-3, normalize_advantages=False)
     algo = ReinFlow(cfg, _spec(cfg), torch.device("cpu"))
     b = algo.prepare([_synthetic_batch(cfg, algo)])
     b["advantages"] = torch.tensor([1.0, -1.0, 0.0, 0.0, 0.0, 0.0])
@@ -110,7 +110,7 @@ def test_an_update_raises_the_log_prob_of_the_chain_with_the_positive_advantage(
 
 
 def test_noise_net_has_its_own_learning_rate_and_is_bounded():
-    cfg = robot_cfg(actor_lr=1e-4, noise_lr=3e-3, min_noise_std=0.05, max_noise_std=0.2)
+    cfg = robot_cfg(lr=1e-4, noise_lr=3e-3, min_noise_std=0.05, max_noise_std=0.2)
     algo = ReinFlow(cfg, _spec(cfg), torch.device("cpu"))
     assert [g["lr"] for g in algo.actor_opt.param_groups] == [1e-4, 3e-3]
     noise_ids = {id(p) for p in algo.policy.noise.parameters()}

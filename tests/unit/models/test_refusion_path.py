@@ -173,7 +173,7 @@ def _config(sft: str | None, model: dict, **algo) -> dict:
             "eval": {"interval": 1, "episodes": 2, "at_start": False},
             "algo": {"sft_checkpoint": sft, "model": model, "prompts_per_iteration": 2, "group_size": 2,
                      "epochs": 2, "num_generation_steps": 4, "gen_length": 32, "max_prompt_len": 96,
-                     "learning_rate": 1e-2, **algo}}
+                     "lr": 1e-2, **algo}}
 
 
 def _update(algo: FlowGRPO, rewards=(1.0, 0.0, 0.0, 1.0)) -> dict:
