@@ -60,27 +60,10 @@ from flowrl_ray.algorithms.losses import k3, ppo_clip_objective
 from flowrl_ray.batch import Batch
 from flowrl_ray.config import Config, ConfigError, TextSFTPretrainConfig, check
 from flowrl_ray.envs import EnvSpec
+from flowrl_ray.models.masked_diffusion import MaskedLMConfig
 
 __all__ = ["group_advantages", "k3_kl", "kl_penalty", "FlowGRPO", "FlowGRPOConfig"]
 KL_ESTIMATORS = ("step", "token")
-
-
-@dataclass
-class MaskedLMConfig:
-    """``algo.model.*``: a Hugging Face checkpoint (``path``) or the small offline model."""
-    path: Optional[str] = None                 # HF checkpoint dir (ReFusion, LLaDA): trust_remote_code
-    trust_remote_code: bool = False
-    mask_token_id: Optional[int] = None        # None: the tokenizer's [MASK]
-    tokenizer_path: Optional[str] = None       # None with path: the checkpoint's tokenizer
-    hidden_size: int = field(default=128, metadata=check(gt=0))
-    num_layers: int = field(default=4, metadata=check(gt=0))
-    num_heads: int = field(default=4, metadata=check(gt=0))
-    intermediate_size: int = field(default=256, metadata=check(gt=0))
-    max_len: int = field(default=384, metadata=check(gt=0))
-    vocab_size: int = field(default=2048, metadata=check(gt=0))     # the offline tokenizer's
-    tie_embeddings: bool = True                # offline model: output layer = input embedding
-    lora: Optional[dict] = None                # {r, alpha, dropout, target_modules}: peft LoRA
-    load_in_4bit: bool = False                 # QLoRA (bitsandbytes NF4; GPU, or CPU in float32)
 
 
 @dataclass

@@ -95,40 +95,47 @@ import os
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flowrl_ray.config import ConfigError, check_known_keys
+from flowrl_ray.config import ConfigError, check, check_known_keys
 from flowrl_ray.utils import frozen_copy
 
 SFT_T_EPS = 1e-3
 
 # --------------------------------------------------------------------------- config
 
-#: model_cfg keys and their defaults (the offline default: about 4.5M parameters with a 2k vocab)
-DEFAULT_MODEL_CFG: dict[str, Any] = {
-    "path": None,               # HF checkpoint dir (or cached hub id); None: the offline default
-    "trust_remote_code": False,
-    "mask_token_id": None,      # None: the tokenizer's (then the model config's) mask token
-    "tokenizer_path": None,     # None with a path: the checkpoint's tokenizer
-    "hidden_size": 256,         # offline default only (this and the next four)
-    "num_layers": 4,
-    "num_heads": 4,
-    "intermediate_size": 768,
-    "max_len": 256,             # max prompt + completion tokens (default model's positions)
-    "vocab_size": 2048,         # the offline tokenizer's (for train_tokenizer; the model's
-                                # vocabulary is len(tokenizer))
-    "tie_embeddings": True,     # offline default: the output layer is the input embedding, so a
-                                # token copied from the prompt can be written even if no answer
-                                # ever contained it (held-out values are made of such tokens)
-    "lora": None,               # {r, alpha, dropout, target_modules} or None
-    "load_in_4bit": False,      # QLoRA (bitsandbytes NF4; CUDA, or CPU in float32); needs lora
-    "dtype": "auto",            # HF checkpoints: auto | float32 | bfloat16 | float16
-}
+@dataclass
+class MaskedLMConfig:
+    """``algo.model.*`` of Flow-GRPO, the one schema of the masked-diffusion LM: a Hugging Face
+    checkpoint (``path``) or the small offline model (about 1M parameters with a 2k vocab).
+    :func:`validate_model_cfg` checks what spans keys; a plain mapping is completed from these
+    defaults (:data:`DEFAULT_MODEL_CFG`)."""
+    path: Optional[str] = None                 # HF checkpoint dir (ReFusion, LLaDA) or cached hub id
+    trust_remote_code: bool = False
+    mask_token_id: Optional[int] = None        # None: the tokenizer's (then the model config's) [MASK]
+    tokenizer_path: Optional[str] = None       # None with path: the checkpoint's tokenizer
+    hidden_size: int = field(default=128, metadata=check(gt=0))     # offline model only (and the next three)
+    num_layers: int = field(default=4, metadata=check(gt=0))
+    num_heads: int = field(default=4, metadata=check(gt=0))
+    intermediate_size: int = field(default=256, metadata=check(gt=0))
+    max_len: int = field(default=384, metadata=check(gt=0))         # max prompt + completion tokens
+    vocab_size: int = field(default=2048, metadata=check(gt=0))     # the offline tokenizer's (the
+    #                                          model's vocabulary is len(tokenizer))
+    # offline model: the output layer is the input embedding, so a token copied from the prompt
+    # can be written even if no answer ever contained it (held-out values are made of such tokens)
+    tie_embeddings: bool = True
+    lora: Optional[dict] = None                # {r, alpha, dropout, target_modules}: peft LoRA
+    load_in_4bit: bool = False                 # QLoRA (bitsandbytes NF4; CUDA, or CPU in float32); needs lora
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"   # HF checkpoints' weights
+
+
+#: a plain model_cfg mapping's keys and defaults: MaskedLMConfig's
+DEFAULT_MODEL_CFG: dict[str, Any] = dataclasses.asdict(MaskedLMConfig())
 DEFAULT_LORA_CFG: dict[str, Any] = {"r": 8, "alpha": 16, "dropout": 0.05, "target_modules": None}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
