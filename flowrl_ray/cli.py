@@ -399,8 +399,6 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
         section[flag] = value
     data["pretrain"] = section
     cfg = config_from_dict(data)
-    if getattr(cfg.pretrain, "dataset", None) is not None and not Path(cfg.pretrain.dataset).is_file():
-        raise UserError(f"--dataset: no such file {cfg.pretrain.dataset!r}")
     print(json.dumps(pretrain(cfg, progress=True)), flush=True)
     return 0
 
