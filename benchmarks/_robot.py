@@ -44,17 +44,19 @@ def _progress(label: str, episodes: int, every_s: float = 15.0):
     return on_episodes
 
 
-def evaluate_episodes(policy, cfg, episodes: int, runner=None, label: str | None = None) -> dict:
+def evaluate_episodes(policy, cfg, episodes: int, runner=None, label: str | None = None,
+                      rules=SAMPLING_RULES) -> dict:
     """Per sampling rule, each episode's outcome, ordered by episode key (env index, episode
     number on that env), so that position e is the same initial state for every policy:
     {"zero": {"successes": [E] 0/1, "lengths": [E] chunk steps, "keys": [E] [env, k]}, "random": ...}.
 
     runner: a :func:`make_eval_runner` to reuse (its policy is replaced); None builds one per
-    sampling rule and closes it. label: print progress lines ``[label zero] 40/100 episodes ...``."""
+    sampling rule and closes it. label: print progress lines ``[label zero] 40/100 episodes ...``.
+    rules: the sampling rules to run (a subset of :data:`SAMPLING_RULES`)."""
     import torch
     torch.set_num_threads(1)
     out = {}
-    for sampling in SAMPLING_RULES:
+    for sampling in rules:
         own = runner is None
         r = make_eval_runner(cfg, policy) if own else runner
         r.policy = policy.eval()

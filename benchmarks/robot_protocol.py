@@ -270,9 +270,11 @@ def ood_sets(cfg, names: list[str] | None) -> list[str]:
 
 
 def evaluate_all(variants: dict[str, list[Path]], base_override: str | None, episodes: int,
-                 launch_wall: dict[str, float], ood: list[str] | None = None) -> tuple[dict, dict]:
+                 launch_wall: dict[str, float], ood: list[str] | None = None,
+                 rules=SAMPLING_RULES) -> tuple[dict, dict]:
     """Every base and every run's last checkpoint on the same seeded episodes, in this process;
-    with ``ood`` (a list, maybe empty: see :func:`ood_sets`) again in each perturbed scene.
+    with ``ood`` (a list, maybe empty: see :func:`ood_sets`) again in each perturbed scene; by the
+    sampling rules ``rules``.
     Returns (bases: id -> outcomes [+ "ood": set -> outcomes], variants: name -> runs with
     outcomes [+ "ood"])."""
     from flowrl_ray.checkpoint import load_policy
@@ -309,12 +311,13 @@ def evaluate_all(variants: dict[str, list[Path]], base_override: str | None, epi
         log(f"evaluated {label} ({done}/{total} policies, {el / 60:.1f} min, ETA {eta / 60:.1f} min)")
 
     runners = {}            # one set of eval envs per base setting, reused by every policy under it
-    log(f"evaluating {total} policies on {episodes} seeded episodes x {'/'.join(SAMPLING_RULES)} sampling")
+    log(f"evaluating {total} policies on {episodes} seeded episodes x {'/'.join(rules)} sampling")
     try:
         for bid, b in bases.items():
             policy = base_policy(b["cfg"], b["path"])
             runners[bid] = make_eval_runner(b["cfg"], policy)
-            b["outcomes"] = evaluate_episodes(policy, b["cfg"], episodes, runners[bid], label="eval base")
+            b["outcomes"] = evaluate_episodes(policy, b["cfg"], episodes, runners[bid], label="eval base",
+                                              rules=rules)
             done += 1
             progress(f"base {b['path']}")
         out = {}
@@ -322,7 +325,8 @@ def evaluate_all(variants: dict[str, list[Path]], base_override: str | None, epi
             rows = []
             for d, cfg, _ in runs:
                 _, _, policy = load_policy(d)
-                outcomes = evaluate_episodes(policy, cfg, episodes, runners[bid], label=f"eval {name} s{cfg.seed}")
+                outcomes = evaluate_episodes(policy, cfg, episodes, runners[bid], label=f"eval {name} s{cfg.seed}",
+                                              rules=rules)
                 rows.append({"run_dir": str(d), "seed": cfg.seed, **run_summary(d),
                              "launch_wall_s": launch_wall.get(str(d)), "outcomes": outcomes})
                 done += 1
@@ -338,7 +342,7 @@ def evaluate_all(variants: dict[str, list[Path]], base_override: str | None, epi
             runner = make_eval_runner(perturbed(b["cfg"], pname), policy)
             try:
                 b.setdefault("ood", {})[pname] = evaluate_episodes(policy, b["cfg"], episodes, runner,
-                                                                   label=f"eval base [{pname}]")
+                                                                   label=f"eval base [{pname}]", rules=rules)
                 done += 1
                 progress(f"base {b['path']} [{pname}]")
                 for name, (bid2, _) in plan.items():
@@ -347,7 +351,8 @@ def evaluate_all(variants: dict[str, list[Path]], base_override: str | None, epi
                     for r in out[name]["runs"]:
                         _, _, policy = load_policy(r["run_dir"])
                         r.setdefault("ood", {})[pname] = evaluate_episodes(
-                            policy, b["cfg"], episodes, runner, label=f"eval {name} s{r['seed']} [{pname}]")
+                            policy, b["cfg"], episodes, runner, label=f"eval {name} s{r['seed']} [{pname}]",
+                            rules=rules)
                         done += 1
                         progress(f"{name} seed {r['seed']} [{pname}]")
             finally:
@@ -363,9 +368,9 @@ def summarise(bases: dict, variants: dict, n_boot: int, reference: str | None = 
     import numpy as np
     from flowrl_ray.stats import paired_bootstrap_gain
     for v in variants.values():
-        base = bases[v["base"]]["outcomes"]
+        base = bases[v["base"]]["outcomes"]          # sampling rule -> outcomes (the rules evaluated)
         v["success"], v["gain"] = {}, {}
-        for s in SAMPLING_RULES:
+        for s in base:
             per_seed = [r["outcomes"][s]["successes"] for r in v["runs"]]
             v["success"][s] = {"base": _mean(base[s]["successes"]),
                                "per_seed": [_mean(x) for x in per_seed],
@@ -376,7 +381,7 @@ def summarise(bases: dict, variants: dict, n_boot: int, reference: str | None = 
         v["ood"] = {}
         for pname, base_out in base_ood.items():
             v["ood"][pname] = {"success": {}, "gain": {}}
-            for s in SAMPLING_RULES:
+            for s in base_out:
                 per_seed = [r["ood"][pname][s]["successes"] for r in v["runs"]]
                 v["ood"][pname]["success"][s] = {"base": _mean(base_out[s]["successes"]),
                                                  "per_seed": [_mean(x) for x in per_seed],
@@ -396,13 +401,13 @@ def summarise(bases: dict, variants: dict, n_boot: int, reference: str | None = 
         # Same env section, so the same seeded episodes: the final policies pair by episode even
         # where the base settings differ (another algorithm or flow steps: FPO++ vs ReinFlow).
         v["vs_reference"] = {"reference": reference, "compared": True, "same_base": v["base"] == ref["base"]}
-        for s in SAMPLING_RULES:
+        for s in v["gain"]:
             ref_mean = np.mean([r["outcomes"][s]["successes"] for r in ref["runs"]], axis=0)   # [E]
             v["vs_reference"][s] = paired_bootstrap_gain([r["outcomes"][s]["successes"] for r in v["runs"]],
                                                          ref_mean, n_boot=n_boot, level=LEVEL)
         for pname in set(v["ood"]) & set(ref["ood"]):
             v["vs_reference"].setdefault("ood", {})[pname] = {}
-            for s in SAMPLING_RULES:
+            for s in v["ood"][pname]["gain"]:
                 ref_mean = np.mean([r["ood"][pname][s]["successes"] for r in ref["runs"]], axis=0)
                 v["vs_reference"]["ood"][pname][s] = paired_bootstrap_gain(
                     [r["ood"][pname][s]["successes"] for r in v["runs"]], ref_mean, n_boot=n_boot, level=LEVEL)
@@ -458,7 +463,7 @@ def reference_table(variants: dict, pct, pts) -> str:
             skipped.append(name)
             continue
         ref = variants[d["reference"]]
-        for s in SAMPLING_RULES:
+        for s in v["gain"]:
             g = d[s]
             rows.append([name, d["reference"], s, "yes" if d.get("same_base", True) else "no",
                          pct(ref["success"][s]["mean"]), pct(v["success"][s]["mean"]),
@@ -478,7 +483,7 @@ def ood_table(variants: dict, pct, pts) -> str:
     rows = []
     for name, v in variants.items():
         for pname, o in v.get("ood", {}).items():
-            for s in SAMPLING_RULES:
+            for s in o["gain"]:
                 g, succ = o["gain"][s], o["success"][s]
                 d = v.get("vs_reference", {}).get("ood", {}).get(pname, {}).get(s)
                 rows.append([name, pname, s, pct(succ["base"]), ", ".join(pct(x) for x in succ["per_seed"]),
@@ -497,7 +502,7 @@ def report(results: dict, results_dir: Path, output: str) -> None:
     pts = lambda v: f"{100 * v:+.1f}"                                          # noqa: E731
     rows, runs = [], []
     for name, v in results["variants"].items():
-        for s in SAMPLING_RULES:
+        for s in v["gain"]:
             g, succ = v["gain"][s], v["success"][s]
             rows.append([name, s, len(v["runs"]), pct(succ["base"]), ", ".join(pct(x) for x in succ["per_seed"]),
                          pct(succ["mean"]), f"{pts(g['gain'])} [{pts(g['ci_low'])}, {pts(g['ci_high'])}]"])
@@ -541,6 +546,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ood", nargs="*", metavar="SET",
                    help="also evaluate in the perturbed scenes of the OOD suite (no SET: every set the task takes; "
                         "sets: placement, object_size, friction, action_noise, camera, lighting)")
+    p.add_argument("--sampling", nargs="+", choices=SAMPLING_RULES, default=list(SAMPLING_RULES),
+                   help="the sampling rules to evaluate (default: both; one halves the evaluation time)")
     return p
 
 
@@ -609,7 +616,8 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     try:
-        bases, evaluated = evaluate_all(variants, args.base, args.episodes, launch_wall, args.ood)
+        bases, evaluated = evaluate_all(variants, args.base, args.episodes, launch_wall, args.ood,
+                                        rules=tuple(dict.fromkeys(args.sampling)))
         summarise(bases, evaluated, args.n_boot, args.reference)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -617,7 +625,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {"revision": git_revision(), "command": command_line(), "machine": machine_info(),
                "note": args.note, "reference": args.reference,
                "protocol": {"episodes": args.episodes, "eval_seed": EVAL_SEED, "eval_envs": EVAL_ENVS,
-                            "sampling": list(SAMPLING_RULES), "n_boot": args.n_boot, "level": LEVEL,
+                            "sampling": list(dict.fromkeys(args.sampling)), "n_boot": args.n_boot, "level": LEVEL,
                             "band": "std across seeds",
                             "gain": "mean over seeds of (policy success - base success), CI: percentile "
                                     "bootstrap over episodes, paired"},

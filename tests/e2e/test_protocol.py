@@ -75,6 +75,15 @@ def test_protocol_end_to_end_on_a_tiny_lift_run(tmp_path, capsys):
     again = json.loads((results / "again.json").read_text())
     assert list(again["bases"].values())[0]["outcomes"] == base_entry["outcomes"]
     assert [r["outcomes"] for r in again["variants"]["tiny-lift"]["runs"]] == [r["outcomes"] for r in v["runs"]]
+    # one sampling rule only: its outcomes are the same episodes', and nothing of the other rule
+    assert robot_protocol.main(["--runs", *runs, "--output", "rand", "--sampling", "random", *common]) == 0
+    rand = json.loads((results / "rand.json").read_text())
+    assert rand["protocol"]["sampling"] == ["random"]
+    assert list(rand["bases"].values())[0]["outcomes"] == {"random": base_entry["outcomes"]["random"]}
+    assert [r["outcomes"] for r in rand["variants"]["tiny-lift"]["runs"]] == \
+        [{"random": r["outcomes"]["random"]} for r in v["runs"]]
+    assert list(rand["variants"]["tiny-lift"]["gain"]) == ["random"]
+    assert "| zero " not in (results / "rand.md").read_text()
 
     # out of distribution: the same episodes in a scene with action noise, for the base and both runs
     assert robot_protocol.main(["--runs", *runs, "--output", "ood", "--ood", "action_noise", *common]) == 0

@@ -148,6 +148,19 @@ def test_reference_difference_is_the_mean_over_seeds_minus_the_references_by_han
     table = rp.reference_table(variants, lambda v: f"{100 * v:.0f} %", lambda v: f"{100 * v:+.1f}")
     assert "| all " in table and "| a " not in table and "Not compared with the reference" in table
     assert table.rstrip().endswith(": a.")
+    # bases evaluated by one rule only: every gain and difference is by that rule alone
+    for x in bases.values():
+        x["outcomes"] = {"random": x["outcomes"]["random"]}
+    for v in variants.values():
+        v["base"] = b
+        for r in v["runs"]:
+            r["outcomes"] = {"random": r["outcomes"]["random"]}
+    rp.summarise(bases, variants, n_boot=2000, reference="ref")
+    assert list(variants["a"]["gain"]) == ["random"] and list(variants["a"]["vs_reference"]) == \
+        ["reference", "compared", "same_base", "random"]
+    assert variants["a"]["vs_reference"]["random"]["gain"] == pytest.approx(0.25)
+    table = rp.reference_table(variants, lambda v: f"{100 * v:.0f} %", lambda v: f"{100 * v:+.1f}")
+    assert "| random " in table and "| zero " not in table
 
 
 def test_ood_gains_are_over_the_base_in_the_same_scene_and_the_reference_there_by_hand():
