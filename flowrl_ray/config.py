@@ -489,13 +489,44 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
                 raise ConfigError(f"override {text!r}: '{part}' is not a section")
             node = child
         if len(path) == 2 and path[0] == "algo":
-            aliases = _algo_aliases(data.get("algorithm", "ppo"))
-            name = aliases.get(path[-1], path[-1])
-            for key in [name, *(a for a, n in aliases.items() if n == name)]:
-                node.pop(key, None)
-            path = path[:-1] + [name]
+            path = path[:-1] + [_drop_synonyms(node, path[-1], _algo_aliases(data.get("algorithm", "ppo")))]
         node[path[-1]] = value
     return data
+
+
+def _drop_synonyms(section: dict, key: str, aliases: dict) -> str:
+    """Removes from ``section`` every name of ``key``'s setting (the one name and its aliases),
+    so that a setting given by any of them replaces it; returns the one name."""
+    name = aliases.get(key, key)
+    for k in [name, *(a for a, n in aliases.items() if n == name)]:
+        section.pop(k, None)
+    return name
+
+
+def merge_config(base: dict, top: dict) -> dict:
+    """``top`` over ``base``, two config mappings (a new mapping): sections merge key by key, any
+    other value (a list included) replaces; an `algo` key given by either of its names replaces
+    the setting however ``base`` named it."""
+    out = _merge(base, {k: v for k, v in top.items() if k != "algo"})
+    if isinstance(top.get("algo"), dict) and isinstance(out.get("algo"), dict):
+        aliases = _algo_aliases(out.get("algorithm", "ppo"))
+        section = out["algo"]
+        for key, value in top["algo"].items():
+            old = section.get(aliases.get(key, key), section.get(key))
+            _drop_synonyms(section, key, aliases)
+            section[key] = _merge(old, value) if isinstance(old, dict) and isinstance(value, dict) \
+                else _deepcopy(value)
+    elif "algo" in top:
+        out["algo"] = _deepcopy(top["algo"])
+    return out
+
+
+def _merge(base: dict, top: dict) -> dict:
+    out = _deepcopy(base)
+    for key, value in top.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) \
+            else _deepcopy(value)
+    return out
 
 
 def _algo_aliases(algorithm: Any) -> dict:
@@ -527,7 +558,10 @@ _FloatLoader.add_implicit_resolver(
     list("-+0123456789"))
 
 
-def read_yaml(path: str | os.PathLike) -> dict:
+def read_yaml(path: str | os.PathLike, _including: tuple = ()) -> dict:
+    """A config file as a mapping, its ``defaults:`` composed: the files it lists (paths relative
+    to it, each maybe composing others) merged in order, then the file's own keys over them
+    (:func:`merge_config`). The result holds no ``defaults`` key: a run saves it resolved."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
@@ -537,7 +571,25 @@ def read_yaml(path: str | os.PathLike) -> dict:
         raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping at the top level")
-    return data
+    defaults = data.pop("defaults", None)
+    if defaults is None:
+        return data
+    if isinstance(defaults, str):
+        defaults = [defaults]
+    if not isinstance(defaults, list) or not all(isinstance(d, str) and d for d in defaults):
+        raise ConfigError(f"config key 'defaults' in {path}: expected a list of config files (paths relative "
+                          f"to {path.parent}), got {defaults!r}")
+    chain = (*_including, path.resolve())
+    merged: dict = {}
+    for entry in defaults:
+        block = path.parent / entry
+        if block.resolve() in chain:
+            cycle = " -> ".join(str(p) for p in (*chain, block.resolve()))
+            raise ConfigError(f"config key 'defaults' in {path}: {entry!r} includes itself ({cycle})")
+        if not block.is_file():
+            raise ConfigError(f"config key 'defaults' in {path}: no such file {entry!r} (looked at {block})")
+        merged = merge_config(merged, read_yaml(block, chain))
+    return merge_config(merged, data)
 
 
 def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> Config:

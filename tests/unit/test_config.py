@@ -155,3 +155,77 @@ def test_one_name_per_concept_with_the_earlier_and_paper_names_as_aliases(tmp_pa
     data["algo"]["learning_rate"] = 3e-5                      # the file names it twice
     with pytest.raises(ConfigError, match=r"'algo\.learning_rate' and 'algo\.lr'"):
         config_from_dict(data)
+
+
+# --------------------------------------------------------------------------- defaults: composition
+
+def _write(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_defaults_compose_in_order_sections_merge_and_the_file_wins(tmp_path):
+    """Blocks merge in the order listed (a block may compose another), sections key by key, a
+    list replaces; the file's own keys override; the result has no `defaults` and saves resolved."""
+    _write(tmp_path / "shared" / "env.yaml", "env: {family: gym, id: Pendulum-v1, max_episode_steps: 50}\n")
+    _write(tmp_path / "shared" / "eval.yaml", "defaults: [env.yaml]\neval: {interval: 3, episodes: 7}\n"
+                                               "env: {max_episode_steps: 60}\n")
+    _write(tmp_path / "shared" / "runtime.yaml", "runtime: {num_workers: 3, envs_per_worker: 2}\n")
+    cfg_file = _write(tmp_path / "ppo" / "run.yaml",
+                      "name: composed\nalgorithm: ppo\n"
+                      "defaults: [../shared/eval.yaml, ../shared/runtime.yaml]\n"
+                      "runtime: {num_workers: 1}\neval: {episodes: 9}\nalgo: {hidden_sizes: [8]}\n")
+    data = read_yaml(cfg_file)
+    assert data == {"env": {"family": "gym", "id": "Pendulum-v1", "max_episode_steps": 60},   # eval.yaml's 60 over 50
+                    "eval": {"interval": 3, "episodes": 9},                                  # the file's 9 over 7
+                    "runtime": {"num_workers": 1, "envs_per_worker": 2},
+                    "name": "composed", "algorithm": "ppo", "algo": {"hidden_sizes": [8]}}
+    cfg = load_config(cfg_file, ["eval.interval=4"])                    # overrides come last
+    assert (cfg.eval.interval, cfg.eval.episodes, cfg.runtime.num_workers, cfg.env.max_episode_steps) == (4, 9, 1, 60)
+    save_config(cfg, tmp_path / "saved.yaml")
+    saved = read_yaml(tmp_path / "saved.yaml")
+    assert "defaults" not in saved and config_from_dict(saved).to_dict() == cfg.to_dict()
+    # a list replaces a list (no concatenation); one path may be given as a string
+    _write(tmp_path / "shared" / "sizes.yaml", "algo: {hidden_sizes: [4, 4, 4]}\n")
+    one = _write(tmp_path / "ppo" / "one.yaml", "defaults: ../shared/sizes.yaml\nalgo: {hidden_sizes: [16]}\n")
+    assert read_yaml(one)["algo"]["hidden_sizes"] == [16]
+
+
+def test_an_algo_key_in_a_block_is_replaced_by_either_of_its_names(tmp_path):
+    _write(tmp_path / "b.yaml", "algorithm: fpopp\nalgo: {actor_lr: 0.001, epochs: 3}\n")
+    f = _write(tmp_path / "f.yaml", "defaults: [b.yaml]\nalgo: {lr: 0.0002}\n")
+    assert read_yaml(f)["algo"] == {"epochs": 3, "lr": 0.0002}          # not both names (an error)
+    g = _write(tmp_path / "g.yaml", "defaults: [f.yaml]\nalgo: {actor_lr: 0.0003}\n")
+    assert read_yaml(g)["algo"] == {"epochs": 3, "actor_lr": 0.0003}
+
+
+def test_defaults_mistakes_name_the_key_and_the_file(tmp_path):
+    missing = _write(tmp_path / "m.yaml", "defaults: [nope.yaml]\n")
+    with pytest.raises(ConfigError, match=r"config key 'defaults' in .*m\.yaml: no such file 'nope\.yaml'"):
+        read_yaml(missing)
+    a = _write(tmp_path / "a.yaml", "defaults: [b.yaml]\n")
+    _write(tmp_path / "b.yaml", "defaults: [a.yaml]\n")
+    with pytest.raises(ConfigError, match=r"'a\.yaml' includes itself \(.*a\.yaml -> .*b\.yaml -> .*a\.yaml\)"):
+        read_yaml(a)
+    for bad in ("defaults: {env: x}\n", "defaults: [3]\n", "defaults: ['']\n"):
+        with pytest.raises(ConfigError, match=r"config key 'defaults' in .*: expected a list of config files"):
+            read_yaml(_write(tmp_path / "bad.yaml", bad))
+
+
+def test_every_shared_block_is_used_and_holds_only_config_sections():
+    import dataclasses
+
+    import yaml
+
+    from flowrl_ray.config import Config
+    sections = {f.name for f in dataclasses.fields(Config)}
+    blocks = sorted((REPO / "configs" / "shared").rglob("*.yaml"))
+    assert blocks
+    used = set()
+    for f in [*(REPO / "configs").glob("*/*.yaml"), *blocks]:
+        listed = yaml.safe_load(f.read_text()).get("defaults") or []
+        used |= {(f.parent / d).resolve() for d in ([listed] if isinstance(listed, str) else listed)}
+    assert {b.resolve() for b in blocks} <= used, "a shared block no config lists"
+    for b in blocks:
+        assert set(read_yaml(b)) <= sections, b
