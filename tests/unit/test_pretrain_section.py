@@ -10,7 +10,7 @@ import yaml
 import flowrl_ray.pretrain as pretraining
 from flowrl_ray.cli import main
 from flowrl_ray.config import (ConfigError, EDMPretrainConfig, FlowBCPretrainConfig, TextSFTPretrainConfig,
-                               config_from_dict, load_config, save_config)
+                               config_from_dict, load_config, read_yaml, save_config)
 from flowrl_ray.pretrain import METHODS
 
 from conftest import REPO
@@ -63,7 +63,7 @@ def test_cli_flags_and_overrides_set_the_section_the_entry_point_runs(tmp_path, 
     seen = []
     monkeypatch.setattr(pretraining, "pretrain", lambda cfg, progress: seen.append(cfg.pretrain) or {"ok": 1})
     config = tmp_path / "edm.yaml"
-    config.write_text(yaml.safe_dump({**yaml.safe_load((REPO / "configs/fed_grpo/qm9_small.yaml").read_text()),
+    config.write_text(yaml.safe_dump({**read_yaml(REPO / "configs/fed_grpo/qm9_small.yaml"),
                                       "pretrain": {"steps": 10, "eval_samples": 8}}))
     assert main(["pretrain", str(config), "--steps", "20", "--resume", "pretrain.curve_every=5"]) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == {"ok": 1}

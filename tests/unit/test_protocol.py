@@ -14,6 +14,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import yaml  # noqa: E402
 
+from flowrl_ray.config import read_yaml  # noqa: E402
 from flowrl_ray.stats import episode_gains, paired_bootstrap_gain  # noqa: E402
 
 from conftest import REPO  # noqa: E402
@@ -250,7 +251,7 @@ def test_forms_protocol_refuses_a_robot_config_and_a_missing_sft_base(tmp_path, 
     import forms_protocol as fp
     assert fp.main(["--config", str(REPO / "configs/fpopp/lift_state_quickstart.yaml"), "--seeds", "0"]) == 2
     assert "forms protocol is for flow_grpo" in capsys.readouterr().err
-    cfg = yaml.safe_load((REPO / "configs/flow_grpo/forms_small.yaml").read_text())
+    cfg = read_yaml(REPO / "configs/flow_grpo/forms_small.yaml")   # composed
     cfg["algo"]["sft_checkpoint"] = str(tmp_path / "missing")
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
     assert fp.main(["--config", str(tmp_path / "c.yaml"), "--seeds", "0", "1", "2"]) == 2
@@ -288,7 +289,7 @@ def test_fed_grpo_protocol_refuses_other_algorithms_and_a_missing_base(tmp_path,
     import fed_grpo_protocol as mp
     assert mp.main(["--config", str(REPO / "configs/flow_grpo/forms_small.yaml"), "--seeds", "0"]) == 2
     assert "molecule protocol is for fed_grpo" in capsys.readouterr().err
-    cfg = yaml.safe_load((REPO / "configs/fed_grpo/qm9_small.yaml").read_text())
+    cfg = read_yaml(REPO / "configs/fed_grpo/qm9_small.yaml")
     cfg["algo"]["base_model"] = str(tmp_path / "missing.pt")
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(cfg))
     assert mp.main(["--config", str(tmp_path / "c.yaml"), "--seeds", "0", "1", "2"]) == 2
