@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 EXTRAS ?= dev,robot,text,forms,mol,tracking
 RUN_DIR ?= runs/fpopp-lift
 
-.PHONY: run run-ppo test test-unit install system-deps lint bench clean
+.PHONY: run run-ppo test test-unit install system-deps lint bench jobs clean
 
 # System packages: swig builds box2d-py (gymnasium[box2d]); gcc and the kernel headers build evdev
 # (a robosuite dependency, from source); Mesa's EGL and OSMesa render robosuite cameras on the CPU;
@@ -68,6 +68,9 @@ bench: install
 	$(PY) benchmarks/fpopp_learner.py
 	$(PY) benchmarks/fpopp_lift_learning.py
 	$(PY) benchmarks/flowsar_lift.py
+
+jobs: install
+	$(PY) jobs/generate.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -152,3 +152,25 @@ def test_readme_documents_both_ways():
     assert "RAY_AUTH_MODE=token" in readme and "~/.ray/auth_token" in readme
     for path in JOBS:
         assert path.name in readme, path.name
+
+
+def test_job_files_are_what_the_generator_writes(tmp_path, capsys):
+    """jobs/*.yaml are written by jobs/generate.py from the configs: the committed files are its
+    output, and its check catches a hand edit and a job whose config is gone."""
+    import sys
+    sys.path.insert(0, str(REPO / "jobs"))
+    import generate
+    assert generate.main(["--check"]) == 0, capsys.readouterr().err
+    assert generate.main(["--out", str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.glob("*.yaml")) == [p.name for p in JOBS]
+    assert all((tmp_path / p.name).read_text() == p.read_text() for p in JOBS)
+    assert generate.main(["--check", "--out", str(tmp_path)]) == 0
+    edited = tmp_path / "ppo_pendulum_train.yaml"
+    edited.write_text(edited.read_text().replace("timeout_s: 3600", "timeout_s: 60"))
+    (tmp_path / "gone_config_train.yaml").write_text("name: flowrl-gone\n")
+    capsys.readouterr()
+    assert generate.main(["--check", "--out", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "ppo_pendulum_train.yaml" in err and "gone_config_train.yaml" in err and "ppo_hopper" not in err
+    assert generate.main(["--out", str(tmp_path)]) == 0                  # rewrites one, removes the stray
+    assert not (tmp_path / "gone_config_train.yaml").exists() and "timeout_s: 3600" in edited.read_text()
