@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 import types
@@ -352,7 +353,11 @@ def resolve_aliases(cls: type, data: dict, prefix: str) -> dict:
     return data
 
 
-def _build(cls: type, data: dict, prefix: str) -> Any:
+def build_section(cls: type, data: dict, prefix: str) -> Any:
+    """The dataclass ``cls`` from a config mapping, every key checked: unknown keys (with the
+    closest valid one), aliases, types (nested dataclasses built the same way) and the bounds of
+    each field's ``check(...)`` metadata; a ConfigError names the key (``prefix`` + field). The one
+    schema checker: the config's sections and the env families' settings (``env.kwargs``) use it."""
     if not isinstance(data, dict):
         raise ConfigError(f"config key '{prefix.rstrip('.') or '<root>'}': expected a mapping, "
                           f"got {data!r}")
@@ -368,9 +373,9 @@ def _build(cls: type, data: dict, prefix: str) -> Any:
         optional = [a for a in typing.get_args(tp) if a is not type(None)]
         if typing.get_origin(tp) is typing.Union and len(optional) == 1 and dataclasses.is_dataclass(optional[0]):
             # an optional section (e.g. logging.wandb): null is off, a mapping (even {}) is on
-            kwargs[name] = None if value is None else _build(optional[0], value, key + ".")
+            kwargs[name] = None if value is None else build_section(optional[0], value, key + ".")
         elif dataclasses.is_dataclass(tp):
-            kwargs[name] = _build(tp, value, key + ".")
+            kwargs[name] = build_section(tp, value, key + ".")
         else:
             kwargs[name] = _coerce(value, tp, key)
     obj = cls(**kwargs)
@@ -384,6 +389,8 @@ def _check_bounds(obj: Any, prefix: str) -> None:
         if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
         key, m = prefix + f.name, f.metadata
+        if m and isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"config key '{key}': must be a finite number, got {value}")
         if "gt" in m and not value > m["gt"]:
             raise ConfigError(f"config key '{key}': must be > {m['gt']}, got {value}")
         if "ge" in m and not value >= m["ge"]:
@@ -406,11 +413,11 @@ def config_from_dict(data: dict) -> Config:
     algorithm_cls = get_algorithm(data.get("algorithm", "ppo"))
     algo_data = data.pop("algo", None) or {}
     pretrain_data = data.pop("pretrain", None)
-    cfg = _build(Config, data, "")
-    cfg.algo = _build(algorithm_cls.config_class, algo_data, "algo.")
+    cfg = build_section(Config, data, "")
+    cfg.algo = build_section(algorithm_cls.config_class, algo_data, "algo.")
     pretrain_cls = getattr(algorithm_cls, "pretrain_config_class", None)
     if pretrain_cls is not None:
-        cfg.pretrain = _build(pretrain_cls, pretrain_data or {}, "pretrain.")
+        cfg.pretrain = build_section(pretrain_cls, pretrain_data or {}, "pretrain.")
     elif pretrain_data:
         raise ConfigError(f"config key 'pretrain': algorithm {cfg.algorithm!r} has no pretraining "
                           f"(flowrl-ray pretrain starts fpopp, reinflow, flowsar, flow_grpo and fed_grpo)")

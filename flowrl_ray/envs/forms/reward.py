@@ -33,6 +33,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
+from flowrl_ray.config import check
 from flowrl_ray.envs.forms.spec import FormSpec, normalize_label
 
 COMPONENTS = ("task_completion", "field_accuracy", "execution_completeness")
@@ -44,29 +45,11 @@ INVALID_REASONS = ("browser_crash", "timeout", "load_error", "page_error")
 
 @dataclass(frozen=True)
 class RewardWeights:
-    task_completion: float = 0.4
-    field_accuracy: float = 0.4
-    execution_completeness: float = 0.2
-
-    @classmethod
-    def from_mapping(cls, weights: Mapping[str, Any] | None, key: str = "reward_weights") -> "RewardWeights":
-        """From a partial mapping (missing components keep their default). Raises ValueError
-        naming ``key`` and the component on an unknown name or a value that is not a finite
-        number >= 0, or when every weight is 0."""
-        if weights is None:
-            return cls()
-        if not isinstance(weights, Mapping):
-            raise ValueError(f"{key}: must be a mapping of {', '.join(COMPONENTS)} to weights, got {weights!r}")
-        values = asdict(cls())
-        for name, w in weights.items():
-            if name not in values:
-                raise ValueError(f"{key}.{name}: unknown reward component (known: {', '.join(COMPONENTS)})")
-            if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w < 0:
-                raise ValueError(f"{key}.{name}: must be a finite number >= 0, got {w!r}")
-            values[name] = float(w)
-        if not any(values.values()):
-            raise ValueError(f"{key}: at least one weight must be > 0")
-        return cls(**values)
+    """The reward's mix of its components (``env.kwargs.reward_weights``; missing ones keep
+    their default); at least one must be > 0 (checked with the family's settings)."""
+    task_completion: float = field(default=0.4, metadata=check(ge=0))
+    field_accuracy: float = field(default=0.4, metadata=check(ge=0))
+    execution_completeness: float = field(default=0.2, metadata=check(ge=0))
 
 
 @dataclass

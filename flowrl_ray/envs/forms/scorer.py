@@ -19,15 +19,13 @@ Settings live in the config's ``env.kwargs`` (all optional)::
 
 from __future__ import annotations
 
-import difflib
-import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from flowrl_ray.batch import Batch, BatchMeta
+from flowrl_ray.config import check
 from flowrl_ray.envs.forms.browser import BrowserPool
 from flowrl_ray.envs.forms.reward import EpisodeResult, RewardWeights
 from flowrl_ray.envs.forms.server import FormServer
@@ -42,56 +40,29 @@ def _config_error(key: str, msg: str):
 
 @dataclass(frozen=True)
 class FormsSettings:
+    """The forms family's ``env.kwargs`` (all optional), checked by the config's schema checker."""
     forms_dir: str | None = None
-    pages: int = 4
-    action_timeout_s: float = 5.0
-    rollout_timeout_s: float = 30.0
-    restart_every: int = 200
+    pages: int = field(default=4, metadata=check(ge=1))
+    action_timeout_s: float = field(default=5.0, metadata=check(gt=0))
+    rollout_timeout_s: float = field(default=30.0, metadata=check(gt=0))
+    restart_every: int = field(default=200, metadata=check(ge=0))
     reward_weights: RewardWeights = field(default_factory=RewardWeights)
-    task_seed: int = 0
+    task_seed: int = field(default=0, metadata=check(ge=0))
     chromium: str | None = None
     task_file: str | None = None          # training tasks in FormFactory's layout (task_file.py)
 
     @classmethod
     def from_env_cfg(cls, env_cfg) -> "FormsSettings":
         """Validate ``env_cfg.id`` (a split) and ``env_cfg.kwargs``; ConfigError names the key."""
+        from flowrl_ray.config import build_section
         if env_cfg.id not in SPLITS:
             raise _config_error("id", f"the forms family takes a split name ({', '.join(SPLITS)}), got {env_cfg.id!r}")
-        kw: dict[str, Any] = dict(env_cfg.kwargs or {})
-        known = [f for f in cls.__dataclass_fields__]
-        for k in kw:
-            if k not in known:
-                close = difflib.get_close_matches(k, known, n=1)
-                hint = f"; did you mean '{close[0]}'?" if close else f" (known: {', '.join(known)})"
-                raise _config_error(f"kwargs.{k}", f"unknown setting of the forms family{hint}")
-
-        def integer(k: str, lo: int) -> int:
-            v = kw.get(k, getattr(cls, k))
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise _config_error(f"kwargs.{k}", f"must be an integer >= {lo}, got {v!r}")
-            return v
-
-        def seconds(k: str) -> float:
-            v = kw.get(k, getattr(cls, k))
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                raise _config_error(f"kwargs.{k}", f"must be a number of seconds > 0, got {v!r}")
-            return float(v)
-
-        def path(k: str) -> str | None:
-            v = kw.get(k)
-            if v is not None and (not isinstance(v, str) or not v):
-                raise _config_error(f"kwargs.{k}", f"must be a path, got {v!r}")
-            return v
-
-        try:
-            weights = RewardWeights.from_mapping(kw.get("reward_weights"), key="reward_weights")
-        except ValueError as e:
-            raise _config_error(f"kwargs.{str(e).split(':', 1)[0]}", str(e).split(": ", 1)[1]) from None
-        settings = cls(forms_dir=path("forms_dir"), pages=integer("pages", 1),
-                       action_timeout_s=seconds("action_timeout_s"), rollout_timeout_s=seconds("rollout_timeout_s"),
-                       restart_every=integer("restart_every", 0), reward_weights=weights,
-                       task_seed=integer("task_seed", 0), chromium=path("chromium"),
-                       task_file=path("task_file"))
+        settings = build_section(cls, dict(env_cfg.kwargs or {}), "env.kwargs.")
+        for k in ("forms_dir", "chromium", "task_file"):
+            if getattr(settings, k) == "":
+                raise _config_error(f"kwargs.{k}", "must be a path, got ''")
+        if not any(vars(settings.reward_weights).values()):
+            raise _config_error("kwargs.reward_weights", "at least one weight must be > 0")
         if settings.rollout_timeout_s < settings.action_timeout_s:
             raise _config_error("kwargs.rollout_timeout_s", f"{settings.rollout_timeout_s} is shorter than "
                                 f"action_timeout_s ({settings.action_timeout_s})")

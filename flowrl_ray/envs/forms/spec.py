@@ -171,7 +171,7 @@ def _parse_field(d: Any, source: str, key: str) -> FieldSpec:
     if ftype in ("select", "radio") and len(options) < 2:
         raise _fail(source, f"{key}.options", f"a {ftype} field needs at least 2 options")
     if options and ftype not in ("select", "radio", "checkbox"):
-        raise _fail(source, f"{key}.options", f"only select, radio and checkbox fields take options")
+        raise _fail(source, f"{key}.options", "only select, radio and checkbox fields take options")
     if len({normalize_label(o) for o in options}) != len(options):
         raise _fail(source, f"{key}.options", "options must be unique (ignoring case and whitespace)")
     lo = _bound(d.get("min"), ftype, source, f"{key}.min")

@@ -49,11 +49,12 @@ stability, Elign's gate).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 
+from flowrl_ray.config import check
 from flowrl_ray.envs.molecules.forcefield import BACKENDS, FFResult
 
 #: every reason a scored molecule can carry: "ok", gating, then force-field failures
@@ -70,71 +71,34 @@ def _config_error(key: str, msg: str):
 @dataclass(frozen=True)
 class RewardSettings:
     """The molecules family's ``env.kwargs`` (all optional). Units: Å, eV/Å, eV/atom, seconds."""
-    backend: str = "gfn2"               # "gfn2" (GFN2-xTB via tblite) | "mmff" (RDKit MMFF94)
-    max_iter: int = 250                 # SCF cycles before scf_failed
-    timeout_s: float = 10.0             # wall-clock cap per molecule
-    min_distance: float = 0.5           # Å; closer pairs are "overlap", never computed
-    force_clip: float = 10.0            # eV/Å, per-atom force norm cap; force reward in [-clip, 0]
-    energy_clip: float = 10.0           # eV/atom; energy reward in [-clip, clip]
+    backend: Literal[BACKENDS] = "gfn2"   # "gfn2" (GFN2-xTB via tblite) | "mmff" (RDKit MMFF94)
+    max_iter: int = field(default=250, metadata=check(ge=1))            # SCF cycles before scf_failed
+    timeout_s: float = field(default=10.0, metadata=check(gt=0))        # wall-clock cap per molecule
+    min_distance: float = field(default=0.5, metadata=check(ge=0))      # Å; closer pairs are "overlap"
+    force_clip: float = field(default=10.0, metadata=check(gt=0))       # eV/Å per-atom force cap; reward in [-clip, 0]
+    energy_clip: float = field(default=10.0, metadata=check(gt=0))      # eV/atom; reward in [-clip, clip]
     energy_only_if_stable: bool = False
     force_only_if_stable: bool = False
-    invalid_penalty_scale: float = 2.0  # >0: RDKit-invalid molecules get -clip - scale (Elign's scripts: 2)
-    force_weight: float = 1.0           # the logged scalar reward only
-    energy_weight: float = 1.0
-    gate_stable_atom_fraction: float = 1.0   # the gates pass a molecule with at least this stable-atom fraction
-    atom_stability_weight: float = 1.0       # the stability reward's terms
-    valence_under_weight: float = 1.0
-    valence_over_weight: float = 1.0
-    valence_soft_temperature: float = 0.02   # Å
+    # >0: RDKit-invalid molecules get -clip - scale (Elign's scripts: 2)
+    invalid_penalty_scale: float = field(default=2.0, metadata=check(ge=0))
+    force_weight: float = field(default=1.0, metadata=check(ge=0))      # the logged scalar reward only
+    energy_weight: float = field(default=1.0, metadata=check(ge=0))
+    # the gates pass a molecule with at least this stable-atom fraction
+    gate_stable_atom_fraction: float = field(default=1.0, metadata=check(ge=0, le=1))
+    atom_stability_weight: float = field(default=1.0, metadata=check(ge=0))   # the stability reward's terms
+    valence_under_weight: float = field(default=1.0, metadata=check(ge=0))
+    valence_over_weight: float = field(default=1.0, metadata=check(ge=0))
+    valence_soft_temperature: float = field(default=0.02, metadata=check(gt=0))   # Å
 
     @classmethod
     def from_env_cfg(cls, env_cfg) -> "RewardSettings":
-        """Validate ``env_cfg.id`` (the dataset) and ``env_cfg.kwargs``; ConfigError names the key."""
-        from flowrl_ray.config import check_known_keys
+        """Validate ``env_cfg.id`` (the dataset) and ``env_cfg.kwargs`` (the config's schema
+        checker); ConfigError names the key."""
+        from flowrl_ray.config import build_section
         if getattr(env_cfg, "id", None) not in DATASETS:
             raise _config_error("id", f"the molecules family takes a dataset name ({', '.join(DATASETS)}), "
                                 f"got {getattr(env_cfg, 'id', None)!r}")
-        kw: dict[str, Any] = dict(getattr(env_cfg, "kwargs", None) or {})
-        check_known_keys(kw, [f.name for f in fields(cls)], "env.kwargs.")
-
-        def get(k: str):
-            return kw.get(k, getattr(cls, k))
-
-        def number(k: str, lo: float, inclusive: bool) -> float:
-            v = get(k)
-            ok = (not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
-                  and (v >= lo if inclusive else v > lo))
-            if not ok:
-                raise _config_error(f"kwargs.{k}", f"must be a finite number {'>=' if inclusive else '>'} {lo}, "
-                                    f"got {v!r}")
-            return float(v)
-
-        def flag(k: str) -> bool:
-            v = get(k)
-            if not isinstance(v, bool):
-                raise _config_error(f"kwargs.{k}", f"must be true or false, got {v!r}")
-            return v
-
-        backend, max_iter = get("backend"), get("max_iter")
-        if backend not in BACKENDS:
-            raise _config_error("kwargs.backend", f"must be one of {', '.join(BACKENDS)}, got {backend!r}")
-        if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1:
-            raise _config_error("kwargs.max_iter", f"must be an integer >= 1, got {max_iter!r}")
-        gate = number("gate_stable_atom_fraction", 0, True)
-        if gate > 1:
-            raise _config_error("kwargs.gate_stable_atom_fraction", f"must be a fraction in [0, 1], got {gate!r}")
-        return cls(backend=backend, max_iter=max_iter, timeout_s=number("timeout_s", 0, False),
-                   min_distance=number("min_distance", 0, True), force_clip=number("force_clip", 0, False),
-                   energy_clip=number("energy_clip", 0, False),
-                   energy_only_if_stable=flag("energy_only_if_stable"),
-                   force_only_if_stable=flag("force_only_if_stable"),
-                   invalid_penalty_scale=number("invalid_penalty_scale", 0, True),
-                   force_weight=number("force_weight", 0, True), energy_weight=number("energy_weight", 0, True),
-                   gate_stable_atom_fraction=gate,
-                   atom_stability_weight=number("atom_stability_weight", 0, True),
-                   valence_under_weight=number("valence_under_weight", 0, True),
-                   valence_over_weight=number("valence_over_weight", 0, True),
-                   valence_soft_temperature=number("valence_soft_temperature", 0, False))
+        return build_section(cls, dict(getattr(env_cfg, "kwargs", None) or {}), "env.kwargs.")
 
 
 def stability_reward(valence: dict, settings: RewardSettings) -> float:

@@ -320,11 +320,16 @@ def test_reward_normalisation(catalog):
 
 
 def test_reward_weights_validation():
-    assert RewardWeights.from_mapping({"field_accuracy": 1}).field_accuracy == 1.0
-    for bad, msg in (({"speed": 1}, "reward_weights.speed"), ({"task_completion": -1}, "reward_weights.task_completion"),
-                     ({"task_completion": 0, "field_accuracy": 0, "execution_completeness": 0}, "at least one")):
-        with pytest.raises(ValueError, match=msg):
-            RewardWeights.from_mapping(bad)
+    """The weights are a typed part of env.kwargs: a partial mapping keeps the other defaults."""
+    s = FormsSettings.from_env_cfg(env_cfg(reward_weights={"field_accuracy": 1}))
+    assert s.reward_weights == RewardWeights(0.4, 1.0, 0.2)
+    for bad, msg in (({"speed": 1}, "env.kwargs.reward_weights.speed"),
+                     ({"task_completion": -1}, "env.kwargs.reward_weights.task_completion"),
+                     ({"task_completion": float("nan")}, "env.kwargs.reward_weights.task_completion"),
+                     ({"task_completion": 0, "field_accuracy": 0, "execution_completeness": 0}, "at least one"),
+                     ([1, 2], "env.kwargs.reward_weights': expected a mapping")):
+        with pytest.raises(ConfigError, match=msg):
+            FormsSettings.from_env_cfg(env_cfg(reward_weights=bad))
 
 
 # --------------------------------------------------------------------------- settings
@@ -336,7 +341,9 @@ def test_reward_weights_validation():
     ({"rollout_timeout_s": 1, "action_timeout_s": 5}, "env.kwargs.rollout_timeout_s"),
     ({"restart_every": -5}, "env.kwargs.restart_every"),
     ({"reward_weights": {"accuracy": 1}}, "env.kwargs.reward_weights.accuracy"),
-    ({"page": 4}, "env.kwargs.page': unknown setting of the forms family; did you mean 'pages'"),
+    ({"page": 4}, "unknown config key 'env.kwargs.page'; did you mean 'env.kwargs.pages'"),
+    ({"forms_dir": ""}, "env.kwargs.forms_dir': must be a path"),
+    ({"action_timeout_s": float("inf")}, "env.kwargs.action_timeout_s': must be a finite number"),
     ({"forms_dir": "/nonexistent/forms"}, "env.kwargs.forms_dir"),
 ])
 def test_settings_errors_name_the_key(kwargs, key):

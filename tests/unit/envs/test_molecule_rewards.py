@@ -71,13 +71,14 @@ def test_settings_validation_names_the_key():
     s = RewardSettings.from_env_cfg(env_cfg(backend="mmff", timeout_s=3, force_clip=5, energy_only_if_stable=True))
     assert (s.backend, s.timeout_s, s.force_clip, s.energy_only_if_stable) == ("mmff", 3.0, 5.0, True)
     bad = [({"force_clp": 3}, r"unknown config key 'env.kwargs.force_clp'; did you mean 'env.kwargs.force_clip'"),
-           ({"backend": "uma"}, r"'env.kwargs.backend': must be one of gfn2, mmff"),
+           ({"backend": "uma"}, r"'env.kwargs.backend': must be one of \['gfn2', 'mmff'\]"),
            ({"max_iter": 0}, r"'env.kwargs.max_iter'"), ({"max_iter": 2.5}, r"'env.kwargs.max_iter'"),
            ({"timeout_s": 0}, r"'env.kwargs.timeout_s'"), ({"energy_clip": float("inf")}, r"'env.kwargs.energy_clip'"),
            ({"force_clip": -1}, r"'env.kwargs.force_clip'"), ({"min_distance": "0.5"}, r"'env.kwargs.min_distance'"),
-           ({"force_only_if_stable": 1}, r"'env.kwargs.force_only_if_stable': must be true or false"),
+           ({"force_only_if_stable": 1}, r"'env.kwargs.force_only_if_stable': expected bool"),
            ({"invalid_penalty_scale": -0.1}, r"'env.kwargs.invalid_penalty_scale'"),
-           ({"energy_weight": True}, r"'env.kwargs.energy_weight'")]
+           ({"energy_weight": True}, r"'env.kwargs.energy_weight'"),
+           ({"gate_stable_atom_fraction": 1.5}, r"'env.kwargs.gate_stable_atom_fraction': must be <= 1")]
     for kwargs, message in bad:
         with pytest.raises(ConfigError, match=message):
             RewardSettings.from_env_cfg(env_cfg(**kwargs))

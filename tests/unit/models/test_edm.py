@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from flowrl_ray.config import ConfigError, _build
+from flowrl_ray.config import ConfigError, build_section
 from flowrl_ray.models.edm import (EDM, EDMModelConfig, NodeDistribution, NoiseSchedule, fit_edm,
                                    reference_kl, remove_mean, step_log_prob, transition_log_prob)
 
@@ -107,9 +107,9 @@ def test_remove_mean_and_node_distribution():
 
 
 def test_config_bounds():
-    assert _build(EDMModelConfig, {"hidden_size": 8}, "algo.model.").hidden_size == 8
+    assert build_section(EDMModelConfig, {"hidden_size": 8}, "algo.model.").hidden_size == 8
     with pytest.raises(ConfigError, match="algo.model.diffusion_steps"):
-        _build(EDMModelConfig, {"diffusion_steps": 0}, "algo.model.")
+        build_section(EDMModelConfig, {"diffusion_steps": 0}, "algo.model.")
     assert {f.name for f in dataclasses.fields(EDMModelConfig)} >= {"aggregation_factor", "coords_range"}
 
 
