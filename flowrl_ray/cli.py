@@ -7,19 +7,18 @@ without a traceback.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import time
 from pathlib import Path
 
 from flowrl_ray.config import ConfigError, apply_overrides, config_from_dict, load_config, read_yaml
-from flowrl_ray.errors import TrainingError
+from flowrl_ray.errors import TrainingError, UserError
 
 EXIT_USER_ERROR = 2
-
-
-class UserError(Exception):
-    """Anything the user can fix; printed as one line."""
+#: env families whose ``<family>.cli`` module adds verbs (``add_verbs(subparsers)``)
+FAMILY_VERBS = ("flowrl_ray.envs.robot", "flowrl_ray.envs.forms")
 
 
 ADDRESS_HELP = ("Ray cluster to use: host:port, ray://host:port, 'auto' (the cluster `ray start` last started "
@@ -108,7 +107,7 @@ def _dry_run_summary(cfg, trainer, run_dir: Path, resume: bool) -> str:
 
     from flowrl_ray.models.masked_diffusion import looks_like_hub_id
     rt, spec = cfg.runtime, trainer.spec
-    lines = [f"dry run: nothing started; the config and what it points at are valid",
+    lines = ["dry run: nothing started; the config and what it points at are valid",
              f"  algorithm     {cfg.algorithm} ({cfg.name}, seed {cfg.seed})",
              f"  env           {cfg.env.family}/{cfg.env.id}: observations {tuple(spec.obs_shape)}, "
              f"actions {spec.action_dim}",
@@ -341,33 +340,6 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_demos(args: argparse.Namespace) -> int:
-    from flowrl_ray.envs.robot import CAMERAS, TASKS
-    task = args.task.lower()
-    names = {t.name: t.name for t in TASKS.values()} | {t.env_name.lower(): t.name for t in TASKS.values()}
-    if task not in names:
-        raise UserError(f"unknown task {args.task!r}; choose one of {', '.join(TASKS)}")
-    bad = [c for c in args.cameras if c not in CAMERAS]
-    if bad:
-        raise UserError(f"--cameras: unknown camera(s) {bad}; choose from {', '.join(CAMERAS)}")
-    for name, value in (("episodes", args.episodes), ("image-size", args.image_size)):
-        if value <= 0:
-            raise UserError(f"--{name}: must be > 0, got {value}")
-    from flowrl_ray.envs.robot.experts import collect_demos
-    out = Path(args.out) if args.out else Path("demos") / f"{names[task]}.hdf5"
-    stats = collect_demos(names[task], args.episodes, out, seed=args.seed, noise=args.noise,
-                          cameras=tuple(args.cameras), image_size=args.image_size,
-                          max_attempts=args.max_attempts, progress=True)
-    print(json.dumps({"task": stats.task, "demos": stats.successes, "attempts": stats.attempts,
-                      "success_rate": round(stats.success_rate, 4), "steps": stats.steps,
-                      "seconds": round(stats.seconds, 1), "out": str(out)}), flush=True)
-    if stats.successes == 0:
-        print(f"flowrl-ray demos: failed: the {stats.task} expert solved none of {stats.attempts} "
-              f"attempts", file=sys.stderr)
-        return 1
-    return 0
-
-
 #: `flowrl-ray pretrain` flags: each sets the key of the same name in the config's typed
 #: `pretrain:` section (flowrl_ray.config), whose schema the algorithm chooses
 PRETRAIN_FLAGS = ("dataset", "out", "epochs", "steps", "batch_size", "lr", "eval_episodes",
@@ -434,106 +406,6 @@ def cmd_import_reinflow(args: argparse.Namespace) -> int:
                "norm_dataset": None if norm_out is None else str(norm_out),
                "overrides": config_overrides(ckpt, out, norm_out)}
     print(json.dumps(summary), flush=True)
-    return 0
-
-
-def _forms_catalog(forms_dir: str | None):
-    from flowrl_ray.envs.forms import FormCatalog, FormSpecError
-    try:
-        return FormCatalog.load(forms_dir)
-    except FormSpecError as e:
-        raise UserError(str(e)) from None
-
-
-def _stop_on_signals() -> None:
-    """Ctrl-C and SIGTERM end a serving loop with KeyboardInterrupt, also when the process was
-    started with SIGINT ignored (a shell's background job), where Python installs no handler."""
-    import signal
-
-    def stop(signum, frame):
-        raise KeyboardInterrupt
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
-
-
-def cmd_forms_serve(args: argparse.Namespace) -> int:
-    from flowrl_ray.envs.forms import FormServer
-    catalog = _forms_catalog(args.forms_dir)
-
-    def show(sub) -> None:
-        verdict = "accepted" if sub.accepted else f"rejected ({'; '.join(sub.errors)})"
-        print(f"[flowrl_ray] {sub.form_id}: submission {verdict}", flush=True)
-
-    server = FormServer(catalog, host=args.host, port=args.port, on_submit=show)
-    _stop_on_signals()
-    try:
-        server.start()
-    except OSError as e:
-        raise UserError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
-    print(f"[flowrl_ray] {len(catalog)} forms at {server.url}/ (Ctrl-C stops)", flush=True)
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        print("[flowrl_ray] stopping the form server", flush=True)
-    finally:
-        server.stop()
-    return 0
-
-
-def cmd_forms_run(args: argparse.Namespace) -> int:
-    from flowrl_ray.envs.forms import BrowserPool, BrowserUnavailable, FormServer, task_from_id
-    catalog = _forms_catalog(args.forms_dir)
-    if args.form_id not in catalog:
-        raise UserError(f"unknown form {args.form_id!r}; `flowrl-ray forms list` shows them")
-    task = None
-    if args.task:
-        try:
-            task = task_from_id(args.task, catalog)
-        except (ValueError, KeyError) as e:
-            raise UserError(f"--task: {e.args[0]}") from None
-        if task.form_id != args.form_id:
-            raise UserError(f"--task {args.task} is a task on form {task.form_id!r}, not {args.form_id!r}")
-    if args.actions == "-":
-        text = sys.stdin.read()
-    else:
-        try:
-            text = Path(args.actions).read_text(encoding="utf-8", errors="replace")
-        except OSError as e:
-            raise UserError(f"--actions {args.actions}: {e.strerror or e}") from None
-    for name in ("action_timeout", "rollout_timeout"):
-        if getattr(args, name) <= 0:
-            raise UserError(f"--{name.replace('_', '-')}: must be > 0, got {getattr(args, name)}")
-    try:
-        with FormServer(catalog) as server, BrowserPool(server, pages=1, action_timeout_s=args.action_timeout,
-                                                        rollout_timeout_s=args.rollout_timeout) as pool:
-            [result] = pool.execute([(task if task is not None else args.form_id, text)])
-    except BrowserUnavailable as e:
-        raise UserError(str(e)) from None
-    print(json.dumps(result.to_dict()), flush=True)
-    return 0
-
-
-def cmd_forms_tasks(args: argparse.Namespace) -> int:
-    from flowrl_ray.envs.forms import gold_actions
-    from flowrl_ray.envs.forms.tasks import load_tasks
-    if args.per_form is not None and args.per_form < 1:
-        raise UserError(f"--per-form: must be >= 1, got {args.per_form}")
-    catalog = _forms_catalog(args.forms_dir)
-    for task in load_tasks(args.split, seed=args.seed, per_form=args.per_form, catalog=catalog):
-        row = task.to_dict()
-        if args.gold:
-            row["gold_actions"] = gold_actions(task, catalog)
-        print(json.dumps(row))
-    return 0
-
-
-def cmd_forms_list(args: argparse.Namespace) -> int:
-    catalog = _forms_catalog(args.forms_dir)
-    rows = [(f.id, f.domain, "held out" if f.heldout else "train", str(len(f.fields)), f.title) for f in catalog]
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    for r in sorted(rows, key=lambda r: (r[1], r[0])):
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[4])
     return 0
 
 
@@ -636,22 +508,6 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--out", help="PNG path (default RUN_DIR/plots/<y>.png)")
     pl.set_defaults(func=cmd_plot)
 
-    d = sub.add_parser("demos", help="collect scripted-expert demonstrations (robomimic hdf5)",
-                       description="Run the scripted expert of a robot task until N successful episodes "
-                                   "(failed attempts are dropped) and write them in robomimic's hdf5 layout "
-                                   "with normalisation statistics. Prints one JSON line: task, demos, attempts, "
-                                   "success_rate, steps, seconds, out.")
-    d.add_argument("task", help="lift | can | square")
-    d.add_argument("--episodes", type=int, required=True, help="successful demos to collect")
-    d.add_argument("--out", help="hdf5 path (default demos/<task>.hdf5)")
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--noise", type=float, default=0.1, help="Gaussian noise on the arm actions")
-    d.add_argument("--cameras", nargs="+", default=[], metavar="CAM",
-                   help="also record <CAM>_image, e.g. agentview robot0_eye_in_hand")
-    d.add_argument("--image-size", type=int, default=84)
-    d.add_argument("--max-attempts", type=int, help="give up after this many episodes (default 4 x N)")
-    d.set_defaults(func=cmd_demos)
-
     pr = sub.add_parser("pretrain", help="supervised start of a policy: flow-matching BC from robot demos, "
                                          "masked-diffusion SFT of a Flow-GRPO language model, or EDM on QM9",
                         description="Runs the pretraining of the config's algorithm with the settings of its "
@@ -733,39 +589,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the Euler steps the overrides suggest (default 4, the release's state-policy fine-tuning)")
     ir.set_defaults(func=cmd_import_reinflow)
 
-    fo = sub.add_parser("forms", help="browser form filling: serve the forms, run an action script, list tasks",
-                        description="The forms env family: real HTML forms on a local HTTP server, action "
-                                    "scripts executed in headless Chromium (Playwright), tasks with gold values.")
-    fsub = fo.add_subparsers(dest="forms_verb", required=True, metavar="SUBCOMMAND")
-    fs = fsub.add_parser("serve", help="serve the forms for a person to open (prints the URL; Ctrl-C stops)")
-    fs.add_argument("--forms-dir", help="a directory of extra form spec files (*.json)")
-    fs.add_argument("--host", default="127.0.0.1")
-    fs.add_argument("--port", type=int, default=8765, help="0 picks a free port")
-    fs.set_defaults(func=cmd_forms_serve)
-    fr = fsub.add_parser("run", help="execute an action script on a form in the browser; prints the reward as JSON",
-                         description="Execute FILE (one action per line: fill/select/check/uncheck/click) on form "
-                                     "FORM_ID in headless Chromium and print the reward breakdown as JSON. With "
-                                     "--task the submission is scored against the task's gold fields; without it "
-                                     "field_accuracy is null and left out of the reward.")
-    fr.add_argument("form_id")
-    fr.add_argument("--actions", required=True, metavar="FILE", help="the action script ('-': stdin)")
-    fr.add_argument("--task", metavar="TASK_ID", help="score against this task (from `forms tasks`)")
-    fr.add_argument("--forms-dir", help="a directory of extra form spec files (*.json)")
-    fr.add_argument("--action-timeout", type=float, default=5.0, help="seconds per action")
-    fr.add_argument("--rollout-timeout", type=float, default=30.0, help="seconds for the whole script")
-    fr.set_defaults(func=cmd_forms_run)
-    ft = fsub.add_parser("tasks", help="print a split's tasks as JSON lines",
-                         description="Print the tasks of a split, one JSON object per line: task_id, form_id, url, "
-                                     "instruction, ground_truth_fields, split. The same seed gives the same tasks.")
-    ft.add_argument("--split", required=True, choices=["train", "sft", "rl", "eval", "heldout", "heldout_values", "heldout_forms"])
-    ft.add_argument("--seed", type=int, default=0)
-    ft.add_argument("--per-form", type=int, help="tasks per form (default 32 train, 8 per held-out kind)")
-    ft.add_argument("--forms-dir", help="a directory of extra form spec files (*.json)")
-    ft.add_argument("--gold", action="store_true", help="add each task's gold action script")
-    ft.set_defaults(func=cmd_forms_tasks)
-    fl = fsub.add_parser("list", help="list the forms (id, domain, split, fields, title)")
-    fl.add_argument("--forms-dir", help="a directory of extra form spec files (*.json)")
-    fl.set_defaults(func=cmd_forms_list)
+    for family in FAMILY_VERBS:           # each env family's own verbs (demos, forms)
+        importlib.import_module(f"{family}.cli").add_verbs(sub)
     return p
 
 

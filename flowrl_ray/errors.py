@@ -8,3 +8,8 @@ class ConfigError(ValueError):
 
 class TrainingError(RuntimeError):
     """The run cannot go on: a restart budget is spent, or no batch arrived at all."""
+
+
+class UserError(Exception):
+    """Anything a user of the command line can fix (a bad flag, a missing file); printed as one
+    line with exit status 2."""
