@@ -74,7 +74,8 @@ def main(argv=None) -> dict:
 
     from flowrl_ray.config import apply_overrides, config_from_dict, read_yaml
     from flowrl_ray.envs.forms import FormCatalog, FormsSettings, load_tasks
-    from flowrl_ray.models.masked_diffusion import build_masked_lm, fit_sft
+    from flowrl_ray.models.masked_diffusion import build_masked_lm
+    from flowrl_ray.pretrain.text_sft import fit_sft
     from flowrl_ray.models.text_tokenizer import train_tokenizer
     from flowrl_ray.pretrain.text_sft import copy_pairs, sft_pairs
     from flowrl_ray.stats import paired_bootstrap_gain

@@ -16,12 +16,17 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from flowrl_ray.config import Config, ConfigError
 from flowrl_ray.envs.forms.tasks import prompt_text
+
+if TYPE_CHECKING:
+    from flowrl_ray.models.masked_diffusion import MaskedDiffusionLM
 
 
 def copy_pairs(tasks, catalog, n: int, seed: int = 0) -> list[tuple[str, str]]:
@@ -59,6 +64,73 @@ def sft_pairs(env_cfg, tasks_per_form: int | None = None, copy_aux: float = 0.0)
     return pairs + copy_pairs(tasks, catalog, round(copy_aux * len(pairs)), seed=forms.task_seed)
 
 
+def fit_sft(policy: "MaskedDiffusionLM", pairs: Sequence[tuple[str, str]], epochs: int | None,
+            batch_size: int, lr: float, gen_length: int | None = None,
+            max_prompt_len: int | None = None, seed: int = 0, grad_clip: float | None = 1.0,
+            weight_decay: float = 0.0, progress: bool = False, steps: int | None = None,
+            warmup_steps: int = 0, lr_schedule: str = "constant", min_lr_ratio: float = 0.0
+            ) -> list[float]:
+    """Masked-diffusion SFT on (instruction, gold answer text) pairs with AdamW on the
+    trainable parameters (all, or the LoRA adapters).
+
+    The budget is ``epochs`` passes over the pairs or, when ``steps`` is given (then ``epochs``
+    must be None), that many optimiser steps over reshuffled passes. The learning rate follows
+    ``lr_multiplier(lr_schedule, total steps, warmup_steps, min_lr_ratio)``.
+    gen_length: the completion region (answers are padded with [EOS] up to it; generate with the
+    same value); default: the longest answer + 1. Returns the loss of every optimiser step
+    (NaN where a non-finite loss or gradient skipped the update). Leaves the model in eval mode.
+    """
+    from flowrl_ray.models.masked_diffusion import sft_loss
+    from flowrl_ray.optim import lr_multiplier, minibatches, optimizer_step   # as in the RL updates
+
+    if not pairs:
+        raise ValueError("fit_sft needs at least one (prompt, answer) pair")
+    if (epochs is None) == (steps is None):
+        raise ValueError(f"fit_sft takes either epochs or steps, got epochs={epochs}, steps={steps}")
+    prompts = [p for p, _ in pairs]
+    answers = [a for _, a in pairs]
+    if gen_length is None:
+        gen_length = 1 + max(len(policy.tokenizer(a, add_special_tokens=False)["input_ids"])
+                             for a in answers)
+    ids, pmask = policy.encode_prompts(prompts, max_prompt_len)                # [N, Lp]
+    ans = policy.encode_answers(answers, gen_length)                          # [N, Lg]
+    amask = torch.ones_like(ans, dtype=torch.bool)
+    n = len(pairs)
+    steps_per_epoch = math.ceil(n / batch_size)
+    total = steps if steps is not None else epochs * steps_per_epoch
+    params = policy.trainable_parameters()
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lr_multiplier(lr_schedule, total, warmup_steps, min_lr_ratio))
+    gen = torch.Generator().manual_seed(seed)
+    losses, skipped, start = [], 0, time.perf_counter()
+    policy.model.train()
+    try:
+        while len(losses) < total:
+            for idx in minibatches(n, batch_size, gen, ids.device):
+                if len(losses) == total:
+                    break
+                keep = pmask[idx].any(dim=0)                                  # drop all-pad columns
+                loss = sft_loss(policy.model, ids[idx][:, keep], pmask[idx][:, keep], ans[idx],
+                                amask[idx], policy.mask_token_id, gen)
+                _, ok = optimizer_step(loss, opt, grad_clip)       # a non-finite one: skipped
+                skipped += not ok
+                losses.append(loss.item() if ok else float("nan"))
+                sched.step()
+                done = len(losses)
+                if progress and (done % steps_per_epoch == 0 or done == total):
+                    elapsed = time.perf_counter() - start
+                    recent = [v for v in losses[-steps_per_epoch:] if math.isfinite(v)]
+                    mean = sum(recent) / len(recent) if recent else float("nan")
+                    eta = elapsed / done * (total - done)
+                    print(f"[sft] step {done}/{total} (epoch {done / steps_per_epoch:.1f}) loss "
+                          f"{mean:.4f} lr {sched.get_last_lr()[0]:.2e} skipped {skipped} "
+                          f"({elapsed:.1f}s, eta {eta:.1f}s)", flush=True)
+    finally:
+        policy.model.eval()
+    return losses
+
+
 def pretrain_text(cfg: Config, out: str | Path | None = None, epochs: int | None = None,
                   steps: int | None = None, batch_size: int = 32, lr: float = 1e-3,
                   tasks_per_form: int | None = None, warmup_steps: int | None = None,
@@ -70,7 +142,7 @@ def pretrain_text(cfg: Config, out: str | Path | None = None, epochs: int | None
     when there is one. ``copy_aux``: auxiliary copy pairs per task pair (see :func:`sft_pairs`)."""
     from dataclasses import asdict
 
-    from flowrl_ray.models.masked_diffusion import build_masked_lm, fit_sft
+    from flowrl_ray.models.masked_diffusion import build_masked_lm
     from flowrl_ray.models.text_tokenizer import train_tokenizer
     from flowrl_ray.plotting import plot_curves
 

@@ -12,6 +12,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 from flowrl_ray.models import masked_diffusion as md  # noqa: E402
+from flowrl_ray.pretrain.text_sft import fit_sft  # noqa: E402
 
 from unit.models.test_masked_diffusion import PAIRS, TINY, tok_dir  # noqa: E402, F401 (a fixture)
 
@@ -22,7 +23,7 @@ def test_sft_overfits_and_greedy_reproduces_the_answer(tok_dir):
     policy = md.build_masked_lm({**TINY, "tokenizer_path": tok_dir}, seed=1)
     gen_length = 12
     # each pair 8 times per batch: 8 masking draws per pair and step
-    losses = md.fit_sft(policy, PAIRS * 8, epochs=300, batch_size=24, lr=2e-3,
+    losses = fit_sft(policy, PAIRS * 8, epochs=300, batch_size=24, lr=2e-3,
                         gen_length=gen_length, seed=0)
     assert len(losses) == 300 and all(math.isfinite(x) for x in losses)
     assert sum(losses[-20:]) / 20 < 0.1 * sum(losses[:20]) / 20

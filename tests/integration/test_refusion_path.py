@@ -18,6 +18,7 @@ from flowrl_ray.algorithms.flow_grpo import FlowGRPO  # noqa: E402
 from flowrl_ray.config import ConfigError, config_from_dict  # noqa: E402
 from flowrl_ray.envs import EnvSpec  # noqa: E402
 from flowrl_ray.models import masked_diffusion as md  # noqa: E402
+from flowrl_ray.pretrain.text_sft import fit_sft  # noqa: E402
 
 from unit.models.test_refusion_path import PAIRS, _config, _update, tok_dir  # noqa: E402, F401 (a fixture)
 
@@ -121,7 +122,7 @@ def test_a_trust_remote_code_directory_loads_fine_tunes_and_trains_with_flow_grp
     lm = md.build_masked_lm({"path": remote_dir, "trust_remote_code": True}, seed=0)
     assert type(lm.model).__name__ == "TinyMDM" and type(lm.model).__module__.startswith("transformers_modules")
     assert lm.mask_token_id == lm.tokenizer.mask_token_id
-    losses = md.fit_sft(lm, PAIRS, epochs=None, steps=30, batch_size=3, lr=3e-3, gen_length=16)
+    losses = fit_sft(lm, PAIRS, epochs=None, steps=30, batch_size=3, lr=3e-3, gen_length=16)
     assert sum(losses[-5:]) < sum(losses[:5])                           # SFT learns
     sft = Path(remote_dir).parent / "sft"
     lm.save(sft)

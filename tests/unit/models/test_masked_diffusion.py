@@ -16,6 +16,7 @@ pytest.importorskip("tokenizers")
 
 from flowrl_ray.config import ConfigError  # noqa: E402
 from flowrl_ray.models import masked_diffusion as md  # noqa: E402
+from flowrl_ray.pretrain.text_sft import fit_sft  # noqa: E402
 from flowrl_ray.models.text_tokenizer import load_tokenizer, train_tokenizer  # noqa: E402
 
 PAIRS = [
@@ -81,7 +82,7 @@ def test_encode_prompts_left_pads_and_decode_stops(lm):
 # --------------------------------------------------------------------------- model
 
 def test_default_model_is_bidirectional_and_ignores_padding(lm):
-    assert lm.model.config.is_causal is False and md._wants_full_mask(lm.model)
+    assert lm.model.config.is_causal is False and md.sampling._wants_full_mask(lm.model)
     ids = torch.randint(5, len(lm.tokenizer), (2, 10))
     mask = torch.ones(2, 10, dtype=torch.bool)                           # no padding at all
     changed = ids.clone()
@@ -111,7 +112,7 @@ def test_one_schema_the_offline_default_a_config_gets_is_about_a_million(tok_dir
     assert {k: v for k, v in cfg.items() if k != "tokenizer_path"} == \
         {k: v for k, v in from_config.items() if k != "tokenizer_path"}
     with torch.device("meta"):
-        model = md._build_default_model(cfg, load_tokenizer(tok_dir), 1, None)
+        model = md.model._build_default_model(cfg, load_tokenizer(tok_dir), 1, None)
     n = sum(p.numel() for p in model.parameters())
     assert 0.5e6 < n < 3e6
     assert all(d % 32 == 0 for d in (cfg["hidden_size"], cfg["intermediate_size"]))
@@ -291,7 +292,7 @@ def test_sft_step_budget_follows_warmup_then_cosine(tok_dir, monkeypatch):
 
     monkeypatch.setattr(torch.optim.AdamW, "step", recording_step)
     # 6 steps over 2 pairs with batch 1: three reshuffled passes
-    losses = md.fit_sft(policy, PAIRS[:2], epochs=None, steps=6, batch_size=1, lr=1e-2,
+    losses = fit_sft(policy, PAIRS[:2], epochs=None, steps=6, batch_size=1, lr=1e-2,
                         gen_length=12, warmup_steps=2, lr_schedule="cosine", min_lr_ratio=0.1)
     assert len(losses) == 6 and all(math.isfinite(x) for x in losses)
     # warm-up (s + 1) / 2, then 0.1 + 0.9 * (1 + cos(pi * (s - 2) / 4)) / 2
@@ -299,9 +300,9 @@ def test_sft_step_budget_follows_warmup_then_cosine(tok_dir, monkeypatch):
     expected = [0.5, 1.0, 1.0, 0.1 + 0.45 * (1 + c), 0.55, 0.1 + 0.45 * (1 - c)]
     assert seen == pytest.approx([1e-2 * m for m in expected])
     with pytest.raises(ValueError, match="either epochs or steps"):
-        md.fit_sft(policy, PAIRS, epochs=1, steps=3, batch_size=2, lr=1e-3)
+        fit_sft(policy, PAIRS, epochs=1, steps=3, batch_size=2, lr=1e-3)
     with pytest.raises(ValueError, match="either epochs or steps"):
-        md.fit_sft(policy, PAIRS, epochs=None, batch_size=2, lr=1e-3)
+        fit_sft(policy, PAIRS, epochs=None, batch_size=2, lr=1e-3)
 
 
 # --------------------------------------------------------------------------- HF, LoRA, 4-bit
@@ -394,7 +395,7 @@ def test_qlora_4bit_on_cuda_trains_only_adapters(tok_dir):
                                           policy.mask_token_id, torch.Generator().manual_seed(0))
     torch.testing.assert_close(md.trajectory_log_probs(policy.model, traj, 1.0), traj["logp"],
                                atol=1e-3, rtol=0)
-    losses = md.fit_sft(policy, PAIRS, epochs=None, steps=60, batch_size=3, lr=1e-2, seed=0)
+    losses = fit_sft(policy, PAIRS, epochs=None, steps=60, batch_size=3, lr=1e-2, seed=0)
     assert sum(losses[-10:]) < sum(losses[:10])
     assert all(not torch.equal(before[n], p) for n, p in trainable.items() if "lora_B" in n)
     assert all(torch.equal(frozen[n], p) for n, p in policy.model.named_parameters() if n in frozen)
