@@ -38,7 +38,7 @@ os.environ.setdefault("MUJOCO_GL", "egl")
 FLOWSAR = "configs/flowsar/lift_state_quickstart.yaml"
 FPOPP = "configs/fpopp/lift_state_quickstart.yaml"
 REINFLOW = "configs/reinflow/lift_state_quickstart.yaml"
-H = "algo.flowsar."
+H = "algo."
 #: variant -> (config, overrides). "flowsar" is the default: e standardised per episode, 3 noise
 #: draws, weights of mean 1 per step.
 VARIANTS = {
@@ -116,7 +116,7 @@ def main() -> int:
                 groups.setdefault(variant, []).append(str(run_dir))
     output = args.output or (f"flowsar_sweep_{args.sweep}_{args.task}" if args.sweep else f"flowsar_ablation_{args.task}")
     # the reference: the default FlowSAR, or in a sweep the config's own value
-    reference = f"flowsar-{args.sweep}{getattr(cfg.algo.flowsar, args.sweep):g}" if args.sweep else "flowsar"
+    reference = f"flowsar-{args.sweep}{getattr(cfg.algo, args.sweep):g}" if args.sweep else "flowsar"
     if reference not in groups:
         reference = next(iter(groups))
     argv = [arg for name, dirs in groups.items() for arg in ("--variant", f"{name}={','.join(dirs)}")]

@@ -339,7 +339,10 @@ def check_known_keys(data: dict, allowed: list[str], prefix: str) -> None:
 def resolve_aliases(cls: type, data: dict, prefix: str) -> dict:
     """One name per concept: a section's ``ALIASES`` (a class attribute of its dataclass: earlier
     or paper names, e.g. Flow-GRPO's ``learning_rate`` for ``lr``) are accepted in configs,
-    overrides and old run directories and mapped to the one name; both given is a ConfigError."""
+    overrides and old run directories and mapped to the one name; both given is a ConfigError.
+    Its ``FLATTENED`` names earlier nested sections whose keys now live in the section itself
+    (FlowSAR's ``algo.flowsar.lr`` is ``algo.lr``)."""
+    data = lift_flattened(data, getattr(cls, "FLATTENED", ()), prefix)
     aliases = getattr(cls, "ALIASES", None)
     if not aliases or not any(k in data for k in aliases):
         return data
@@ -351,6 +354,26 @@ def resolve_aliases(cls: type, data: dict, prefix: str) -> dict:
                                   f"twice ('{alias}' is another name of '{name}')")
             data[name] = data.pop(alias)
     return data
+
+
+def lift_flattened(data: dict, flattened: tuple, prefix: str) -> dict:
+    """``data`` with the keys of its ``flattened`` subsections moved up into it (a new mapping);
+    a key given both ways is a ConfigError naming both."""
+    if not any(sub in data for sub in flattened):
+        return data
+    out = {k: v for k, v in data.items() if k not in flattened}
+    for sub in flattened:
+        if sub not in data:
+            continue
+        inner = data[sub]
+        if not isinstance(inner, dict):
+            raise ConfigError(f"config key '{prefix}{sub}': expected a mapping, got {inner!r}")
+        for k, v in inner.items():
+            if k in out:
+                raise ConfigError(f"config keys '{prefix}{sub}.{k}' and '{prefix}{k}': one setting given twice "
+                                  f"('{sub}.{k}' is the earlier name of '{k}')")
+            out[k] = v
+    return out
 
 
 def build_section(cls: type, data: dict, prefix: str) -> Any:
@@ -485,8 +508,14 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     either of its names (see :func:`resolve_aliases`) replaces the setting however the file
     named it."""
     data = _deepcopy(data)
+    schema = _algo_schema(data.get("algorithm", "ppo"))
+    flattened = getattr(schema, "FLATTENED", ())
+    if isinstance(data.get("algo"), dict):
+        data["algo"] = lift_flattened(data["algo"], flattened, "algo.")
     for text in overrides:
         path, value = parse_override(text)
+        if len(path) == 3 and path[0] == "algo" and path[1] in flattened:
+            path = ["algo", path[2]]                                   # the earlier nested name
         node = data
         for part in path[:-1]:
             child = node.get(part)
@@ -496,7 +525,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
                 raise ConfigError(f"override {text!r}: '{part}' is not a section")
             node = child
         if len(path) == 2 and path[0] == "algo":
-            path = path[:-1] + [_drop_synonyms(node, path[-1], _algo_aliases(data.get("algorithm", "ppo")))]
+            path = path[:-1] + [_drop_synonyms(node, path[-1], dict(getattr(schema, "ALIASES", None) or {}))]
         node[path[-1]] = value
     return data
 
@@ -516,9 +545,10 @@ def merge_config(base: dict, top: dict) -> dict:
     the setting however ``base`` named it."""
     out = _merge(base, {k: v for k, v in top.items() if k != "algo"})
     if isinstance(top.get("algo"), dict) and isinstance(out.get("algo"), dict):
-        aliases = _algo_aliases(out.get("algorithm", "ppo"))
-        section = out["algo"]
-        for key, value in top["algo"].items():
+        schema = _algo_schema(out.get("algorithm", "ppo"))
+        aliases, flattened = dict(getattr(schema, "ALIASES", None) or {}), getattr(schema, "FLATTENED", ())
+        section = out["algo"] = lift_flattened(out["algo"], flattened, "algo.")
+        for key, value in lift_flattened(top["algo"], flattened, "algo.").items():
             old = section.get(aliases.get(key, key), section.get(key))
             _drop_synonyms(section, key, aliases)
             section[key] = _merge(old, value) if isinstance(old, dict) and isinstance(value, dict) \
@@ -536,14 +566,14 @@ def _merge(base: dict, top: dict) -> dict:
     return out
 
 
-def _algo_aliases(algorithm: Any) -> dict:
-    """The `algo` section's ALIASES of an algorithm name ({} when it does not resolve: the config
-    check then names the key)."""
+def _algo_schema(algorithm: Any) -> type | None:
+    """The `algo` section's dataclass of an algorithm name (None when it does not resolve: the
+    config check then names the key)."""
     from flowrl_ray.algorithms import get_algorithm
     try:
-        return dict(getattr(get_algorithm(algorithm).config_class, "ALIASES", None) or {})
+        return get_algorithm(algorithm).config_class
     except ConfigError:
-        return {}
+        return None
 
 
 def _deepcopy(data: Any) -> Any:

@@ -63,8 +63,35 @@ WEIGHT_MODES = ("softmax", "normalized", "uniform", "random", "inverse", "critic
 
 
 @dataclass
-class FlowSARHyper:
-    """The spec's hyperparameter table (config keys ``algo.flowsar.*``), defaults as there."""
+class FlowSARConfig:
+    FLATTENED = ("flowsar",)            # algo.flowsar.X is the earlier name of algo.X
+    base_policy: Optional[str] = None   # a `flowrl-ray pretrain` checkpoint; None: random init
+    # the flow policy (must match the base policy's; `flowrl-ray pretrain` reads the same keys)
+    hidden_sizes: list = field(default_factory=lambda: [512, 512, 512])
+    time_dim: int = field(default=32, metadata=check(gt=0))
+    feature_dim: int = field(default=64, metadata=check(gt=0))
+    flow_steps: int = field(default=10, metadata=check(gt=0))
+    # the velocity network's form and the Euler sampler (as FPO++'s: see FPOPPConfig)
+    time_embedding: Literal["flowrl", "reinflow"] = "flowrl"
+    velocity_mlp: Literal["plain", "residual"] = "plain"
+    velocity_activation: Literal["mish", "relu", "tanh", "elu", "gelu", "silu", "softplus"] = "mish"
+    flow_time_grid: Literal["left", "linspace"] = "left"
+    flow_clip_intermediate: bool = False
+    # "VLA-style": the observation encoder (the pretrained policy's) stays frozen and only the
+    # velocity network (the action expert) trains. State policies have no encoder weights.
+    freeze_encoder: bool = False
+    epochs: int = field(default=1, metadata=check(gt=0))
+    minibatch_size: int = field(default=256, metadata=check(gt=0))
+    max_grad_norm: float = field(default=1.0, metadata=check(gt=0))
+    weight_decay: float = field(default=0.0, metadata=check(ge=0))
+    augment: bool = True                # image observations: random shifts in the update
+    # weight_mode critic_oracle only: a critic trained alongside, GAE advantages as the signal
+    gamma: float = field(default=0.99, metadata=check(ge=0, le=1))
+    gae_lambda: float = field(default=0.95, metadata=check(ge=0, le=1))
+    critic_lr: float = field(default=1e-4, metadata=check(gt=0))
+    critic_hidden_sizes: list = field(default_factory=lambda: [256, 256, 256])
+    # the spec's hyperparameter table, defaults as there (earlier nested under algo.flowsar:, which
+    # configs, overrides and old run directories may still use)
     beta: float = field(default=1.0, metadata=check(gt=0))            # mirror trust region
     temperature: float = field(default=0.5, metadata=check(gt=0))     # weight sharpness T
     tau_mid: float = field(default=0.5, metadata=check(gt=0, lt=1))   # t_mid (spec: 1 = noise)
@@ -97,36 +124,6 @@ class FlowSARHyper:
     t_max: float = field(default=0.8, metadata=check(ge=0, le=1))
     w_min: float = field(default=0.0, metadata=check(ge=0, le=1))
     w_max: float = field(default=1.0, metadata=check(gt=0, le=1))
-
-
-@dataclass
-class FlowSARConfig:
-    base_policy: Optional[str] = None   # a `flowrl-ray pretrain` checkpoint; None: random init
-    # the flow policy (must match the base policy's; `flowrl-ray pretrain` reads the same keys)
-    hidden_sizes: list = field(default_factory=lambda: [512, 512, 512])
-    time_dim: int = field(default=32, metadata=check(gt=0))
-    feature_dim: int = field(default=64, metadata=check(gt=0))
-    flow_steps: int = field(default=10, metadata=check(gt=0))
-    # the velocity network's form and the Euler sampler (as FPO++'s: see FPOPPConfig)
-    time_embedding: Literal["flowrl", "reinflow"] = "flowrl"
-    velocity_mlp: Literal["plain", "residual"] = "plain"
-    velocity_activation: Literal["mish", "relu", "tanh", "elu", "gelu", "silu", "softplus"] = "mish"
-    flow_time_grid: Literal["left", "linspace"] = "left"
-    flow_clip_intermediate: bool = False
-    # "VLA-style": the observation encoder (the pretrained policy's) stays frozen and only the
-    # velocity network (the action expert) trains. State policies have no encoder weights.
-    freeze_encoder: bool = False
-    epochs: int = field(default=1, metadata=check(gt=0))
-    minibatch_size: int = field(default=256, metadata=check(gt=0))
-    max_grad_norm: float = field(default=1.0, metadata=check(gt=0))
-    weight_decay: float = field(default=0.0, metadata=check(ge=0))
-    augment: bool = True                # image observations: random shifts in the update
-    # weight_mode critic_oracle only: a critic trained alongside, GAE advantages as the signal
-    gamma: float = field(default=0.99, metadata=check(ge=0, le=1))
-    gae_lambda: float = field(default=0.95, metadata=check(ge=0, le=1))
-    critic_lr: float = field(default=1e-4, metadata=check(gt=0))
-    critic_hidden_sizes: list = field(default_factory=lambda: [256, 256, 256])
-    flowsar: FlowSARHyper = field(default_factory=FlowSARHyper)
 
 
 # --------------------------------------------------------------------------- the math
@@ -344,7 +341,7 @@ class FlowSAR(EnvStepAlgorithm):
     @staticmethod
     def validate_config(cfg: Config) -> None:
         c: FlowSARConfig = cfg.algo
-        h = c.flowsar
+        h = c
         check_layer_sizes(c.hidden_sizes, "algo.hidden_sizes")
         check_layer_sizes(c.critic_hidden_sizes, "algo.critic_hidden_sizes")
         check_flow_arch(cfg)
@@ -353,10 +350,9 @@ class FlowSAR(EnvStepAlgorithm):
             raise ConfigError("config key 'env.family': FlowSAR trains a flow policy on action chunks and "
                               "a binary success per episode (use the robot family)")
         if h.t_min >= h.t_max:
-            raise ConfigError(f"config key 'algo.flowsar.t_min': {h.t_min} must be below "
-                              f"algo.flowsar.t_max ({h.t_max})")
+            raise ConfigError(f"config key 'algo.t_min': {h.t_min} must be below algo.t_max ({h.t_max})")
         if h.w_min > h.w_max:
-            raise ConfigError(f"config key 'algo.flowsar.w_min': {h.w_min} is above algo.flowsar.w_max ({h.w_max})")
+            raise ConfigError(f"config key 'algo.w_min': {h.w_min} is above algo.w_max ({h.w_max})")
 
     @staticmethod
     def preflight(cfg: Config, spec: EnvSpec) -> None:
@@ -365,7 +361,7 @@ class FlowSAR(EnvStepAlgorithm):
     def __init__(self, cfg: Config, spec: EnvSpec, device: torch.device):
         super().__init__(cfg, spec, device)
         c: FlowSARConfig = cfg.algo
-        self.c, self.h = c, c.flowsar
+        self.c = self.h = c                   # h: the spec's hyperparameters (the same section)
         self._policy = make_flow_policy(cfg, spec).to(device)                 # theta
         if c.base_policy is not None:
             self._policy.load_state_dict(load_base_policy(c.base_policy)["policy"])

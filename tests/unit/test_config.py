@@ -229,3 +229,25 @@ def test_every_shared_block_is_used_and_holds_only_config_sections():
     assert {b.resolve() for b in blocks} <= used, "a shared block no config lists"
     for b in blocks:
         assert set(read_yaml(b)) <= sections, b
+
+
+def test_flowsars_earlier_nested_section_is_the_same_setting(tmp_path):
+    """algo.flowsar.X (the earlier nested name) is algo.X: in a file, in an override, in a block;
+    given both ways it is an error naming both keys."""
+    base = {"algorithm": "flowsar", "env": {"family": "robot", "id": "lift"},
+            "runtime": {"num_workers": 1, "envs_per_worker": 2, "rollout_length": 8},
+            "algo": {"minibatch_size": 8}}
+    nested = {**base, "algo": {**base["algo"], "flowsar": {"lr": 3e-5, "temperature": 1.0}}}
+    flat = {**base, "algo": {**base["algo"], "lr": 3e-5, "temperature": 1.0}}
+    assert config_from_dict(nested).to_dict() == config_from_dict(flat).to_dict()
+    assert "flowsar" not in config_from_dict(nested).to_dict()["algo"]          # saved flat
+    cfg = config_from_dict(apply_overrides(nested, ["algo.lr=1e-4", "algo.flowsar.temperature=2.0"]))
+    assert (cfg.algo.lr, cfg.algo.temperature) == (1e-4, 2.0)
+    cfg = config_from_dict(apply_overrides(flat, ["algo.flowsar.lr=2e-4"]))
+    assert cfg.algo.lr == 2e-4
+    with pytest.raises(ConfigError, match=r"'algo\.flowsar\.lr' and 'algo\.lr': one setting given twice"):
+        config_from_dict({**base, "algo": {"lr": 1e-5, "flowsar": {"lr": 1e-4}}})
+    (tmp_path / "block.yaml").write_text("algo: {flowsar: {lr: 0.001, beta: 2.0}}\n")
+    f = tmp_path / "f.yaml"
+    f.write_text("algorithm: flowsar\ndefaults: [block.yaml]\nalgo: {lr: 0.0005}\n")
+    assert read_yaml(f)["algo"] == {"lr": 0.0005, "beta": 2.0}

@@ -27,13 +27,13 @@ SPEC = EnvSpec(obs_shape=(19,), action_dim=7, max_episode_steps=10)
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def tiny_cfg(seed: int = 0, **flowsar):
+def tiny_cfg(seed: int = 0, **hyper):
     return config_from_dict({
         "algorithm": "flowsar", "seed": seed,
         "env": {"family": "robot", "id": "lift", "horizon_steps": 4, "act_steps": 2, "max_episode_steps": 10},
         "runtime": {"num_workers": 1, "envs_per_worker": 2, "rollout_length": 6},
         "algo": {"hidden_sizes": [16, 16], "flow_steps": 2, "minibatch_size": 4,
-                 "flowsar": {"lr": 1e-3, **flowsar}}})
+                 "lr": 1e-3, **hyper}})
 
 
 # ------------------------------------------------------------------ Theorem 1: self-annotation
@@ -731,16 +731,16 @@ def test_lr_warm_up_is_linear_over_its_iterations_and_survives_a_resume():
 
 
 @pytest.mark.parametrize("overrides, pattern", [
-    ({"t_min": 0.8, "t_max": 0.8}, r"algo\.flowsar\.t_min"),
-    ({"t_min": 0.9, "t_max": 0.5}, r"algo\.flowsar\.t_min"),
-    ({"betta": 1.0}, r"algo\.flowsar\.betta.*algo\.flowsar\.beta'"),
-    ({"weight_mode": "foo"}, r"algo\.flowsar\.weight_mode.*foo"),
-    ({"w_min": 0.5, "w_max": 0.2}, r"algo\.flowsar\.w_min"),
-    ({"tau_mid": 1.0}, r"algo\.flowsar\.tau_mid"),
-    ({"error_scale": "zscore"}, r"algo\.flowsar\.error_scale.*zscore"),
-    ({"weight_scale": "sum"}, r"algo\.flowsar\.weight_scale.*sum"),
-    ({"label_baseline": "group"}, r"algo\.flowsar\.label_baseline.*group"),
-    ({"n_annotation_samples": 0}, r"algo\.flowsar\.n_annotation_samples"),
+    ({"t_min": 0.8, "t_max": 0.8}, r"algo\.t_min"),
+    ({"t_min": 0.9, "t_max": 0.5}, r"algo\.t_min"),
+    ({"betta": 1.0}, r"algo\.betta.*algo\.beta'"),
+    ({"weight_mode": "foo"}, r"algo\.weight_mode.*foo"),
+    ({"w_min": 0.5, "w_max": 0.2}, r"algo\.w_min"),
+    ({"tau_mid": 1.0}, r"algo\.tau_mid"),
+    ({"error_scale": "zscore"}, r"algo\.error_scale.*zscore"),
+    ({"weight_scale": "sum"}, r"algo\.weight_scale.*sum"),
+    ({"label_baseline": "group"}, r"algo\.label_baseline.*group"),
+    ({"n_annotation_samples": 0}, r"algo\.n_annotation_samples"),
 ])
 def test_config_mistakes_name_the_key(overrides, pattern):
     with pytest.raises(ConfigError, match=pattern):
