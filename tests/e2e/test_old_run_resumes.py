@@ -1,0 +1,39 @@
+"""A run directory written before a config change still resumes: the fixture is a tiny FlowSAR
+run (2 iterations, checkpoint at iteration 2) made by the code of revision 51cac30, whose saved
+config nests the spec's hyperparameters under `algo.flowsar:` (made from `made_from.yaml` there:
+`flowrl-ray train made_from.yaml --run-dir RUN`). Today's code reads the nested keys as the flat
+ones, loads the checkpoint and trains on."""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+os.environ.setdefault("MUJOCO_GL", "egl")
+
+import pytest  # noqa: E402
+import yaml  # noqa: E402
+
+from flowrl_ray.cli import main  # noqa: E402
+from flowrl_ray.config import load_config  # noqa: E402
+
+FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "flowsar_run_before_flat_config"
+
+
+@pytest.mark.slow
+def test_a_flowsar_run_saved_with_nested_keys_resumes_and_extends(tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(FIXTURE, run, ignore=shutil.ignore_patterns("made_from.yaml"))
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert saved["algo"]["flowsar"]["lr"] == 1e-4 and "lr" not in saved["algo"]       # the old layout
+    old = load_config(run / "config.yaml")
+    assert (old.algo.lr, old.algo.temperature, old.algo.n_annotation_samples) == (1e-4, 1.0, 2)
+
+    assert main(["train", "--resume", str(run), "train.iterations=3", "--no-tensorboard"]) == 0
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [1, 2, 3]
+    assert rows[2]["env_steps"] == 3 * 12 and rows[2]["flowsar/lr"] == pytest.approx(1e-4)
+    assert json.loads((run / "summary.json").read_text())["iterations"] == 3
+    resaved = yaml.safe_load((run / "config.yaml").read_text())        # now in today's layout
+    assert "flowsar" not in resaved["algo"] and resaved["algo"]["lr"] == 1e-4
+    assert resaved["algo"]["temperature"] == 1.0 and resaved["train"]["iterations"] == 3
