@@ -32,6 +32,7 @@ from typing import Any, Literal, Optional
 import yaml
 
 from flowrl_ray.errors import ConfigError  # noqa: F401 - defined there, raised and re-exported here
+from flowrl_ray.registry import get_algorithm
 
 
 def check(gt: float | None = None, ge: float | None = None, le: float | None = None,
@@ -429,7 +430,6 @@ def config_from_dict(data: dict) -> Config:
     algorithm that `algorithm` names (a built-in name, or "package.module:Class" for a plugin),
     the `pretrain` section's its `pretrain_config_class`; the algorithm's `validate_config(cfg)`
     then checks constraints that span sections."""
-    from flowrl_ray.algorithms import get_algorithm
     if not isinstance(data, dict):
         raise ConfigError(f"config must be a mapping at the top level, got {type(data).__name__}")
     data = dict(data)
@@ -569,7 +569,6 @@ def _merge(base: dict, top: dict) -> dict:
 def _algo_schema(algorithm: Any) -> type | None:
     """The `algo` section's dataclass of an algorithm name (None when it does not resolve: the
     config check then names the key)."""
-    from flowrl_ray.algorithms import get_algorithm
     try:
         return get_algorithm(algorithm).config_class
     except ConfigError:
