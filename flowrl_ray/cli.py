@@ -352,7 +352,7 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     from dataclasses import fields
 
     from flowrl_ray.algorithms import get_algorithm
-    from flowrl_ray.pretrain import METHODS, pretrain
+    from flowrl_ray.pretrain import pretrain
     data = apply_overrides(read_yaml(args.config), args.overrides)
     name = data.get("algorithm", "ppo")
     schema = get_algorithm(name).pretrain_config_class
@@ -366,7 +366,7 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
         if value is None:
             continue
         if flag not in keys:
-            raise UserError(f"--{flag.replace('_', '-')}: {name}'s pretraining ({METHODS[schema][0]}) has no "
+            raise UserError(f"--{flag.replace('_', '-')}: {name}'s pretraining ({schema.method}) has no "
                             f"such setting; it takes " + ", ".join(f"--{k.replace('_', '-')}" for k in keys))
         section[flag] = value
     data["pretrain"] = section

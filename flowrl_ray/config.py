@@ -27,7 +27,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, ClassVar, Literal, Optional
 
 import yaml
 
@@ -210,12 +210,15 @@ def check_logging(cfg: "LoggingConfig") -> None:
 # --------------------------------------------------------------------------- pretraining
 # The `pretrain:` section: the settings of `flowrl-ray pretrain` (flowrl_ray.pretrain), one schema
 # per method, chosen by the algorithm (its `pretrain_config_class`). Its command-line flags set
-# the same keys.
+# the same keys. Each schema names its method (the module flowrl_ray.pretrain.<method>, whose
+# `run` trains) and the `algo` key of the file it writes.
 
 @dataclass
 class FlowBCPretrainConfig:
     """Flow-matching behaviour cloning of the config's flow policy on robot demos (FPO++, ReinFlow,
     FlowSAR): writes the checkpoint ``algo.base_policy`` loads."""
+    method: ClassVar[str] = "flow_bc"
+    writes: ClassVar[str] = "base_policy"
     dataset: Optional[str] = None       # robomimic hdf5; None: env.dataset
     out: Optional[str] = None           # None: algo.base_policy
     epochs: int = field(default=50, metadata=check(gt=0))
@@ -229,6 +232,8 @@ class FlowBCPretrainConfig:
 class TextSFTPretrainConfig:
     """Masked-diffusion SFT of Flow-GRPO's language model on the forms train split (prompt ->
     gold action script): writes the checkpoint directory ``algo.sft_checkpoint`` loads."""
+    method: ClassVar[str] = "text_sft"
+    writes: ClassVar[str] = "sft_checkpoint"
     out: Optional[str] = None           # None: algo.sft_checkpoint
     steps: Optional[int] = field(default=None, metadata=check(gt=0))    # None and no epochs: 2000
     epochs: Optional[int] = field(default=None, metadata=check(gt=0))   # passes instead of steps
@@ -238,10 +243,17 @@ class TextSFTPretrainConfig:
     copy_aux: float = field(default=0.0, metadata=check(ge=0))         # 'repeat the quoted value' pairs per pair
     seed: Optional[int] = field(default=None, metadata=check(ge=0))
 
+    def __post_init__(self):
+        if self.steps is not None and self.epochs is not None:
+            raise ConfigError(f"config keys 'pretrain.steps' and 'pretrain.epochs': give one SFT budget, "
+                              f"not both (got {self.steps} steps and {self.epochs} epochs)")
+
 
 @dataclass
 class EDMPretrainConfig:
     """EDM on QM9's train split for FED-GRPO: writes the checkpoint ``algo.base_model`` loads."""
+    method: ClassVar[str] = "edm_qm9"
+    writes: ClassVar[str] = "base_model"
     out: Optional[str] = None           # None: algo.base_model
     steps: int = field(default=2000, metadata=check(gt=0))            # optimiser steps in all
     batch_size: Optional[int] = field(default=None, metadata=check(gt=0))   # None: 64, resumed: the checkpoint's

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from flowrl_ray.config import Config, ConfigError
+from flowrl_ray.config import Config, ConfigError, EDMPretrainConfig
 from flowrl_ray.utils import atomic_write_bytes, atomic_write_text, format_duration, torch_threads
 
 
@@ -75,6 +75,14 @@ def _tf32(enabled: bool):
         yield
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def run(cfg: Config, p: EDMPretrainConfig, seed: int, progress: bool = True) -> dict:
+    """``flowrl-ray pretrain`` for FED-GRPO: the ``pretrain:`` section ``p``."""
+    return pretrain_edm(cfg, out=p.out, steps=p.steps, batch_size=p.batch_size, lr=p.lr, seed=seed,
+                        eval_samples=p.eval_samples, curve_every=p.curve_every, curve_samples=p.curve_samples,
+                        checkpoint_every=p.checkpoint_every, max_minutes=p.max_minutes, resume=p.resume,
+                        device=p.device, progress=progress)
 
 
 def pretrain_edm(cfg: Config, out: str | Path | None = None, steps: int = 2000,

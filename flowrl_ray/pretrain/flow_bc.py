@@ -20,7 +20,7 @@ import h5py
 import numpy as np
 import torch
 
-from flowrl_ray.config import Config, ConfigError, EnvConfig
+from flowrl_ray.config import Config, ConfigError, EnvConfig, FlowBCPretrainConfig
 from flowrl_ray.envs.robomimic_data import NormStats, iter_demos
 from flowrl_ray.optim import minibatches, optimizer_step
 from flowrl_ray.utils import atomic_write_bytes, atomic_write_text, torch_threads
@@ -95,6 +95,12 @@ def evaluate(cfg: Config, policy, episodes: int, seed: int = 0, progress: bool =
         runner.close()
     out["seconds"] = round(time.perf_counter() - start, 1)
     return out
+
+
+def run(cfg: Config, p: FlowBCPretrainConfig, seed: int, progress: bool = True) -> dict:
+    """``flowrl-ray pretrain`` for the flow-policy algorithms: the ``pretrain:`` section ``p``."""
+    return pretrain_flow_policy(cfg, dataset=p.dataset, out=p.out, epochs=p.epochs, batch_size=p.batch_size,
+                                lr=p.lr, seed=seed, eval_episodes=p.eval_episodes, progress=progress)
 
 
 def pretrain_flow_policy(cfg: Config, dataset: str | Path | None = None, out: str | Path | None = None,

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from flowrl_ray.config import Config, ConfigError
+from flowrl_ray.config import Config, ConfigError, TextSFTPretrainConfig
 from flowrl_ray.envs.forms.tasks import prompt_text
 
 if TYPE_CHECKING:
@@ -129,6 +129,14 @@ def fit_sft(policy: "MaskedDiffusionLM", pairs: Sequence[tuple[str, str]], epoch
     finally:
         policy.model.eval()
     return losses
+
+
+def run(cfg: Config, p: TextSFTPretrainConfig, seed: int, progress: bool = True) -> dict:
+    """``flowrl-ray pretrain`` for Flow-GRPO: the ``pretrain:`` section ``p`` (no budget given:
+    2,000 steps)."""
+    steps = 2000 if p.steps is None and p.epochs is None else p.steps
+    return pretrain_text(cfg, out=p.out, epochs=p.epochs, steps=steps, batch_size=p.batch_size, lr=p.lr,
+                         tasks_per_form=p.tasks_per_form, seed=seed, copy_aux=p.copy_aux, progress=progress)
 
 
 def pretrain_text(cfg: Config, out: str | Path | None = None, epochs: int | None = None,

@@ -11,7 +11,6 @@ import flowrl_ray.pretrain as pretraining
 from flowrl_ray.cli import main
 from flowrl_ray.config import (ConfigError, EDMPretrainConfig, FlowBCPretrainConfig, TextSFTPretrainConfig,
                                config_from_dict, load_config, read_yaml, save_config)
-from flowrl_ray.pretrain import METHODS
 
 from conftest import REPO
 
@@ -27,7 +26,7 @@ def test_each_pretraining_algorithm_gets_its_methods_schema_with_defaults(algori
     path, schema = CONFIGS[algorithm]
     cfg = load_config(REPO / "configs" / path)
     assert type(cfg.pretrain) is schema and cfg.pretrain == schema()
-    assert METHODS[schema][1] in vars(cfg.algo)            # the algo key naming the file it writes
+    assert schema.writes in vars(cfg.algo)                 # the algo key naming the file it writes
     save_config(cfg, tmp_path / "config.yaml")             # the resolved section is saved and reloads
     assert load_config(tmp_path / "config.yaml").pretrain == cfg.pretrain
 
@@ -51,10 +50,9 @@ def test_config_mistakes_in_the_section_name_the_key():
     assert config_from_dict({"algorithm": "ppo"}).pretrain is None
 
 
-def test_the_entry_point_refuses_two_sft_budgets_and_an_algorithm_without_pretraining():
-    cfg = load_config(REPO / "configs/flow_grpo/forms_small.yaml", ["pretrain.steps=3", "pretrain.epochs=1"])
+def test_two_sft_budgets_stop_at_the_config_and_the_entry_point_refuses_an_algorithm_without_pretraining():
     with pytest.raises(ConfigError, match=r"'pretrain\.steps' and 'pretrain\.epochs'"):
-        pretraining.pretrain(cfg, progress=False)
+        load_config(REPO / "configs/flow_grpo/forms_small.yaml", ["pretrain.steps=3", "pretrain.epochs=1"])
     with pytest.raises(ConfigError, match="has no pretraining"):
         pretraining.pretrain(config_from_dict({"algorithm": "ppo"}), progress=False)
 
@@ -81,3 +79,24 @@ def test_a_flag_the_method_does_not_take_is_refused_naming_what_it_takes(monkeyp
     assert "--copy-aux: fpopp's pretraining (flow_bc)" in capsys.readouterr().err
     assert main(["pretrain", str(REPO / "configs/ppo/pendulum.yaml")]) == 2
     assert "algorithm 'ppo' has no pretraining" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("path, function, section, expected", [
+    ("fed_grpo/qm9_small.yaml", "pretrain_edm", {"steps": 7, "max_minutes": 2.5, "seed": 4},
+     {"steps": 7, "max_minutes": 2.5, "seed": 4, "resume": False, "device": "auto", "eval_samples": 1000}),
+    ("flow_grpo/forms_small.yaml", "pretrain_text", {"copy_aux": 0.5},       # no budget: 2,000 steps
+     {"steps": 2000, "epochs": None, "copy_aux": 0.5, "tasks_per_form": 200, "seed": 0}),
+    ("flow_grpo/forms_small.yaml", "pretrain_text", {"epochs": 3}, {"steps": None, "epochs": 3}),
+    ("flowsar/lift_state_quickstart.yaml", "pretrain_flow_policy", {"epochs": 20, "eval_episodes": 5},
+     {"epochs": 20, "eval_episodes": 5, "batch_size": 256, "lr": 1e-3, "seed": 0}),
+])
+def test_the_entry_point_runs_the_schemas_method_with_the_section(path, function, section, expected, monkeypatch):
+    import importlib
+    cfg = load_config(REPO / "configs" / path, [f"pretrain.{k}={v}" for k, v in section.items()])
+    module = importlib.import_module(f"flowrl_ray.pretrain.{cfg.pretrain.method}")
+    calls = []
+    monkeypatch.setattr(module, function, lambda c, **kw: calls.append((c, kw)) or {"ran": function})
+    assert pretraining.pretrain(cfg, progress=False) == {"ran": function}
+    (c, kw), = calls
+    assert c is cfg and kw["progress"] is False
+    assert {k: kw[k] for k in expected} == expected
