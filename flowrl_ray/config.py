@@ -521,13 +521,12 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     named it."""
     data = _deepcopy(data)
     schema = _algo_schema(data.get("algorithm", "ppo"))
-    flattened = getattr(schema, "FLATTENED", ())
     if isinstance(data.get("algo"), dict):
-        data["algo"] = lift_flattened(data["algo"], flattened, "algo.")
+        data["algo"] = resolve_aliases(schema, data["algo"], "algo.")       # the one names
     for text in overrides:
         path, value = parse_override(text)
-        if len(path) == 3 and path[0] == "algo" and path[1] in flattened:
-            path = ["algo", path[2]]                                   # the earlier nested name
+        if path[0] == "algo" and len(path) > 1:
+            path = ["algo", *_canonical_path(schema, path[1:])]
         node = data
         for part in path[:-1]:
             child = node.get(part)
@@ -536,38 +535,27 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             if not isinstance(child, dict):
                 raise ConfigError(f"override {text!r}: '{part}' is not a section")
             node = child
-        if len(path) == 2 and path[0] == "algo":
-            path = path[:-1] + [_drop_synonyms(node, path[-1], dict(getattr(schema, "ALIASES", None) or {}))]
         node[path[-1]] = value
     return data
 
 
-def _drop_synonyms(section: dict, key: str, aliases: dict) -> str:
-    """Removes from ``section`` every name of ``key``'s setting (the one name and its aliases),
-    so that a setting given by any of them replaces it; returns the one name."""
-    name = aliases.get(key, key)
-    for k in [name, *(a for a, n in aliases.items() if n == name)]:
-        section.pop(k, None)
-    return name
+def _canonical_path(schema: type | None, path: list[str]) -> list[str]:
+    """An `algo` key path by the one names: an earlier nested section's key lifted
+    (``flowsar.lr`` -> ``lr``), an alias mapped (``learning_rate`` -> ``lr``)."""
+    if len(path) > 1 and path[0] in getattr(schema, "FLATTENED", ()):
+        path = path[1:]
+    return [dict(getattr(schema, "ALIASES", None) or {}).get(path[0], path[0]), *path[1:]]
 
 
 def merge_config(base: dict, top: dict) -> dict:
     """``top`` over ``base``, two config mappings (a new mapping): sections merge key by key, any
     other value (a list included) replaces; an `algo` key given by either of its names replaces
-    the setting however ``base`` named it."""
-    out = _merge(base, {k: v for k, v in top.items() if k != "algo"})
-    if isinstance(top.get("algo"), dict) and isinstance(out.get("algo"), dict):
-        schema = _algo_schema(out.get("algorithm", "ppo"))
-        aliases, flattened = dict(getattr(schema, "ALIASES", None) or {}), getattr(schema, "FLATTENED", ())
-        section = out["algo"] = lift_flattened(out["algo"], flattened, "algo.")
-        for key, value in lift_flattened(top["algo"], flattened, "algo.").items():
-            old = section.get(aliases.get(key, key), section.get(key))
-            _drop_synonyms(section, key, aliases)
-            section[key] = _merge(old, value) if isinstance(old, dict) and isinstance(value, dict) \
-                else _deepcopy(value)
-    elif "algo" in top:
-        out["algo"] = _deepcopy(top["algo"])
-    return out
+    the setting however ``base`` named it (both `algo` sections are read by their one names,
+    :func:`resolve_aliases`, before they merge)."""
+    schema = _algo_schema(top.get("algorithm", base.get("algorithm", "ppo")))
+    base, top = ({**d, "algo": resolve_aliases(schema, d["algo"], "algo.")} if isinstance(d.get("algo"), dict) else d
+                 for d in (base, top))
+    return _merge(base, top)
 
 
 def _merge(base: dict, top: dict) -> dict:

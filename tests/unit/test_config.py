@@ -197,7 +197,8 @@ def test_an_algo_key_in_a_block_is_replaced_by_either_of_its_names(tmp_path):
     f = _write(tmp_path / "f.yaml", "defaults: [b.yaml]\nalgo: {lr: 0.0002}\n")
     assert read_yaml(f)["algo"] == {"epochs": 3, "lr": 0.0002}          # not both names (an error)
     g = _write(tmp_path / "g.yaml", "defaults: [f.yaml]\nalgo: {actor_lr: 0.0003}\n")
-    assert read_yaml(g)["algo"] == {"epochs": 3, "actor_lr": 0.0003}
+    assert read_yaml(g)["algo"] == {"epochs": 3, "lr": 0.0003}            # merged by the one name
+    assert apply_overrides(read_yaml(g), ["algo.actor_lr=0.0004"])["algo"] == {"epochs": 3, "lr": 0.0004}
 
 
 def test_defaults_mistakes_name_the_key_and_the_file(tmp_path):
