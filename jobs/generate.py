@@ -137,10 +137,6 @@ JOBS = {
         env_vars={"OMP_NUM_THREADS": "1"}),
 }
 
-MUJOCO_GYM = ("HalfCheetah", "Hopper", "Walker2d", "Ant", "Humanoid", "Swimmer", "Reacher", "InvertedPendulum",
-              "InvertedDoublePendulum", "Pusher")
-
-
 def _stem(key: str) -> str:
     return key.replace("/", "_")
 
@@ -156,9 +152,9 @@ def _env_tag(cfg) -> str:
 
 
 def _env_vars(cfg, job: Job) -> dict:
-    out = {"PYTHONUNBUFFERED": "1"}
-    if cfg.env.family == "robot" or (cfg.env.family == "gym" and cfg.env.id.startswith(MUJOCO_GYM)):
-        out["MUJOCO_GL"] = "egl"            # MuJoCo renders on the CPU with EGL
+    from flowrl_ray.envs import env_family
+    family = env_family(cfg.env.family)          # what its envs need (MuJoCo's EGL renderer)
+    out = {"PYTHONUNBUFFERED": "1", **getattr(family, "job_env_vars", lambda env_cfg: {})(cfg.env)}
     return {**out, **job.env_vars}
 
 

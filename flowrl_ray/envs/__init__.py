@@ -10,6 +10,8 @@ learner's samples into rewards (a browser, a force field). A scoring family that
 samples (``eval.snapshots``) also takes ``score(payload, snapshots=N)``, returning pictures of the
 samples with ids below N in ``meta.extra["snapshots"]``, and provides
 ``save_snapshots(items, media_dir, label) -> [(path, caption)]`` that the driver calls to write them.
+Any family may provide ``job_env_vars(env_cfg) -> dict``: environment variables a cluster job
+running it needs (MuJoCo's headless renderer); the job generator (``jobs/generate.py``) reads it.
 Adapters return numpy; policies run torch.
 """
 

@@ -53,6 +53,16 @@ def make_env(env_cfg: EnvConfig, render_mode: str | None = None) -> gym.Env:
     return NormalizedActions(env)
 
 
+def job_env_vars(env_cfg: EnvConfig) -> dict:
+    """Environment variables a cluster job running ``env.id`` needs: MuJoCo envs render headless
+    with EGL (read from the id's gymnasium entry point)."""
+    try:
+        entry = str(gym.spec(env_cfg.id).entry_point)
+    except gym.error.Error:                    # not registered here: a plugin's id
+        return {}
+    return {"MUJOCO_GL": "egl"} if entry.startswith("gymnasium.envs.mujoco") else {}
+
+
 def spec(env_cfg: EnvConfig) -> EnvSpec:
     env = make_env(env_cfg)
     try:

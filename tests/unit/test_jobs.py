@@ -174,3 +174,20 @@ def test_job_files_are_what_the_generator_writes(tmp_path, capsys):
     assert "ppo_pendulum_train.yaml" in err and "gone_config_train.yaml" in err and "ppo_hopper" not in err
     assert generate.main(["--out", str(tmp_path)]) == 0                  # rewrites one, removes the stray
     assert not (tmp_path / "gone_config_train.yaml").exists() and "timeout_s: 3600" in edited.read_text()
+
+
+def test_each_env_family_says_what_its_jobs_need_and_the_jobs_carry_it():
+    from flowrl_ray.config import EnvConfig
+    from flowrl_ray.envs import env_family
+    gym_family, robot = env_family("gym"), env_family("robot")
+    assert gym_family.job_env_vars(EnvConfig(id="HalfCheetah-v5")) == {"MUJOCO_GL": "egl"}    # a MuJoCo entry point
+    assert gym_family.job_env_vars(EnvConfig(id="InvertedDoublePendulum-v5")) == {"MUJOCO_GL": "egl"}
+    assert gym_family.job_env_vars(EnvConfig(id="Pendulum-v1")) == {}                           # classic control
+    assert gym_family.job_env_vars(EnvConfig(id="BipedalWalker-v3")) == {}                      # Box2D
+    assert gym_family.job_env_vars(EnvConfig(id="NotRegistered-v0")) == {}
+    assert robot.job_env_vars(EnvConfig(family="robot", id="lift")) == {"MUJOCO_GL": "egl"}
+    assert not hasattr(env_family("forms"), "job_env_vars")                                      # a browser: nothing
+    jobs = REPO / "jobs"
+    assert "MUJOCO_GL" in (jobs / "ppo_halfcheetah_train.yaml").read_text()
+    assert "MUJOCO_GL" in (jobs / "fpopp_lift_state_train.yaml").read_text()
+    assert "MUJOCO_GL" not in (jobs / "ppo_pendulum_train.yaml").read_text()

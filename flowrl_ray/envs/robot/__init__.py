@@ -110,6 +110,11 @@ def observation_shapes(env_cfg: EnvConfig) -> dict[str, tuple[int, ...]]:
     return {"state": (3 + 4 + 2,), "rgb": (3 * len(env_cfg.cameras), s, s)}
 
 
+def job_env_vars(env_cfg: EnvConfig) -> dict:
+    """Environment variables a cluster job running robosuite needs: MuJoCo renders headless with EGL."""
+    return {"MUJOCO_GL": "egl"}
+
+
 def spec(env_cfg: EnvConfig) -> EnvSpec:
     """Shapes of the configured task; ``obs_shape`` is the state vector's (image mode: also see
     :func:`observation_shapes`), ``action_dim`` the per-step action width."""
