@@ -54,6 +54,10 @@ def check_minibatch_size(cfg: "Config", size: int, key: str = "algo.minibatch_si
     if size > batch:
         raise ConfigError(f"config key '{key}': {size} is larger than the batch per iteration "
                           f"({batch} = num_workers x envs_per_worker x rollout_length)")
+    smallest = batch % size or size                  # the last minibatch of an epoch
+    if rt.num_learners > smallest:
+        raise ConfigError(f"config key 'runtime.num_learners': {rt.num_learners} learners share each "
+                          f"minibatch, but the smallest has {smallest} rows ({key} {size}, batch {batch})")
 
 
 # --------------------------------------------------------------------------- schema
@@ -109,6 +113,11 @@ class RuntimeConfig:
     num_gpus_per_worker: float = field(default=0.0, metadata=check(ge=0))
     learner_num_cpus: float = field(default=1.0, metadata=check(ge=0))
     learner_num_gpus: Optional[float] = field(default=None, metadata=check(ge=0))  # None: 1 if a GPU is visible
+    # The learner group: ranks that split each minibatch and sum their gradients (torch.distributed:
+    # gloo on CPUs, NCCL on GPUs), each with learner_num_cpus / learner_num_gpus, in one placement
+    # group (pack: as few nodes as fit; spread: one node each where possible). 1: one learner.
+    num_learners: int = field(default=1, metadata=check(gt=0))
+    learner_placement: Literal["pack", "spread"] = "pack"
     mode: Literal["sync", "async"] = "sync"
     max_staleness: int = field(default=1, metadata=check(ge=0))     # async: policy versions a batch may lag
     max_worker_restarts: int = field(default=3, metadata=check(ge=0))
@@ -456,6 +465,9 @@ def config_from_dict(data: dict) -> Config:
     elif pretrain_data:
         raise ConfigError(f"config key 'pretrain': algorithm {cfg.algorithm!r} has no pretraining "
                           f"(flowrl-ray pretrain starts fpopp, reinflow, flowsar, flow_grpo and fed_grpo)")
+    if cfg.runtime.num_learners > 1 and not getattr(algorithm_cls, "data_parallel", False):
+        raise ConfigError(f"config key 'runtime.num_learners': {cfg.algorithm!r} updates on one learner "
+                          f"(its update does not split minibatches across a learner group yet); set it to 1")
     check_logging(cfg.logging)
     resolve_shaping_gamma(cfg)
     algorithm_cls.validate_config(cfg)

@@ -9,6 +9,17 @@ the algorithms and by pretraining alike.
 - :func:`dropout_off`: the log-probs of a ratio are computed with every dropout off.
 - :class:`LRSchedule` / :func:`lr_multiplier` / :func:`load_scheduler`: warm-up then constant,
   linear or cosine decay, resumable and extendable.
+- Data parallelism over a learner group (one process per rank, ``torch.distributed`` set up by
+  the runtime): every rank holds the whole batch and draws the same minibatches; each takes its
+  consecutive share of a minibatch's rows (:func:`local_part`), weights its loss by its share of
+  the rows, and :func:`clip_and_step` sums the gradients over the ranks (one all-reduce) before
+  clipping, so the step is the one-process step on the whole minibatch. :func:`reduce_sum` sums
+  statistics the same way. Outside a group (world size 1) all of it is the identity.
+
+      for idx in minibatches(m, size, generator):          # the same on every rank
+          rows = idx[local_part(len(idx))]                  # this rank's share
+          loss = loss_fn(rows) * (len(rows) / len(idx))     # the mean over idx, summed over ranks
+          optimizer_step(loss, opt, max_grad_norm)
 """
 
 from __future__ import annotations
@@ -17,7 +28,60 @@ import contextlib
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
+
+
+# --------------------------------------------------------------------------- data parallelism
+
+def world() -> tuple[int, int]:
+    """(rank, world size) of this process's learner group; (0, 1) outside one."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def local_part(n: int) -> slice:
+    """This rank's rows of a minibatch of ``n`` rows: consecutive shares whose sizes differ by at
+    most one (the first ``n % world`` ranks take one more). World size 1: every row."""
+    rank, size = world()
+    base, extra = divmod(n, size)
+    start = rank * base + min(rank, extra)
+    return slice(start, start + base + int(rank < extra))
+
+
+def reduce_sum(x: torch.Tensor) -> torch.Tensor:
+    """``x`` summed over the ranks (a new tensor; ``x`` itself outside a group)."""
+    if world()[1] == 1:
+        return x
+    out = x.detach().clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out
+
+
+def _all_finite(finite: bool) -> bool:
+    """Whether every rank's flag is True (each rank must take the same branch of a step)."""
+    if world()[1] == 1:
+        return finite
+    flag = torch.tensor([0.0 if finite else 1.0])
+    dist.all_reduce(flag, op=dist.ReduceOp.SUM)
+    return bool(flag.item() == 0)
+
+
+def _sum_gradients(params: list[torch.Tensor]) -> None:
+    """Each gradient summed over the ranks, in one all-reduce of one flat buffer (a parameter
+    without a gradient counts as zeros and gets the sum)."""
+    if world()[1] == 1 or not params:
+        return
+    params = list({id(p): p for p in params}.values())          # a parameter two optimisers share: once
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    offset = 0
+    for p, g in zip(params, grads):
+        n = g.numel()
+        p.grad = flat[offset:offset + n].view_as(p).clone()
+        offset += n
 
 
 def optimizer_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer],
@@ -33,7 +97,7 @@ def optimizer_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer | list[t
     optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
     for o in optimizers:
         o.zero_grad(set_to_none=True)
-    if not torch.isfinite(loss):
+    if not _all_finite(bool(torch.isfinite(loss))):          # in a group: any rank's
         return [float("nan")] * (1 if joint else len(optimizers)), False
     loss.backward()
     return clip_and_step(optimizers, max_grad_norm, joint)
@@ -47,12 +111,14 @@ def clip_and_step(optimizers: list[torch.optim.Optimizer], max_grad_norm: float 
     ``max_grad_norm`` (None: no clipping), so that a large critic gradient does not shrink the
     actor's step; ``joint=True`` clips all of them together by one norm (the old behaviour).
     A non-finite norm in any of them skips the whole step: no optimiser steps, the gradients
-    are cleared and the caller counts the skip.
+    are cleared and the caller counts the skip. In a learner group the gradients are first
+    summed over the ranks (see the module docstring): every rank then clips and steps alike.
 
     Returns (norms before clipping: one per optimiser, or one if ``joint``; whether stepped).
     """
     limit = max_grad_norm if max_grad_norm else float("inf")   # an inf limit scales by exactly 1
     groups = [[p for g in o.param_groups for p in g["params"]] for o in optimizers]
+    _sum_gradients([p for params in groups for p in params])
     if joint:
         groups = [[p for params in groups for p in params]]
     norms = [float(torch.nn.utils.clip_grad_norm_(params, limit)) for params in groups]
@@ -100,7 +166,7 @@ class Accumulator:
         """Clip and step what was accumulated (:func:`clip_and_step`), or skip a poisoned step;
         either way the gradients are cleared and the next step starts clean.
         Returns (norms before clipping, whether stepped)."""
-        if self.finite:
+        if _all_finite(self.finite):                              # in a group: every rank's
             norms, stepped = clip_and_step(self.optimizers, self.max_grad_norm, self.joint)
         else:
             norms, stepped = [float("nan")] * (1 if self.joint else len(self.optimizers)), False

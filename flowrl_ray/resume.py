@@ -11,7 +11,9 @@ trained:
     logging.*                        where metrics go
     runtime.<where it runs>          checkpoint_interval, keep_checkpoints, sample_timeout_s,
                                      restart budgets, CPUs / GPUs per actor, num_cpus,
-                                     worker_niceness, torch_threads, ray_address
+                                     worker_niceness, torch_threads, ray_address, the learner
+                                     group's size and placement (every rank holds the whole
+                                     state, and the update is the same to float precision)
 
 Everything else (the algorithm and its hyperparameters, the env, network sizes, the seed, the
 batch shape: runtime.num_workers, envs_per_worker, rollout_length, mode, max_staleness) belongs
@@ -34,6 +36,7 @@ RESUMABLE = ("train.iterations", "eval.", "logging.",
              "runtime.max_worker_restarts", "runtime.max_learner_restarts",
              "runtime.num_cpus_per_worker", "runtime.num_gpus_per_worker",
              "runtime.learner_num_cpus", "runtime.learner_num_gpus",
+             "runtime.num_learners", "runtime.learner_placement",
              "runtime.num_cpus", "runtime.worker_niceness", "runtime.torch_threads",
              "runtime.ray_address")
 

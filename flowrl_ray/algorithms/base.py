@@ -31,6 +31,10 @@ class Algorithm(ABC):
     #: schema of the `pretrain` section (flowrl_ray.config; its class picks the method of
     #: flowrl_ray.pretrain); None: `flowrl-ray pretrain` has nothing to start for this algorithm
     pretrain_config_class: type | None = None
+    #: whether ``update`` runs in a learner group (``runtime.num_learners`` > 1): every rank
+    #: prepares the whole batch and takes its share of each minibatch (flowrl_ray.optim, "data
+    #: parallelism"); False: the config refuses more than one learner
+    data_parallel: bool = False
     #: what ``load_state_dict`` changed for a resumed run with another ``train.iterations``
     #: (schedules extended to the new total, see ``load_scheduler``), one line each
     resume_notes: tuple[str, ...] = ()

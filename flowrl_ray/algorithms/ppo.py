@@ -19,7 +19,7 @@ import torch
 
 from flowrl_ray.algorithms.advantages import explained_variance, normalize
 from flowrl_ray.algorithms.base import EnvStepAlgorithm
-from flowrl_ray.optim import load_scheduler, lr_multiplier, minibatches, optimizer_step
+from flowrl_ray.optim import load_scheduler, local_part, lr_multiplier, minibatches, optimizer_step, reduce_sum
 from flowrl_ray.algorithms.losses import approx_kl, ppo_clip_objective, value_loss
 from flowrl_ray.algorithms.onpolicy import advantages_from_rollouts
 from flowrl_ray.batch import Batch
@@ -69,6 +69,7 @@ class PPOBatch:
 class PPO(EnvStepAlgorithm):
     name = "ppo"
     config_class = PPOConfig
+    data_parallel = True              # runtime.num_learners > 1: each rank a share of each minibatch
 
     @staticmethod
     def validate_config(cfg: Config) -> None:
@@ -120,25 +121,29 @@ class PPO(EnvStepAlgorithm):
         epochs_run, early_stop = 0, False
         for _ in range(c.epochs):
             epochs_run += 1
-            for idx in minibatches(m, c.minibatch_size, self.generator, self.device):
+            for mb in minibatches(m, c.minibatch_size, self.generator, self.device):   # [mb] rows
+                # a learner group: this rank's share of the minibatch (all of it on one learner)
+                part = local_part(len(mb))
+                idx, share = mb[part], (part.stop - part.start) / len(mb)
                 dist = self._policy.distribution(b.obs[idx])
-                logp = dist.log_prob(b.actions[idx]).sum(-1)                 # [mb]
+                logp = dist.log_prob(b.actions[idx]).sum(-1)                 # [share]
                 log_ratio = logp - b.logp_old[idx]
                 ratio = log_ratio.exp()
-                adv = normalize(b.advantages[idx]) if c.normalize_advantages else b.advantages[idx]
+                adv = (normalize(b.advantages[mb]) if c.normalize_advantages else b.advantages[mb])[part]
                 policy_loss = -ppo_clip_objective(ratio, adv, c.clip).mean()
                 v_loss = value_loss(self.values(b.obs[idx]), b.returns[idx], b.values_old[idx], c.vf_clip).mean()
                 entropy = dist.entropy().sum(-1).mean()
-                loss = policy_loss + c.vf_coef * v_loss - c.ent_coef * entropy
+                loss = (policy_loss + c.vf_coef * v_loss - c.ent_coef * entropy) * share
                 (grad_norm,), stepped = optimizer_step(loss, self.optimizer, c.max_grad_norm)   # one optimiser, policy and value: one norm
                 self.skipped_updates += int(not stepped)
-                with torch.no_grad():
-                    kl = approx_kl(log_ratio)
-                    for k, v in (("policy_loss", policy_loss), ("value_loss", v_loss), ("entropy", entropy),
-                                 ("approx_kl", kl), ("clip_fraction", ((ratio - 1).abs() > c.clip).float().mean()),
-                                 ("grad_norm", grad_norm)):
+                with torch.no_grad():                # the minibatch's means: the shares' summed
+                    values = reduce_sum(torch.stack([policy_loss, v_loss, entropy, approx_kl(log_ratio),
+                                                     ((ratio - 1).abs() > c.clip).float().mean()]) * share)
+                    policy_l, v_l, ent, kl, clipped = values.tolist()
+                    for k, v in (("policy_loss", policy_l), ("value_loss", v_l), ("entropy", ent),
+                                 ("approx_kl", kl), ("clip_fraction", clipped), ("grad_norm", grad_norm)):
                         stats[k].append(float(v))
-                if c.target_kl is not None and float(kl) > c.target_kl:
+                if c.target_kl is not None and kl > c.target_kl:
                     early_stop = True
                     break
             if early_stop:

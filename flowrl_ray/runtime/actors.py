@@ -104,14 +104,40 @@ class ScoringWorker(_Worker):
 @ray.remote
 class Learner:
     """Runs the algorithm's prepare + update on batches it fetches itself (never via the driver)
-    and publishes each new policy version with one ray.put."""
+    and publishes each new policy version with one ray.put.
 
-    def __init__(self, cfg: Config, spec: EnvSpec):
+    One rank of a learner group (``runtime/learner_group.py``) when ``runtime.num_learners`` > 1:
+    every rank builds the algorithm from the same seed (the same initial weights), fetches the
+    whole batch, and updates on its share of each minibatch; the optimiser step sums the
+    gradients over the ranks (``flowrl_ray.optim``), so the weights stay the same on every rank."""
+
+    def __init__(self, cfg: Config, spec: EnvSpec, rank: int = 0):
         torch.set_num_threads(cfg.runtime.torch_threads)
         seed_everything(cfg.seed)
+        self.cfg, self.rank = cfg, rank
         self.device = default_device()
         self.algo = get_algorithm(cfg.algorithm)(cfg, spec, self.device)
         self.version = 0
+
+    # the learner group's process group (torch.distributed)
+    def rendezvous_address(self) -> str:
+        """host:port where this rank (0) hosts the group's rendezvous: a free port on its node."""
+        import socket
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+        return f"{ray.util.get_node_ip_address()}:{port}"
+
+    def join(self, address: str, world_size: int, timeout_s: float) -> int:
+        """Join the group's process group (gloo on CPUs, NCCL on GPUs) at rank 0's ``address``.
+        A collective that waits longer than ``timeout_s`` (a dead rank) fails this rank too."""
+        import datetime
+
+        import torch.distributed as dist
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, init_method=f"tcp://{address}", rank=self.rank,
+                                world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+        return self.rank
 
     def policy_version(self) -> int:
         return self.version

@@ -32,8 +32,8 @@ from flowrl_ray.envs import EnvSpec, env_family
 from flowrl_ray.errors import TrainingError
 from flowrl_ray.metrics import read_metrics, truncate_metrics
 from flowrl_ray.progress import Progress
-from flowrl_ray.runtime.actors import Learner
-from flowrl_ray.runtime.cluster import cluster_gpus, init_ray, learner_gpus
+from flowrl_ray.runtime.cluster import init_ray
+from flowrl_ray.runtime.learner_group import LearnerDied, LearnerGroup
 from flowrl_ray.runtime.dashboard import RunGauges, metrics_endpoint
 from flowrl_ray.runtime.metrics import MetricsLogger
 from flowrl_ray.runtime.rollouts import rollout_strategy
@@ -123,14 +123,15 @@ class Trainer:
             num_cpus=rt.num_cpus_per_worker, num_gpus=rt.num_gpus_per_worker,
             name=None).remote(self.cfg, self.spec, index, restarts)
 
-    def _new_learner(self):
-        gpus = learner_gpus(self.cfg, cluster_gpus())
-        return Learner.options(num_cpus=self.cfg.runtime.learner_num_cpus, num_gpus=gpus).remote(self.cfg, self.spec)
+    @property
+    def learner(self):
+        """Rank 0's Learner actor (the only one unless runtime.num_learners > 1)."""
+        return self.learners.actors[0]
 
     def setup(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._started_ray = init_ray(self.cfg)
-        self.learner = self._new_learner()
+        self.learners = LearnerGroup(self.cfg, self.spec)
         self.workers = [self._new_worker(i) for i in range(self.cfg.runtime.num_workers)]
         checkpoint = latest_checkpoint(self.run_dir) if self.resume else None
         if checkpoint is not None:
@@ -154,7 +155,7 @@ class Trainer:
     def _restore(self, ckpt: dict) -> None:
         c = ckpt["trainer"]
         self.counters = Counters(**c)
-        notes = ray.get(self.learner.set_state.remote(ckpt["learner"]))
+        notes = self.learners.call("set_state", ckpt["learner"])
         states = ckpt.get("workers") or []
         ray.get([w.set_state.remote(s) for w, s in zip(self.workers, states)])
         truncate_metrics(self.run_dir, self.counters.iteration)
@@ -213,20 +214,22 @@ class Trainer:
 
     # ------------------------------------------------------------------ the loop
     def _learner_call(self, method: str, *args):
-        """ray.get of a learner method; if the learner has died, a new one resumes from the last
-        checkpoint's learner state and the call is made again (batch refs stay valid)."""
+        """A learner method (on the group's ranks, see LearnerGroup.call); if a learner has died,
+        a new group resumes from the last checkpoint's learner state and the call is made again
+        (batch refs stay valid)."""
         try:
-            return ray.get(getattr(self.learner, method).remote(*args))
-        except RayActorError:
+            return self.learners.call(method, *args)
+        except LearnerDied:
             c, path = self.counters, latest_checkpoint(self.run_dir)
             if path is None or c.learner_restarts >= self.cfg.runtime.max_learner_restarts:
                 raise TrainingError("the learner died and " + ("there is no checkpoint to resume it from"
                                     if path is None else "runtime.max_learner_restarts is spent")) from None
             c.learner_restarts += 1
             self._log(f"learner died during {method}; resuming it from {path.name}")
-            self.learner = self._new_learner()
-            ray.get(self.learner.set_state.remote(load_checkpoint(path)["learner"]))
-            return ray.get(getattr(self.learner, method).remote(*args))
+            self.learners.close()
+            self.learners = LearnerGroup(self.cfg, self.spec)
+            self.learners.call("set_state", load_checkpoint(path)["learner"])
+            return self.learners.call(method, *args)
 
     def _save_snapshots(self, metas: list[BatchMeta]) -> None:
         """Pictures the scorers made at this evaluation (in their metas): the env family writes
@@ -405,11 +408,8 @@ class Trainer:
                 ray.kill(w)
             except Exception:  # noqa: BLE001
                 pass
-        if hasattr(self, "learner"):
-            try:
-                ray.kill(self.learner)
-            except Exception:  # noqa: BLE001
-                pass
+        if hasattr(self, "learners"):
+            self.learners.close()
         if self._started_ray:
             ray.shutdown()
 

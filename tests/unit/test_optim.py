@@ -115,3 +115,18 @@ def test_accumulator_sums_gradients_into_one_clipped_step_and_skips_a_poisoned_o
     torch.testing.assert_close(w.detach(), before)
     # the next step starts clean
     assert acc.backward(w.sum()) and acc.step()[1] and acc.skipped == 1
+
+
+@pytest.mark.parametrize("n, world, sizes", [(10, 3, [4, 3, 3]), (64, 2, [32, 32]), (5, 1, [5]), (3, 3, [1, 1, 1])])
+def test_each_rank_takes_a_consecutive_share_of_a_minibatch(n, world, sizes, monkeypatch):
+    import flowrl_ray.optim as optim
+    parts = []
+    for rank in range(world):
+        monkeypatch.setattr(optim, "world", lambda rank=rank: (rank, world))
+        parts.append(optim.local_part(n))
+    assert [p.stop - p.start for p in parts] == sizes
+    assert [i for p in parts for i in range(p.start, p.stop)] == list(range(n))     # every row once, in order
+    monkeypatch.undo()
+    assert optim.local_part(n) == slice(0, n) and optim.world() == (0, 1)           # no group: every row
+    x = torch.tensor([1.0, 2.0])
+    assert optim.reduce_sum(x) is x

@@ -218,10 +218,10 @@ def test_a_resume_may_change_iterations_eval_and_resources_only(tmp_path):
     from flowrl_ray.resume import check_resume, config_changes
     run = tiny_config()
     ok = tiny_config("train.iterations=30", "eval.interval=5", "runtime.checkpoint_interval=2",
-                     "runtime.learner_num_gpus=0", "runtime.torch_threads=2")
+                     "runtime.learner_num_gpus=0", "runtime.torch_threads=2", "runtime.num_learners=2")
     assert check_resume(run, ok, tmp_path) == {
         "eval.interval": (0, 5), "runtime.checkpoint_interval": (0, 2), "runtime.learner_num_gpus": (None, 0.0),
-        "runtime.torch_threads": (1, 2), "train.iterations": (3, 30)}
+        "runtime.torch_threads": (1, 2), "train.iterations": (3, 30), "runtime.num_learners": (1, 2)}
     for frozen in ("algo.lr=0.5", "algo.hidden_sizes=[8, 8]", "env.id=MountainCarContinuous-v0", "seed=3",
                    "runtime.num_workers=3", "runtime.rollout_length=32"):
         key = frozen.split("=")[0]

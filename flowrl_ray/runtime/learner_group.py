@@ -1,0 +1,112 @@
+"""The learner group: ``runtime.num_learners`` Learner actors that update one policy together.
+
+    num_learners 1    one Learner actor, as a run has always had (no process group)
+    num_learners N    N Learner actors in one placement group (runtime.learner_placement: pack
+                      or spread), each with learner_num_cpus / learner_num_gpus; rank 0 hosts the
+                      rendezvous and every rank joins one torch.distributed process group (gloo
+                      on CPUs, NCCL on GPUs)
+
+Every rank fetches the whole batch and prepares it; each updates on its share of each minibatch
+and the optimiser step sums the gradients over the ranks (``flowrl_ray.optim``), so the weights
+are the same on every rank after each step. What changes the state (``update``, ``set_state``)
+goes to every rank; what reads it (weights to publish, the checkpoint, analysis) to rank 0. A
+rank that dies ends the group: the Trainer builds a new one from the last checkpoint
+(``runtime.max_learner_restarts``).
+"""
+
+from __future__ import annotations
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from flowrl_ray.config import Config
+from flowrl_ray.envs import EnvSpec
+from flowrl_ray.errors import TrainingError
+from flowrl_ray.runtime.actors import Learner
+from flowrl_ray.runtime.cluster import cluster_gpus, learner_gpus
+
+#: learner methods every rank runs (they change its state); the others are asked of rank 0
+ALL_RANKS = frozenset({"update", "set_state"})
+
+
+class LearnerDied(Exception):
+    """A rank of the group died (its process, or a collective it was part of)."""
+
+
+def get_all(refs: list) -> list:
+    """ray.get of every ref, raising the first failure as soon as it lands (a rank that died)
+    rather than after the refs before it, which may wait on it in a collective."""
+    pending = list(refs)
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        ray.get(ready)
+    return ray.get(refs)
+
+
+class LearnerGroup:
+    def __init__(self, cfg: Config, spec: EnvSpec):
+        rt = cfg.runtime
+        self.size = rt.num_learners
+        gpus = learner_gpus(cfg, cluster_gpus())
+        options = {"num_cpus": rt.learner_num_cpus, "num_gpus": gpus}
+        self.placement_group = None
+        if self.size == 1:
+            self.actors = [Learner.options(**options).remote(cfg, spec)]
+            return
+        bundle = {k: v for k, v in (("CPU", rt.learner_num_cpus), ("GPU", gpus)) if v} or {"CPU": 0.01}
+        self.placement_group = placement_group([bundle] * self.size,
+                                               strategy="PACK" if rt.learner_placement == "pack" else "SPREAD")
+        try:
+            ray.get(self.placement_group.ready(), timeout=rt.sample_timeout_s)
+        except GetTimeoutError:
+            self.close()
+            raise TrainingError(f"runtime.num_learners: the cluster cannot place {self.size} learners of "
+                                f"{bundle} each (waited {rt.sample_timeout_s:.0f} s)") from None
+        self.actors = [Learner.options(**options, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                           self.placement_group, placement_group_bundle_index=rank)).remote(cfg, spec, rank)
+                       for rank in range(self.size)]
+        address = ray.get(self.actors[0].rendezvous_address.remote())
+        get_all([a.join.remote(address, self.size, rt.sample_timeout_s) for a in self.actors])
+
+    def call(self, method: str, *args):
+        """The learner method on every rank (``ALL_RANKS``) or on rank 0; returns rank 0's result.
+        LearnerDied when a rank died: its process, or a collective that lost a peer."""
+        ranks = self.actors if method in ALL_RANKS else self.actors[:1]
+        try:
+            return get_all([getattr(a, method).remote(*args) for a in ranks])[0]
+        except RayActorError:
+            raise LearnerDied(method) from None
+        except RayError:
+            if self.size > 1 and self.dead_ranks():        # a peer died under a collective
+                raise LearnerDied(method) from None
+            raise
+
+    def dead_ranks(self) -> list[int]:
+        """Ranks whose actor is gone (a busy rank still answers, later: it is not dead)."""
+        dead = []
+        for rank, actor in enumerate(self.actors):
+            try:
+                ray.get(actor.pid.remote(), timeout=30)
+            except RayActorError:
+                dead.append(rank)
+            except (GetTimeoutError, RayError):
+                pass
+        return dead
+
+    def pids(self) -> list[int]:
+        return ray.get([a.pid.remote() for a in self.actors])
+
+    def close(self) -> None:
+        for actor in getattr(self, "actors", []):
+            try:
+                ray.kill(actor)
+            except Exception:  # noqa: BLE001
+                pass
+        if self.placement_group is not None:
+            try:
+                remove_placement_group(self.placement_group)
+            except Exception:  # noqa: BLE001
+                pass
+            self.placement_group = None

@@ -1,0 +1,94 @@
+"""The learner group on a real local Ray with gloo: two learner ranks give the weights one learner
+gives on the same batches, every rank holds the same weights, a two-rank run resumes exactly, and
+a killed rank is survived."""
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import ray
+import torch
+
+from flowrl_ray.checkpoint import latest_checkpoint, load_checkpoint
+from flowrl_ray.metrics import read_metrics
+from flowrl_ray.runtime.trainer import Trainer
+
+from conftest import run_trainer, tiny_config
+
+pytestmark = pytest.mark.slow
+
+# 2 workers x 2 envs x 64 steps = 256 rows per iteration: minibatches of 64, 2 epochs
+TWO = ("runtime.num_learners=2", "runtime.learner_num_cpus=0.5")
+
+
+def _final_policy(run_dir) -> dict:
+    return load_checkpoint(latest_checkpoint(run_dir))["policy"]
+
+
+def test_two_learner_ranks_update_as_one_learner(local_ray, tmp_path):
+    one = run_trainer(tiny_config("train.iterations=2"), tmp_path / "one")
+    trainer = Trainer(tiny_config("train.iterations=2", *TWO), tmp_path / "two", quiet=True)
+    try:
+        trainer.setup()
+        two = trainer.train()
+        assert trainer.learners.size == 2 and len(set(trainer.learners.pids())) == 2
+        ranks = [ray.get(a.policy_weights.remote()) for a in trainer.learners.actors]
+    finally:
+        trainer.close()
+    for k, v in ranks[0].items():                          # every rank holds the same weights
+        assert torch.equal(v, ranks[1][k]), k
+    a, b = _final_policy(tmp_path / "one"), _final_policy(tmp_path / "two")
+    for k in a:                                            # the sum of the shares is the one-learner step
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5, msg=k)
+    rows_one, rows_two = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "two")
+    for key in ("ppo/policy_loss", "ppo/value_loss", "ppo/approx_kl", "ppo/clip_fraction", "ppo/grad_norm"):
+        # statistics of the whole minibatch, reduced over the ranks
+        assert rows_two[-1][key] == pytest.approx(rows_one[-1][key], rel=1e-3, abs=1e-6), key
+    assert (one["iterations"], two["iterations"]) == (2, 2)
+    # the second iteration sampled with the same weights: the same batch, to float precision
+    assert rows_two[-1]["ppo/advantage_mean"] == pytest.approx(rows_one[-1]["ppo/advantage_mean"], rel=1e-3)
+
+
+def test_a_two_rank_run_resumes_exactly(local_ray, tmp_path):
+    cfg = ("runtime.checkpoint_interval=1", "algo.lr_schedule=constant", *TWO)   # constant: a longer run changes no lr
+    run_trainer(tiny_config("train.iterations=3", *cfg), tmp_path / "whole")
+    run_trainer(tiny_config("train.iterations=2", *cfg), tmp_path / "parts")
+    run_trainer(tiny_config("train.iterations=3", *cfg), tmp_path / "parts", resume=True)
+    a, b = _final_policy(tmp_path / "whole"), _final_policy(tmp_path / "parts")
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_a_run_resumes_with_another_number_of_learners(local_ray, tmp_path):
+    cfg = ("runtime.checkpoint_interval=1", "algo.lr_schedule=constant")
+    run_trainer(tiny_config("train.iterations=3", *cfg), tmp_path / "whole")
+    run_trainer(tiny_config("train.iterations=2", *cfg, *TWO), tmp_path / "parts")        # 2 ranks,
+    run_trainer(tiny_config("train.iterations=3", *cfg), tmp_path / "parts", resume=True)  # then 1
+    a, b = _final_policy(tmp_path / "whole"), _final_policy(tmp_path / "parts")
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_a_killed_rank_is_survived_from_the_last_checkpoint(local_ray, tmp_path):
+    cfg = tiny_config("train.iterations=4", "runtime.checkpoint_interval=1", *TWO)
+    trainer = Trainer(cfg, tmp_path / "run", quiet=True)
+    try:
+        trainer.setup()
+        rank1 = trainer.learners.pids()[1]
+
+        def kill_after_two_iterations():
+            while trainer.counters.iteration < 2:
+                time.sleep(0.01)
+            os.kill(rank1, signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_after_two_iterations, daemon=True)
+        killer.start()
+        summary = trainer.train()
+        assert rank1 not in trainer.learners.pids()         # a new group
+    finally:
+        trainer.close()
+    rows = read_metrics(tmp_path / "run")
+    assert summary["iterations"] == 4 and rows[-1]["learner_restarts"] == 1
+    assert rows[-1]["policy_version"] >= 3
