@@ -39,11 +39,14 @@ def explained_variance(returns: torch.Tensor, values: torch.Tensor) -> float:
     return float(1.0 - (returns - values).var() / var_ret) if var_ret > 0 else float("nan")
 
 
-def normalize(x: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """(x - mean) / (std + eps) over all elements; a single element is returned centred."""
-    if x.numel() < 2:
-        return x - x.mean()
-    return (x - x.mean()) / (x.std() + eps)
+def normalize(x: torch.Tensor, eps: float = 1e-8, ref: torch.Tensor | None = None) -> torch.Tensor:
+    """(x - mean) / (std + eps) with the mean and std of all elements of ``ref`` (default ``x``
+    itself: a part of a minibatch normalised as the whole minibatch is); a single reference
+    element only centres."""
+    ref = x if ref is None else ref
+    if ref.numel() < 2:
+        return x - ref.mean()
+    return (x - ref.mean()) / (ref.std() + eps)
 
 
 def group_normalize(values: torch.Tensor, group_index: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:

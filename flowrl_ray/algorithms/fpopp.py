@@ -141,6 +141,7 @@ class FPOPP(EnvStepAlgorithm):
     name = "fpopp"
     config_class = FPOPPConfig
     pretrain_config_class = FlowBCPretrainConfig
+    data_parallel = True              # runtime.num_learners > 1: actor_critic_epochs splits minibatches
 
     @staticmethod
     def validate_config(cfg: Config) -> None:
@@ -237,7 +238,7 @@ class FPOPP(EnvStepAlgorithm):
         return torch.cat(out)
 
     # ------------------------------------------------------------------ update
-    def _losses(self, b: dict, idx: torch.Tensor, train_actor: bool) -> tuple[torch.Tensor, dict]:
+    def _losses(self, b: dict, idx: torch.Tensor, mb: torch.Tensor, train_actor: bool) -> tuple[torch.Tensor, dict]:
         """Loss of the minibatch rows ``idx`` and its statistics."""
         c = self.c
         obs = map_obs(lambda x: x[idx], b["obs"])
@@ -251,7 +252,7 @@ class FPOPP(EnvStepAlgorithm):
                                       row_mask=b["row_mask"][idx])                        # [mb, N]
         ratios = fpopp_ratios(old, new, c.cfm_loss_clamp, c.cfm_diff_clamp, c.ratio_mode)   # [mb, N]
         adv = b["advantages"][idx]
-        adv = normalize(adv) if c.normalize_advantages else adv
+        adv = normalize(adv, ref=b["advantages"][mb]) if c.normalize_advantages else adv   # the minibatch's statistics
         pg_loss = -fpopp_objective(ratios, adv, c.clip, c.use_aspo).mean()
         with torch.no_grad():
             log_ratio = ratios.log()
@@ -270,7 +271,7 @@ class FPOPP(EnvStepAlgorithm):
         train_actor = self.iteration >= c.critic_warmup_iters
         # Actor and critic each clipped by their own norm (the release clips both separately):
         # a large critic gradient does not shrink the actor's step.
-        run = actor_critic_epochs(m, lambda idx, actor: self._losses(b, idx, actor), self.actor_opt,
+        run = actor_critic_epochs(m, lambda idx, mb, actor: self._losses(b, idx, mb, actor), self.actor_opt,
                                   self.critic_opt, epochs=c.epochs, minibatch_size=c.minibatch_size,
                                   generator=self.generator, device=self.device, max_grad_norm=c.max_grad_norm,
                                   train_actor=train_actor, target_kl=c.target_kl,

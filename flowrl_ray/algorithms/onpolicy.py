@@ -12,7 +12,7 @@ import torch
 
 from flowrl_ray.algorithms.advantages import gae
 from flowrl_ray.batch import Batch, concat_time_major, gather_obs, map_obs
-from flowrl_ray.optim import minibatches, optimizer_step
+from flowrl_ray.optim import local_part, minibatches, optimizer_step, reduce_sum, world
 
 #: Batch keys the runner writes itself; every other key is the policy's per-step record
 ROLLOUT_KEYS = ("obs", "rewards", "terminated", "truncated", "final_obs", "last_obs", "grasped")
@@ -81,33 +81,44 @@ class EpochsResult:
     skipped: int = 0
 
 
-def actor_critic_epochs(m: int, losses: Callable[[torch.Tensor, bool], tuple[torch.Tensor, dict]],
+def actor_critic_epochs(m: int, losses: Callable[[torch.Tensor, torch.Tensor, bool], tuple[torch.Tensor, dict]],
                         actor_opt: torch.optim.Optimizer, critic_opt: torch.optim.Optimizer, *, epochs: int,
                         minibatch_size: int, generator: torch.Generator, device: torch.device,
                         max_grad_norm: float, train_actor: bool, target_kl: float | None,
                         grad_accumulation: int = 1) -> EpochsResult:
     """PPO's epochs for an actor and a critic with their own optimisers (FPO++, ReinFlow):
 
-        for each epoch: shuffle the M samples; for each minibatch of ``minibatch_size``:
-            loss = sum over its ``grad_accumulation`` parts of losses(part, actor_active) * |part| / |mb|
+        for each epoch: shuffle the M samples; for each minibatch mb of ``minibatch_size``:
+            loss = sum over its ``grad_accumulation`` parts of losses(part, mb, actor_active) * |part| / |mb|
             one optimiser step (each optimiser clipped by its own norm; non-finite: skipped)
             target-KL stop: once a minibatch's ``approx_kl`` > target_kl, the actor stops for the
             rest of the iteration and the critic goes on (its targets do not depend on the actor)
 
-    ``losses(idx, train_actor) -> (loss, stats)``: with ``train_actor`` False (critic warm-up or
-    after the stop) the critic's loss alone. Statistics are averaged over the parts; ``grad_norm``
-    is the norm of both gradients together, ``actor_grad_norm`` / ``critic_grad_norm`` each's."""
+    In a learner group each rank takes its share of mb (``local_part``) and cuts that into the
+    parts; the step sums the ranks' gradients, the statistics are summed over the ranks too.
+
+    ``losses(part, mb, train_actor) -> (loss, stats)``: the mean loss of the rows ``part``, with
+    whole-minibatch statistics (advantage normalisation) taken over the rows ``mb``, so that
+    neither accumulation nor a learner group changes the math; with ``train_actor`` False
+    (critic warm-up or after the stop) the critic's loss alone. Statistics are averaged over the
+    parts; ``grad_norm`` is the norm of both gradients together, ``actor_grad_norm`` /
+    ``critic_grad_norm`` each's."""
     out = EpochsResult()
     actor_active = train_actor
     for _ in range(epochs):
-        for idx in minibatches(m, minibatch_size, generator, device):
+        for mb in minibatches(m, minibatch_size, generator, device):
             optimizers = [actor_opt, critic_opt] if actor_active else [critic_opt]
             total_loss, mb_stats = 0.0, {}
-            for part in idx.chunk(grad_accumulation):          # the minibatch in parts (memory)
-                loss, part_stats = losses(part, actor_active)
-                total_loss = total_loss + loss * (len(part) / len(idx))
+            share = mb[local_part(len(mb))]                  # this rank's rows (all of them on one learner)
+            for part in share.chunk(grad_accumulation):      # in parts (memory)
+                loss, part_stats = losses(part, mb, actor_active)
+                total_loss = total_loss + loss * (len(part) / len(mb))
                 for k, v in part_stats.items():
-                    mb_stats[k] = mb_stats.get(k, 0.0) + float(v) * len(part) / len(idx)
+                    mb_stats[k] = mb_stats.get(k, 0.0) + float(v) * len(part) / len(mb)
+            if world()[1] > 1:                               # the minibatch's statistics: the ranks' summed
+                keys = sorted(mb_stats)
+                mb_stats = dict(zip(keys, reduce_sum(torch.tensor([mb_stats[k] for k in keys],
+                                                                  dtype=torch.float64)).tolist()))
             norms, stepped = optimizer_step(total_loss, optimizers, max_grad_norm)
             out.skipped += int(not stepped)
             out.actor_steps += int(actor_active)

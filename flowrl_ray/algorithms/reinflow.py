@@ -176,6 +176,7 @@ class ReinFlow(EnvStepAlgorithm):
     name = "reinflow"
     config_class = ReinFlowConfig
     pretrain_config_class = FlowBCPretrainConfig
+    data_parallel = True              # runtime.num_learners > 1: actor_critic_epochs splits minibatches
 
     @staticmethod
     def validate_config(cfg: Config) -> None:
@@ -261,7 +262,7 @@ class ReinFlow(EnvStepAlgorithm):
         return torch.cat(out)
 
     # ------------------------------------------------------------------ update
-    def _losses(self, b: dict, idx: torch.Tensor, train_actor: bool) -> tuple[torch.Tensor, dict]:
+    def _losses(self, b: dict, idx: torch.Tensor, mb: torch.Tensor, train_actor: bool) -> tuple[torch.Tensor, dict]:
         c = self.c
         obs = map_obs(lambda x: x[idx], b["obs"])
         v_loss = value_loss(self.critic(obs), b["returns"][idx]).mean()
@@ -274,7 +275,7 @@ class ReinFlow(EnvStepAlgorithm):
         log_ratio = self.scale * (logp - b["logp_old"][idx])                      # [mb]
         ratio = log_ratio.exp()
         adv = b["advantages"][idx]
-        adv = normalize(adv) if c.normalize_advantages else adv
+        adv = normalize(adv, ref=b["advantages"][mb]) if c.normalize_advantages else adv   # the minibatch's statistics
         pg_loss = -ppo_clip_objective(ratio, adv, c.clip).mean()
         entropy = self.scale * chain_entropy(pi.log_std, cond, chains, mask)      # [mb]
         loss = pg_loss - c.ent_coef * entropy.mean() + c.vf_coef * v_loss
@@ -289,7 +290,7 @@ class ReinFlow(EnvStepAlgorithm):
     def update(self, b: dict) -> dict[str, float]:
         c, m = self.c, b["advantages"].shape[0]
         train_actor = self.iteration >= c.critic_warmup_iters
-        run = actor_critic_epochs(m, lambda idx, actor: self._losses(b, idx, actor), self.actor_opt,
+        run = actor_critic_epochs(m, lambda idx, mb, actor: self._losses(b, idx, mb, actor), self.actor_opt,
                                   self.critic_opt, epochs=c.epochs, minibatch_size=c.minibatch_size,
                                   generator=self.generator, device=self.device, max_grad_norm=c.max_grad_norm,
                                   train_actor=train_actor, target_kl=c.target_kl)

@@ -101,7 +101,7 @@ def test_image_rollout_batch_and_update():
     # At theta = theta_old every ratio is 1: the old and new losses see the same shifted images
     # (the update's first minibatch holds the whole batch here), in every epoch.
     for _ in range(2):
-        _, stats = algo._losses(prepared, torch.arange(10), True)
+        _, stats = algo._losses(prepared, torch.arange(10), torch.arange(10), True)
         assert abs(stats["ratio_min"] - 1) < 1e-6 and abs(stats["ratio_max"] - 1) < 1e-6, stats
     metrics = algo.update(prepared)
     assert np.isfinite(metrics["pg_loss"])

@@ -1,6 +1,7 @@
 """The optimiser step in a group of two gloo processes (torch.distributed, no Ray): the ranks'
-weighted shares sum to the one-process step on the whole minibatch, and a non-finite loss on
-one rank skips the step on both."""
+weighted shares sum to the one-process step on the whole minibatch, a non-finite loss on one
+rank skips the step on both, and a whole update of PPO and FPO++ (with and without
+accumulation) on two ranks gives the one-learner weights and statistics."""
 
 from __future__ import annotations
 
@@ -63,3 +64,64 @@ def test_two_ranks_take_the_one_process_step_and_skip_together(tmp_path):
         torch.testing.assert_close(out[r]["bias"], model.bias.detach())
         assert out[r]["mean"] == pytest.approx(float(_loss(model, torch.arange(len(X)))), rel=1e-6)
         assert not out[r]["stepped_bad"] and not out[r]["stepped_acc"]
+
+
+def _algorithm(name: str):
+    """(algorithm, its batches) built the same in every process."""
+    torch.manual_seed(0)
+    if name == "ppo":
+        from conftest import tiny_config
+        from flowrl_ray.algorithms.ppo import PPO
+        from flowrl_ray.envs import EnvSpec
+        from unit.algorithms.test_ppo_math import _synthetic_batch
+        algo = PPO(tiny_config("algo.epochs=2", "algo.minibatch_size=24", "algo.target_kl=0.5"), EnvSpec((3,), 1),
+                   torch.device("cpu"))
+        return algo, [_synthetic_batch(algo, seed=1)]
+    from flowrl_ray.algorithms.fpopp import FPOPP
+    from flowrl_ray.envs import EnvSpec
+    from unit.algorithms.test_fpopp import _rollout_batch, tiny_cfg
+    kind = {"fpopp": {}, "fpopp_accumulating": {"grad_accumulation": 2}}[name]
+    algo = FPOPP(tiny_cfg(critic_warmup_iters=0, minibatch_size=11, epochs=2, **kind), EnvSpec((19,), 7),
+                 torch.device("cpu"))
+    return algo, [_rollout_batch(algo), _rollout_batch(algo, seed=1)]
+
+
+def _weights(algo) -> dict:
+    return {f"{i}.{k}": v.detach().clone() for i, m in enumerate(algo_modules(algo)) for k, v in m.state_dict().items()}
+
+
+def algo_modules(algo) -> list:
+    return [algo.policy] + [getattr(algo, n) for n in ("value_net", "critic") if hasattr(algo, n)]
+
+
+def _algo_rank(rank: int, world: int, init: str, name: str, out: dict) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(1)
+        algo, batches = _algorithm(name)
+        metrics = algo.update(algo.prepare(batches))
+        out[rank] = (_weights(algo), metrics)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ppo", "fpopp", "fpopp_accumulating"])
+def test_an_update_on_two_ranks_is_the_one_learner_update(name, tmp_path):
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_algo_rank, args=(2, f"file://{tmp_path / 'rendezvous'}", name, out), nprocs=2, join=True)
+        out = dict(out)
+    algo, batches = _algorithm(name)
+    before = _weights(algo)
+    metrics = algo.update(algo.prepare(batches))
+    one = _weights(algo)
+    assert any(not torch.equal(before[k], one[k]) for k in one)            # the update moved the weights
+    for rank in (0, 1):
+        weights, rank_metrics = out[rank]
+        for k in one:
+            torch.testing.assert_close(weights[k], one[k], rtol=1e-4, atol=1e-6, msg=f"rank {rank} {k}")
+        for k, v in metrics.items():                                    # statistics of whole minibatches
+            # (std, min and max are averaged over the parts, as accumulation does: not compared)
+            if isinstance(v, float) and not k.endswith(("_std", "_min", "_max")):
+                assert rank_metrics[k] == pytest.approx(v, rel=1e-3, abs=1e-6, nan_ok=True), k

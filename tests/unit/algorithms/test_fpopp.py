@@ -328,7 +328,7 @@ def test_prepare_keeps_only_the_executed_rows_in_the_old_losses_and_the_ratio():
     expected[cut] = rows[cut, :, 0]
     torch.testing.assert_close(b["cfm_old"], expected)
     # The update's new losses use the same rows: at theta = theta_old every ratio is 1.
-    _, stats = algo._losses(b, torch.arange(32), True)
+    _, stats = algo._losses(b, torch.arange(32), torch.arange(32), True)
     assert abs(stats["ratio_min"] - 1) < 1e-6 and abs(stats["ratio_max"] - 1) < 1e-6
     # Sync mode computes the same old losses on the learner (no per-row record from the worker).
     sync = FPOPP(tiny_cfg(critic_warmup_iters=0), EnvSpec((19,), 7), torch.device("cpu"))
@@ -351,7 +351,7 @@ def test_the_summed_reduction_reaches_the_old_and_new_losses():
     batch = _rollout_batch(mean)
     b_mean, b_sum = mean.prepare([batch]), summed.prepare([batch])
     torch.testing.assert_close(b_sum["cfm_old"], 7 * b_mean["cfm_old"], rtol=1e-5, atol=1e-5)
-    _, stats = summed._losses(b_sum, torch.arange(32), True)
+    _, stats = summed._losses(b_sum, torch.arange(32), torch.arange(32), True)
     assert abs(stats["ratio_min"] - 1) < 1e-6 and abs(stats["ratio_max"] - 1) < 1e-6
 
 
@@ -360,11 +360,11 @@ def test_the_clamped_fraction_counts_the_pairs_past_the_loss_clamp():
     b = algo.prepare([_rollout_batch(algo)])
     delta = float(b["cfm_old"].median())
     algo.c = dataclasses.replace(algo.c, cfm_loss_clamp=delta)
-    _, stats = algo._losses(b, torch.arange(32), True)          # theta = theta_old: new = old losses
+    _, stats = algo._losses(b, torch.arange(32), torch.arange(32), True)          # theta = theta_old: new = old losses
     assert float(stats["cfm_clamped_frac"]) == pytest.approx(float((b["cfm_old"] > delta).float().mean()), abs=1e-6)
     assert 0.3 < float(stats["cfm_clamped_frac"]) < 0.7        # the median splits them
     algo.c = dataclasses.replace(algo.c, cfm_loss_clamp=0.0)
-    assert float(algo._losses(b, torch.arange(32), True)[1]["cfm_clamped_frac"]) == 0.0   # no clamp
+    assert float(algo._losses(b, torch.arange(32), torch.arange(32), True)[1]["cfm_clamped_frac"]) == 0.0   # no clamp
 
 
 def test_positive_advantage_actions_get_more_likely():

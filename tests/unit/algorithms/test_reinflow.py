@@ -74,7 +74,7 @@ def test_reference_scale_divides_the_log_ratio_by_k_plus_one_rows_dims():
     assert algo.scale == pytest.approx(1.0 / ((2 + 1) * 2 * 7))        # (K + 1) * act_steps * Da = 42
     b = algo.prepare([_synthetic_batch(cfg, algo)])
     b["logp_old"] = b["logp_old"] - 4.2                              # pretend pi_new / pi_old = e^4.2
-    _, stats = algo._losses(b, torch.arange(6), train_actor=True)
+    _, stats = algo._losses(b, torch.arange(6), torch.arange(6), train_actor=True)
     assert float(stats["ratio_mean"]) == pytest.approx(math.exp(4.2 / 42), rel=1e-5)
     joint = ReinFlow(robot_cfg(), _spec(cfg), torch.device("cpu"))
     assert joint.scale == 1.0
