@@ -23,7 +23,7 @@ from typing import Any, Literal
 import torch
 
 from flowrl_ray.algorithms.base import EnvStepAlgorithm, weight_metrics
-from flowrl_ray.optim import minibatches, optimizer_step
+from flowrl_ray.optim import local_part, minibatches, optimizer_step, reduce_sum
 from flowrl_ray.algorithms.onpolicy import advantages_from_rollouts
 from flowrl_ray.batch import Batch
 from flowrl_ray.config import Config, check, check_layer_sizes
@@ -91,6 +91,7 @@ def resample_mirrored(batch: dict[str, torch.Tensor], num_positive: int, generat
 class CMAPPO(EnvStepAlgorithm):
     name = "cma_ppo"
     config_class = CMAPPOConfig
+    data_parallel = True              # runtime.num_learners > 1: each rank a share of each minibatch
 
     @staticmethod
     def validate_config(cfg: Config) -> None:
@@ -142,11 +143,12 @@ class CMAPPO(EnvStepAlgorithm):
         """
         losses, m = [], next(iter(batch.values())).shape[0]
         for _ in range(self.c.epochs):
-            for idx in minibatches(m, self.c.minibatch_size, self.generator, self.device):
-                loss = loss_fn({k: v[idx] for k, v in batch.items()})
+            for mb in minibatches(m, self.c.minibatch_size, self.generator, self.device):
+                idx = mb[local_part(len(mb))]            # a learner group: this rank's share
+                loss = loss_fn({k: v[idx] for k, v in batch.items()}) * (len(idx) / len(mb))
                 _, stepped = optimizer_step(loss, optimizer, self.c.max_grad_norm)
                 self.skipped_updates += int(not stepped)
-                losses.append(float(loss.detach()))
+                losses.append(float(reduce_sum(loss.detach())))   # the minibatch's mean loss
         return sum(losses) / max(len(losses), 1)
 
     def _var_loss(self, mb: dict) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """The optimiser step in a group of two gloo processes (torch.distributed, no Ray): the ranks'
 weighted shares sum to the one-process step on the whole minibatch, a non-finite loss on one
-rank skips the step on both, and a whole update of PPO and FPO++ (with and without
-accumulation) on two ranks gives the one-learner weights and statistics."""
+rank skips the step on both, and a whole update of PPO, CMA-PPO and FPO++ (with and
+without accumulation) on two ranks gives the one-learner weights and statistics."""
 
 from __future__ import annotations
 
@@ -77,6 +77,17 @@ def _algorithm(name: str):
         algo = PPO(tiny_config("algo.epochs=2", "algo.minibatch_size=24", "algo.target_kl=0.5"), EnvSpec((3,), 1),
                    torch.device("cpu"))
         return algo, [_synthetic_batch(algo, seed=1)]
+    if name == "cma_ppo":
+        from conftest import PENDULUM
+        from flowrl_ray.algorithms.cma_ppo import CMAPPO
+        from flowrl_ray.config import load_config
+        from flowrl_ray.envs import EnvSpec
+        from unit.algorithms.test_ppo_math import _synthetic_batch
+        cfg = load_config(PENDULUM.parent.parent / "cma_ppo" / "pendulum.yaml",
+                          ["runtime.num_workers=1", "runtime.envs_per_worker=4", "runtime.rollout_length=16",
+                           "algo.minibatch_size=20", "algo.epochs=2"])
+        algo = CMAPPO(cfg, EnvSpec((3,), 1), torch.device("cpu"))
+        return algo, [_synthetic_batch(algo, seed=1)]
     from flowrl_ray.algorithms.fpopp import FPOPP
     from flowrl_ray.envs import EnvSpec
     from unit.algorithms.test_fpopp import _rollout_batch, tiny_cfg
@@ -106,7 +117,7 @@ def _algo_rank(rank: int, world: int, init: str, name: str, out: dict) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["ppo", "fpopp", "fpopp_accumulating"])
+@pytest.mark.parametrize("name", ["ppo", "cma_ppo", "fpopp", "fpopp_accumulating"])
 def test_an_update_on_two_ranks_is_the_one_learner_update(name, tmp_path):
     with mp.Manager() as manager:
         out = manager.dict()
