@@ -49,7 +49,8 @@ import torch.nn.functional as F
 
 from flowrl_ray.algorithms.advantages import gae, group_advantages, group_normalize
 from flowrl_ray.algorithms.base import EnvStepAlgorithm
-from flowrl_ray.optim import ema_update, load_scheduler, lr_multiplier, minibatches, optimizer_step
+from flowrl_ray.optim import (ema_update, load_scheduler, local_part, lr_multiplier, minibatches, optimizer_step,
+                              reduce_sum)
 from flowrl_ray.algorithms.episodes import EpisodeAssembler
 from flowrl_ray.models.flow_policy import (check_base_policy, check_flow_arch, image_shape, load_base_policy,
                                          make_flow_policy)
@@ -332,6 +333,7 @@ def ema_coefficient(iteration: int, schedule: str, ema_beta: float = 0.995, eta_
 class FlowSAR(EnvStepAlgorithm):
     name = "flowsar"
     config_class = FlowSARConfig
+    data_parallel = True              # runtime.num_learners > 1: each rank a share of each minibatch
     pretrain_config_class = FlowBCPretrainConfig
     extra_plots = (("flowsar/e_within_episode_cv", "flowsar_e_spread.png"),
                    ("flowsar/weight_entropy_ratio", "flowsar_weight_entropy.png"),
@@ -530,13 +532,17 @@ class FlowSAR(EnvStepAlgorithm):
         return plot_credit_analysis(data, out_dir, iteration)
 
     # ------------------------------------------------------------------ update
-    def _minibatch_loss(self, b: dict, idx: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    def _minibatch_loss(self, b: dict, mb: torch.Tensor, part: slice) -> tuple[torch.Tensor, dict]:
+        """The mean loss of the rows ``mb[part]`` (a learner group's share of the minibatch
+        ``mb``; all of it on one learner). t and eps are drawn for the whole minibatch, so every
+        row gets the noise it gets on one learner."""
         h = self.h
+        idx = mb[part]
         obs = map_obs(lambda x: x[idx], b["obs"])
-        a = b["actions"][idx]                                                   # [mb, Ta, Da]
+        a = b["actions"][idx]                                                   # [share, Ta, Da]
         augment = self.c.augment and isinstance(obs, dict)
-        t = (h.t_min + (h.t_max - h.t_min) * torch.rand(len(idx), generator=self.generator)).to(self.device)
-        eps = torch.randn(a.shape, generator=self.generator).to(self.device)
+        t = (h.t_min + (h.t_max - h.t_min) * torch.rand(len(mb), generator=self.generator))[part].to(self.device)
+        eps = torch.randn((len(mb), *a.shape[1:]), generator=self.generator)[part].to(self.device)
         x = (1.0 - t)[:, None, None] * a + t[:, None, None] * eps               # spec's x_t
         u = a - eps                                                             # package's target
         v_cur = self._policy.velocity(x, 1.0 - t, self._policy.encoder(obs, augment))
@@ -566,16 +572,20 @@ class FlowSAR(EnvStepAlgorithm):
         stats: dict[str, list[float]] = {}
         steps = 0
         for _ in range(c.epochs):
-            for idx in minibatches(m, c.minibatch_size, self.generator, self.device):
-                loss, mb = self._minibatch_loss(b, idx)
+            for mb in minibatches(m, c.minibatch_size, self.generator, self.device):
+                part = local_part(len(mb))                     # a learner group: this rank's share
+                share = (part.stop - part.start) / len(mb)
+                loss, mb_stats = self._minibatch_loss(b, mb, part)
                 # joint=True: the policy and the optional critic are clipped together by one
                 # norm, as FlowSAR always did (per-network clipping would change its numbers
                 # when the critic is on; FlowSAR's own behaviour is decided separately).
-                (grad_norm,), stepped = optimizer_step(loss, optimizers, c.max_grad_norm, joint=True)
+                (grad_norm,), stepped = optimizer_step(loss * share, optimizers, c.max_grad_norm, joint=True)
                 self.skipped_updates += int(not stepped)
                 steps += 1
-                mb["flowsar/grad_norm"] = grad_norm
-                for k, v in mb.items():
+                keys = sorted(mb_stats)                        # the minibatch's means: the shares' summed
+                values = reduce_sum(torch.stack([mb_stats[k].float() for k in keys]) * share).tolist()
+                mb_stats = dict(zip(keys, values), **{"flowsar/grad_norm": grad_norm})
+                for k, v in mb_stats.items():
                     stats.setdefault(k, []).append(float(v))
         b_ema = ema_coefficient(self.iteration, h.ema_schedule, h.ema_beta, h.ema_eta_rate, h.ema_eta_max)
         ema_update(self.old, self._policy, b_ema)

@@ -1,7 +1,7 @@
 """The optimiser step in a group of two gloo processes (torch.distributed, no Ray): the ranks'
 weighted shares sum to the one-process step on the whole minibatch, a non-finite loss on one
-rank skips the step on both, and a whole update of PPO, CMA-PPO and FPO++ (with and
-without accumulation) on two ranks gives the one-learner weights and statistics."""
+rank skips the step on both, and a whole update of PPO, CMA-PPO, FPO++ (with and
+without accumulation) and FlowSAR on two ranks gives the one-learner weights and statistics."""
 
 from __future__ import annotations
 
@@ -88,6 +88,13 @@ def _algorithm(name: str):
                            "algo.minibatch_size=20", "algo.epochs=2"])
         algo = CMAPPO(cfg, EnvSpec((3,), 1), torch.device("cpu"))
         return algo, [_synthetic_batch(algo, seed=1)]
+    if name == "flowsar":
+        from flowrl_ray.algorithms.flowsar import FlowSAR
+        from unit.algorithms.test_flowsar import SPEC, make_batch
+        from unit.algorithms.test_flowsar import tiny_cfg as flowsar_cfg
+        algo = FlowSAR(flowsar_cfg(minibatch_size=7, epochs=2), SPEC, torch.device("cpu"))
+        ends = {(5, 0): "term", (3, 1): "term", (2, 2): "trunc", (5, 3): "term"}
+        return algo, [make_batch(0, ends=ends, rewards={(5, 0): 1.0, (5, 3): 1.0}, n=4)]
     from flowrl_ray.algorithms.fpopp import FPOPP
     from flowrl_ray.envs import EnvSpec
     from unit.algorithms.test_fpopp import _rollout_batch, tiny_cfg
@@ -102,7 +109,8 @@ def _weights(algo) -> dict:
 
 
 def algo_modules(algo) -> list:
-    return [algo.policy] + [getattr(algo, n) for n in ("value_net", "critic") if hasattr(algo, n)]
+    return [algo.policy] + [getattr(algo, n) for n in ("value_net", "critic", "old")
+                            if getattr(algo, n, None) is not None]
 
 
 def _algo_rank(rank: int, world: int, init: str, name: str, out: dict) -> None:
@@ -117,7 +125,7 @@ def _algo_rank(rank: int, world: int, init: str, name: str, out: dict) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["ppo", "cma_ppo", "fpopp", "fpopp_accumulating"])
+@pytest.mark.parametrize("name", ["ppo", "cma_ppo", "fpopp", "fpopp_accumulating", "flowsar"])
 def test_an_update_on_two_ranks_is_the_one_learner_update(name, tmp_path):
     with mp.Manager() as manager:
         out = manager.dict()
