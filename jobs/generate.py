@@ -29,6 +29,8 @@ class Cluster:
     head: str                        # head node: the driver and the rollout / scoring actors
     gpu_min_nodes: int               # 1: the GPU node is up at start, where the learner takes its GPU
     comment: str = ""                # why, for the YAML
+    gpu_node: str = "g5.xlarge"      # the GPU node's instance type ...
+    gpu_about: str = "1 x A10G"      # ... and what it holds
 
 
 CLUSTERS = {
@@ -41,6 +43,9 @@ CLUSTERS = {
     # scoring actors (GFN2-xTB, Chromium) on the CPUs
     "scoring": Cluster("c5.4xlarge", 0, "16 vCPUs: the driver and the scoring actors"),
     "scoring_gpu": Cluster("c5.4xlarge", 1, "16 vCPUs: the driver and the scoring actors; the learner on the GPU node"),
+    # robosuite on the CPUs, a learner group of 4 ranks on one 4-GPU node (runtime.num_learners=4)
+    "robot_learner_group": Cluster("c5.4xlarge", 1, "16 vCPUs: the driver and 10 rollout workers (robosuite on the CPU)",
+                                   "g5.12xlarge", "4 x A10G, one per learner rank"),
     "eval": Cluster("m5.2xlarge", 0, "evaluation runs in the driver"),
     "eval_scoring": Cluster("c5.4xlarge", 0, "evaluation scores in the driver's process pool"),
     "eval_gpu": Cluster("m5.2xlarge", 1, "evaluation samples from the model on the GPU node"),
@@ -83,6 +88,8 @@ JOBS = {
     "fpopp/lift_state": Job("FPO++ fine-tuning on robosuite Lift (low-dim state)", demos=100),
     "fpopp/can_state": Job("FPO++ fine-tuning on robosuite Can (low-dim state)", demos=200),
     "fpopp/square_state": Job("FPO++ fine-tuning on robosuite Square (low-dim state)", demos=200),
+    "fpopp/lift_state_learner_group": Job("FPO++ fine-tuning on robosuite Lift (low-dim state) with its update on a "
+                                          "learner group of 4 GPU ranks", "robot_learner_group", demos=100),
     "fpopp/lift_image": Job("FPO++ fine-tuning on robosuite Lift (agentview images)", demos=100),
     "fpopp/can_image": Job("FPO++ fine-tuning on robosuite Can (agentview images)", demos=200),
     "fpopp/square_image": Job("FPO++ fine-tuning on robosuite Square (agentview images)", demos=200),
@@ -218,7 +225,7 @@ def _text(header: list[str], name: str, statements: list[str], cfg, job: Job, cl
             + "".join(f"  - {x}\n" for x in (".venv", "runs", ".git", "benchmarks/results", "__pycache__"))
             + f"env_vars:\n{env}"
             f"compute_config:\n  head_node:\n    instance_type: {c.head:<14} # {c.comment}\n"
-            f"  worker_nodes:\n    - name: gpu\n      instance_type: g5.xlarge     # 1 x A10G"
+            f"  worker_nodes:\n    - name: gpu\n      instance_type: {c.gpu_node:<13} # {c.gpu_about}"
             f"{'; up from the start' if c.gpu_min_nodes else ''}\n"
             f"      min_nodes: {c.gpu_min_nodes}\n      max_nodes: 1\n"
             f"max_retries: {retries}\ntimeout_s: {int(hours * 3600)}\n"

@@ -37,7 +37,7 @@ CONNECT_PROBE_S = 5.0     # seconds a cluster's address gets to accept a TCP con
 
 def required_cpus(cfg: Config) -> float:
     rt = cfg.runtime
-    return rt.learner_num_cpus + rt.num_workers * rt.num_cpus_per_worker
+    return rt.num_learners * rt.learner_num_cpus + rt.num_workers * rt.num_cpus_per_worker
 
 
 def learner_gpus(cfg: Config, gpus_there: float) -> float:
@@ -62,7 +62,7 @@ def ray_address(cfg: Config) -> tuple[str | None, str]:
 
 @dataclass(frozen=True)
 class Demand:
-    """One actor's resources: one learner, or `count` identical rollout workers."""
+    """One kind of actor's resources: `count` learner ranks, or `count` identical rollout workers."""
     what: str
     cpus: float
     gpus: float
@@ -71,7 +71,7 @@ class Demand:
 
 def run_demand(cfg: Config, gpus_there: float) -> list[Demand]:
     rt = cfg.runtime
-    return [Demand("learner", rt.learner_num_cpus, learner_gpus(cfg, gpus_there)),
+    return [Demand("learner", rt.learner_num_cpus, learner_gpus(cfg, gpus_there), rt.num_learners),
             Demand("rollout worker", rt.num_cpus_per_worker, rt.num_gpus_per_worker, rt.num_workers)]
 
 
@@ -250,8 +250,8 @@ def init_ray(cfg: Config, **kwargs) -> bool:
         if verdict == "never":
             ray.shutdown()
             raise ConfigError(f"runtime: the run cannot fit on the cluster at {shown}: {why}; lower "
-                              f"runtime.num_workers / runtime.num_cpus_per_worker / runtime.learner_num_gpus "
-                              f"or add nodes")
+                              f"runtime.num_workers / runtime.num_cpus_per_worker / runtime.num_learners / "
+                              f"runtime.learner_num_gpus or add nodes")
         if verdict == "wait":
             _log(f"warning: {why}; the run waits until an autoscaler adds nodes (their limits are not "
                  f"known here)")
@@ -266,7 +266,7 @@ def init_ray(cfg: Config, **kwargs) -> bool:
     if verdict != "ok":
         ray.shutdown()
         raise ConfigError(f"runtime: the run cannot fit on this machine: {why}; lower runtime.num_workers / "
-                          f"runtime.learner_num_gpus or raise runtime.num_cpus")
+                          f"runtime.num_learners / runtime.learner_num_gpus or raise runtime.num_cpus")
     return True
 
 

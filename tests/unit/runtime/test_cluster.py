@@ -100,3 +100,15 @@ def test_an_anyscale_cluster_is_never_taken_for_a_fixed_one(monkeypatch):
     from flowrl_ray.runtime import cluster
     monkeypatch.setenv("ANYSCALE_ARTIFACT_STORAGE", "s3://bucket/artifacts")
     assert cluster._no_autoscaler() is False            # decided before asking Ray anything
+
+
+def test_a_learner_group_asks_for_every_rank():
+    from flowrl_ray.runtime.cluster import required_cpus
+    cfg = tiny_config("runtime.num_learners=4", "runtime.learner_num_gpus=1", "runtime.learner_num_cpus=2")
+    assert required_cpus(cfg) == 4 * 2 + 2 * 1                      # 4 ranks, 2 rollout workers
+    learner = run_demand(cfg, gpus_there=0)[0]
+    assert (learner.count, learner.cpus, learner.gpus) == (4, 2, 1)
+    one_4gpu_node = Capacity([{"CPU": 16.0, "GPU": 0.0}], [{"CPU": 48.0, "GPU": 4.0, "max_count": 1}])
+    assert fit(run_demand(cfg, 0), one_4gpu_node)[0] == "ok"
+    verdict, why = fit(run_demand(tiny_config("runtime.num_learners=5", "runtime.learner_num_gpus=1"), 0), one_4gpu_node)
+    assert verdict == "never" and "asks for 5 GPUs; the cluster has at most 4" in why
