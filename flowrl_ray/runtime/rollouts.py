@@ -11,9 +11,12 @@ knowing the kind:
     checkpoint_part()   -> extra checkpoint keys
 
 EnvStepRollouts (EnvStepAlgorithm): every rollout worker steps its envs with a policy copy; the
-learner's weights go out once per version (one ray.put, the same ref to every worker). In
-asynchronous mode each worker samples again as soon as its batch is in, so sampling overlaps the
-update; batches more than ``runtime.max_staleness`` versions old are dropped and counted.
+learner's weights go out once per version (one ray.put, the same ref to every worker). Every
+update takes one batch from each worker. In asynchronous mode a worker starts its next batch while
+the learner updates, but is paced: it starts a batch only when that batch will be at most
+``runtime.max_staleness`` versions old when the learner uses it, and otherwise waits for newer
+weights, so no batch is thrown away (``dropped_batches`` stays 0; ``policy_lag_mean`` says how old
+the used batches were). max_staleness 0 is synchronous sampling.
 
 GroupRollouts (GroupAlgorithm): the learner generates (``generate(num_workers, mode)``: one ray.put
 per chunk), every scoring worker scores one chunk; nothing is published, scorers hold no model.
@@ -21,6 +24,7 @@ per chunk), every scoring worker scores one chunk; nothing is published, scorers
 
 from __future__ import annotations
 
+import collections
 from abc import ABC, abstractmethod
 
 import numpy as np
@@ -83,6 +87,10 @@ class EnvStepRollouts(Rollouts):
         self.weights_ref = None
         self.version = 0
         self._inflight: dict = {}     # meta ref -> (worker index, batch ref, None), async mode
+        # async mode: each worker's batches that arrived and wait for their update, and whether
+        # the batches of an update were taken and its weights are not published yet
+        self._ready: dict[int, collections.deque] = collections.defaultdict(collections.deque)
+        self._update_pending = False
 
     @staticmethod
     def check_config(cfg: Config, family) -> None:
@@ -98,6 +106,7 @@ class EnvStepRollouts(Rollouts):
         """One ray.put of the new weights (by the learner); every worker gets the same ref."""
         refs, self.version = self.trainer._learner_call("publish")
         self.weights_ref = refs[0]
+        self._update_pending = False
         for w in self.trainer.workers:
             w.set_weights.remote(self.weights_ref, self.version)
         return self.version
@@ -124,25 +133,35 @@ class EnvStepRollouts(Rollouts):
             metas, refs = t._collect(self._inflight, n)
             self._inflight = {}
             return _by_worker(metas, refs)
-        # async: keep one sample in flight per worker; take the first num_workers fresh batches
+        # async: every worker samples ahead as far as pacing allows (_refill); the update takes
+        # each worker's oldest batch
         self._refill()
+        while self._inflight and any(not self._ready[i] for i in range(n)):
+            for meta, ref in zip(*t._collect(self._inflight, 1)):
+                self._ready[meta.worker_id].append((meta, ref))
+            self._refill()                                   # the worker samples on (or a restarted one)
         metas, refs = [], []
-        while len(metas) < n:
-            got_metas, got_refs = t._collect(self._inflight, 1)
-            for meta, ref in zip(got_metas, got_refs):
-                if self.version - meta.policy_version > rt.max_staleness:
-                    t.counters.dropped_batches += 1
-                else:
-                    metas.append(meta)
-                    refs.append(ref)
-                self._issue(meta.worker_id)
-            self._refill()                                   # restarted workers sample again
+        for i in range(n):
+            if not self._ready[i]:
+                continue
+            meta, ref = self._ready[i].popleft()
+            if self.version - meta.policy_version > rt.max_staleness:   # pacing makes this never happen
+                t.counters.dropped_batches += 1
+                continue
+            metas.append(meta)
+            refs.append(ref)
+        self._update_pending = True
+        self._refill()                                       # sampling overlaps the update
         return metas, refs
 
     def _refill(self) -> None:
+        """Start the next batch of every idle worker that pacing lets start: the batch will be
+        used by the update after the one in progress (if any) and after the worker's batches that
+        wait, and then be that many versions old; it may start when that is <= max_staleness."""
         busy = {index for index, _, _ in self._inflight.values()}
         for i in range(len(self.trainer.workers)):
-            if i not in busy:
+            lag = int(self._update_pending) + len(self._ready[i])
+            if i not in busy and lag <= self.cfg.runtime.max_staleness:
                 self._issue(i)
 
     def drain(self) -> None:

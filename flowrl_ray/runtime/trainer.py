@@ -326,7 +326,8 @@ class Trainer:
                    "episodes_this_iter": len(finished), "episodes": c.episodes,
                    "env_steps_per_s": steps / dt, "sample_time_s": t_sampled - t0,
                    "policy_version": self.version,
-                   "policy_lag_mean": float(np.mean([self.version - 1 - m.policy_version for m in metas])),
+                   "policy_lag_mean": float(np.mean(lags := [self.version - 1 - m.policy_version for m in metas])),
+                   "policy_lag_max": int(max(lags)),
                    "batches": len(refs), "worker_restarts": c.worker_restarts,
                    "learner_restarts": c.learner_restarts,
                    "dropped_batches": c.dropped_batches, **learner_metrics}
