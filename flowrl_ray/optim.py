@@ -59,13 +59,13 @@ def reduce_sum(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _all_finite(finite: bool) -> bool:
-    """Whether every rank's flag is True (each rank must take the same branch of a step)."""
-    if world()[1] == 1:
-        return finite
-    flag = torch.tensor([0.0 if finite else 1.0])
-    dist.all_reduce(flag, op=dist.ReduceOp.SUM)
-    return bool(flag.item() == 0)
+def _poison(optimizers: list[torch.optim.Optimizer]) -> None:
+    """NaN gradients: in a group, a rank whose loss was not finite still joins the gradient sum,
+    which is then not finite on every rank, so every rank skips the step (no extra collective)."""
+    for o in optimizers:
+        for g in o.param_groups:
+            for p in g["params"]:
+                p.grad = torch.full_like(p, float("nan"))
 
 
 def _sum_gradients(params: list[torch.Tensor]) -> None:
@@ -97,8 +97,11 @@ def optimizer_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer | list[t
     optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
     for o in optimizers:
         o.zero_grad(set_to_none=True)
-    if not _all_finite(bool(torch.isfinite(loss))):          # in a group: any rank's
-        return [float("nan")] * (1 if joint else len(optimizers)), False
+    if not torch.isfinite(loss):
+        if world()[1] == 1:
+            return [float("nan")] * (1 if joint else len(optimizers)), False
+        _poison(optimizers)                          # in a group: every rank skips in clip_and_step
+        return clip_and_step(optimizers, max_grad_norm, joint)
     loss.backward()
     return clip_and_step(optimizers, max_grad_norm, joint)
 
@@ -166,7 +169,9 @@ class Accumulator:
         """Clip and step what was accumulated (:func:`clip_and_step`), or skip a poisoned step;
         either way the gradients are cleared and the next step starts clean.
         Returns (norms before clipping, whether stepped)."""
-        if _all_finite(self.finite):                              # in a group: every rank's
+        if not self.finite and world()[1] > 1:
+            _poison(self.optimizers)                 # in a group: every rank skips in clip_and_step
+        if self.finite or world()[1] > 1:
             norms, stepped = clip_and_step(self.optimizers, self.max_grad_norm, self.joint)
         else:
             norms, stepped = [float("nan")] * (1 if self.joint else len(self.optimizers)), False

@@ -36,10 +36,10 @@ def _rank(rank: int, world: int, init: str, out: dict) -> None:
         norms, stepped = optimizer_step(_loss(model, rows) * share, opt, max_grad_norm=1.0)
         mean = reduce_sum(_loss(model, rows).detach() * share)       # after the step: the whole batch's
         # a non-finite loss on rank 1 only: both ranks skip (neither waits for the other)
-        bad = torch.tensor(float("nan")) * model.weight.sum() if rank == 1 else _loss(model, rows) * share
-        _, stepped_bad = optimizer_step(bad, opt, max_grad_norm=1.0)
+        bad = lambda: torch.tensor(float("nan")) * model.weight.sum() if rank == 1 else _loss(model, rows) * share  # noqa: E731
+        _, stepped_bad = optimizer_step(bad(), opt, max_grad_norm=1.0)
         acc = Accumulator([opt], 1.0)
-        acc.backward(bad)
+        acc.backward(bad())
         _, stepped_acc = acc.step()
         out[rank] = {"weight": model.weight.detach().clone(), "bias": model.bias.detach().clone(),
                      "norm": norms[0], "stepped": stepped, "mean": float(mean),
