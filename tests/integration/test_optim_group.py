@@ -144,3 +144,17 @@ def test_an_update_on_two_ranks_is_the_one_learner_update(name, tmp_path):
             # (std, min and max are averaged over the parts, as accumulation does: not compared)
             if isinstance(v, float) and not k.endswith(("_std", "_min", "_max")):
                 assert rank_metrics[k] == pytest.approx(v, rel=1e-3, abs=1e-6, nan_ok=True), k
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name", ["ppo", "fpopp"])
+def test_the_learner_update_on_cuda_is_the_cpu_update(name):
+    algo, batches = _algorithm(name)
+    cuda = type(algo)(algo.cfg, algo.spec, torch.device("cuda"))
+    cuda.load_state_dict(algo.state_dict())                      # the same start, on the GPU
+    algo.update(algo.prepare(batches))
+    cuda.update(cuda.prepare(batches))
+    cpu = _weights(algo)
+    for k, v in _weights(cuda).items():
+        torch.testing.assert_close(v.cpu(), cpu[k], rtol=1e-3, atol=1e-5, msg=k)
