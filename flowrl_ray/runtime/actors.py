@@ -128,16 +128,17 @@ class Learner:
             port = sock.getsockname()[1]
         return f"{ray.util.get_node_ip_address()}:{port}"
 
-    def join(self, address: str, world_size: int, timeout_s: float) -> int:
+    def join(self, address: str, world_size: int, timeout_s: float) -> str:
         """Join the group's process group (gloo on CPUs, NCCL on GPUs) at rank 0's ``address``.
-        A collective that waits longer than ``timeout_s`` (a dead rank) fails this rank too."""
+        A collective that waits longer than ``timeout_s`` (a dead rank) fails this rank too.
+        Returns the backend."""
         import datetime
 
         import torch.distributed as dist
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://{address}", rank=self.rank,
                                 world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
-        return self.rank
+        return backend
 
     def policy_version(self) -> int:
         return self.version

@@ -52,6 +52,7 @@ class LearnerGroup:
         gpus = learner_gpus(cfg, cluster_gpus())
         options = {"num_cpus": rt.learner_num_cpus, "num_gpus": gpus}
         self.placement_group = None
+        self.backend = None                            # the process group's: "gloo" or "nccl"
         if self.size == 1:
             self.actors = [Learner.options(**options).remote(cfg, spec)]
             return
@@ -68,7 +69,7 @@ class LearnerGroup:
                            self.placement_group, placement_group_bundle_index=rank)).remote(cfg, spec, rank)
                        for rank in range(self.size)]
         address = ray.get(self.actors[0].rendezvous_address.remote())
-        get_all([a.join.remote(address, self.size, rt.sample_timeout_s) for a in self.actors])
+        self.backend = get_all([a.join.remote(address, self.size, rt.sample_timeout_s) for a in self.actors])[0]
 
     def call(self, method: str, *args):
         """The learner method on every rank (``ALL_RANKS``) or on rank 0; returns rank 0's result.

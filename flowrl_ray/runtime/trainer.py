@@ -132,6 +132,9 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._started_ray = init_ray(self.cfg)
         self.learners = LearnerGroup(self.cfg, self.spec)
+        if self.learners.size > 1:
+            self._log(f"learner group: {self.learners.size} ranks ({self.learners.backend}, "
+                      f"{self.cfg.runtime.learner_placement} placement)")
         self.workers = [self._new_worker(i) for i in range(self.cfg.runtime.num_workers)]
         checkpoint = latest_checkpoint(self.run_dir) if self.resume else None
         if checkpoint is not None:
