@@ -48,7 +48,7 @@ import torch
 
 from flowrl_ray.algorithms.advantages import group_normalize
 from flowrl_ray.algorithms.base import GroupAlgorithm
-from flowrl_ray.optim import Accumulator, load_scheduler, lr_multiplier
+from flowrl_ray.optim import Accumulator, load_scheduler, lr_multiplier, reduce_sum, world
 from flowrl_ray.utils import frozen_copy
 from flowrl_ray.algorithms.losses import ppo_clip_objective
 from flowrl_ray.batch import Batch
@@ -227,6 +227,7 @@ class FEDGRPO(GroupAlgorithm):
     name = "fed_grpo"
     config_class = FEDGRPOConfig
     pretrain_config_class = EDMPretrainConfig
+    data_parallel = True              # runtime.num_learners > 1: each rank samples and trains whole groups
 
     @staticmethod
     def validate_config(cfg: Config) -> None:
@@ -234,6 +235,9 @@ class FEDGRPO(GroupAlgorithm):
         if cfg.env.family != "molecules":
             raise ConfigError(f"config key 'env.family': FED-GRPO scores molecules with a force field "
                               f"(family 'molecules'), got {cfg.env.family!r}")
+        if cfg.runtime.num_learners > c.sample_group_size:
+            raise ConfigError(f"config key 'runtime.num_learners': {cfg.runtime.num_learners} ranks share "
+                              f"algo.sample_group_size={c.sample_group_size} groups (a group is never split)")
         if c.shared_prefix_steps >= c.model.diffusion_steps:
             raise ConfigError(f"config key 'algo.shared_prefix_steps': {c.shared_prefix_steps} leaves no "
                               f"branched step of algo.model.diffusion_steps={c.model.diffusion_steps}")
@@ -277,16 +281,26 @@ class FEDGRPO(GroupAlgorithm):
 
     @torch.no_grad()
     def generate(self, num_chunks: int, mode: str = "train") -> list[dict]:
+        """Sample this iteration's groups ("train") or the evaluation set ("eval"). In a learner
+        group (training) each rank samples the whole groups g = rank, rank + R, ... of the P
+        prompts, with its own stream drawn from the shared generator; chunk ids are the rows'
+        places in the whole batch [P * G]. Evaluation is sampled by one rank."""
         c = self.c
+        rank, ranks = world() if mode == "train" else (0, 1)
         if mode == "eval":
             prompts, group, prefix = self.cfg.eval.episodes, 1, 0
         else:
             prompts, group, prefix = c.sample_group_size, c.each_prompt_sample, c.shared_prefix_steps
-        n_atoms = self.node_distribution.sample(prompts, self.generator).repeat_interleave(group)   # [B]
+        groups = torch.arange(rank, prompts, ranks)                           # [P_r] this rank's groups
+        generator = self.generator
+        if ranks > 1:       # every rank draws the same seed (the generators stay equal), then its own stream
+            seed = int(torch.randint(2 ** 62, (1,), generator=self.generator))
+            generator = torch.Generator().manual_seed(seed + rank)
+        n_atoms = self.node_distribution.sample(len(groups), generator).repeat_interleave(group)   # [B_r]
         recorded = list(range(c.model.diffusion_steps - prefix, 0, -1))     # t of the branched steps
         x0_steps = self._shaping_steps(recorded) if mode == "train" else []
         self.model.eval()
-        result = self.model.sample(n_atoms.to(self.device), self.generator, group_size=group,
+        result = self.model.sample(n_atoms.to(self.device), generator, group_size=group,
                                    shared_prefix_steps=prefix, x0_steps=x0_steps)
         molecules = to_numpy_molecules(result.positions, result.atom_types, result.node_mask)
         shaping = [[] for _ in molecules]
@@ -294,13 +308,14 @@ class FEDGRPO(GroupAlgorithm):
             pos, types = result.x0_predictions[t]
             for i, m in enumerate(to_numpy_molecules(pos, types, result.node_mask)):
                 shaping[i].append(m)
-        self.pending = {"mode": mode, "trajectory": result.trajectory, "n": len(molecules),
+        rows = (groups[:, None] * group + torch.arange(group)).flatten()      # [B_r] places in the batch
+        self.pending = {"mode": mode, "trajectory": result.trajectory, "n": prompts * group, "rows": rows,
                         "group_index": torch.arange(prompts).repeat_interleave(group),
                         "n_atoms": n_atoms, "x0_steps": x0_steps}
         chunks = []
         for part in np.array_split(np.arange(len(molecules)), num_chunks):
             if len(part):
-                chunk = {"ids": part, "positions": [molecules[i][0] for i in part],
+                chunk = {"ids": rows[part].numpy(), "positions": [molecules[i][0] for i in part],
                          "atom_types": [molecules[i][1] for i in part]}
                 if x0_steps:
                     chunk["shaping"] = [shaping[i] for i in part]
@@ -308,7 +323,8 @@ class FEDGRPO(GroupAlgorithm):
         return chunks
 
     def _scores(self, batches: list[Batch]) -> dict[str, Any]:
-        """The scorers' outputs in row order (rows a failed worker never scored keep NaN / "")."""
+        """The scorers' outputs in row order of the whole batch (every rank's rows in a learner
+        group; rows a failed worker never scored keep NaN / "")."""
         n = self.pending["n"]
         numeric = SCORE_KEYS
         out: dict[str, Any] = {k: torch.full((n,), float("nan")) for k in numeric}
@@ -364,23 +380,30 @@ class FEDGRPO(GroupAlgorithm):
             adv = fed_advantages(force, energy, group_index, c.force_adv_weight, c.energy_adv_weight,
                                  c.adv_clip_max, stability, c.stability_adv_weight)[:, None].expand(-1, k)  # [B, K]
         adv = torch.where(scored[:, None], adv, torch.zeros_like(adv))
-        return {"trajectory": traj, "advantages": adv.to(self.device), "scores": s}
+        # the whole batch's advantages (every group is whole on its rank); this rank's rows train
+        return {"trajectory": traj, "advantages": adv[self.pending["rows"]].to(self.device), "scores": s,
+                "rows": self.pending["rows"], "n": self.pending["n"], "all_advantages": adv}
 
     # ------------------------------------------------------------------ update
     def update(self, p: dict) -> dict[str, float]:
-        c, traj, adv = self.c, p["trajectory"], p["advantages"]           # adv [B, K]
-        z, steps, logp_old = traj["z"], traj["t"], traj["logp"]           # [K+1, B, N, D], [K], [K, B]
-        node_mask, sigma = traj["node_mask"], traj["sigma"]               # [B, N], [K]
-        n_rows, k_steps = adv.shape
-        micro = [torch.arange(i, min(i + c.train_micro_batch_size, n_rows))
-                 for i in range(0, n_rows, c.train_micro_batch_size)]
+        c, traj, adv = self.c, p["trajectory"], p["advantages"]           # adv [B_r, K] this rank's rows
+        z, steps, logp_old = traj["z"], traj["t"], traj["logp"]           # [K+1, B_r, N, D], [K], [K, B_r]
+        node_mask, sigma = traj["node_mask"], traj["sigma"]               # [B_r, N], [K]
+        k_steps, ranks = adv.shape[1], world()[1]
+        # Micro-batches of the whole batch's rows [B]; this rank takes its rows of each (all of
+        # them on one learner), weighted by their share, so the ranks' gradients sum to the step
+        # one learner takes on the whole micro-batches.
+        local = torch.full((p["n"],), -1, dtype=torch.long)
+        local[p["rows"]] = torch.arange(len(p["rows"]))                   # batch row -> this rank's row
+        micro = [local[i:min(i + c.train_micro_batch_size, p["n"])] for i in range(0, p["n"], c.train_micro_batch_size)]
         stats: dict[str, list[float]] = {}
         self.model.train()
         acc = Accumulator([self.opt], c.max_grad_norm)       # gradient_accumulation_steps micro-batches a step
         for _ in range(c.epochs):
             acc.zero_grad()
-            for m, rows in enumerate(micro):
-                for j in range(k_steps):
+            for m, batch_rows in enumerate(micro):
+                rows, share = batch_rows[batch_rows >= 0], float((batch_rows >= 0).float().mean())
+                for j in range(k_steps if len(rows) else 0):
                     t = int(steps[j])
                     logp, mu = step_log_prob(self.model, z[j, rows], z[j + 1, rows], t, node_mask[rows])  # [b], [b, N, D]
                     ratio = torch.exp(logp - logp_old[j, rows])
@@ -393,21 +416,36 @@ class FEDGRPO(GroupAlgorithm):
                             _, mu_ref = step_log_prob(self.reference, z[j, rows], z[j + 1, rows], t, node_mask[rows])
                         kl = reference_kl(mu, mu_ref, sigma[j], node_mask[rows]).mean()
                         loss = loss + c.kl_coeff * kl
-                    if not acc.backward(loss / (c.gradient_accumulation_steps * k_steps)):
+                    # one learner stops the epoch at a non-finite loss; a group's ranks go on to the
+                    # step together, which every rank then skips (flowrl_ray.optim)
+                    if not acc.backward(loss * share / (c.gradient_accumulation_steps * k_steps)) and ranks == 1:
                         break
                     with torch.no_grad():
                         for name, v in (("pg_loss", pg), ("kl", kl), ("ratio_mean", ratio.mean()),
                                         ("ratio_max", ratio.max()), ("ratio_min", ratio.min()),
                                         ("clipfrac", ((ratio - 1).abs() > c.clip).float().mean())):
-                            stats.setdefault(name, []).append(float(v))
-                if not acc.finite:
+                            stats.setdefault(name, []).append(float(v) * share)
+                if not acc.finite and ranks == 1:
                     break
                 if (m + 1) % c.gradient_accumulation_steps == 0 or m + 1 == len(micro):
                     self._optimizer_step(acc, stats)
             if not acc.finite:                      # NaN loss: drop this epoch's gradients, count it
                 self._optimizer_step(acc, stats)
+        if ranks > 1:                               # the whole micro-batches' statistics: the shares' summed
+            stats = self._reduce_stats(stats, k_steps * len(micro) * c.epochs)
         self.iteration += 1
         return self._metrics(stats, p)
+
+    @staticmethod
+    def _reduce_stats(stats: dict[str, list[float]], entries: int) -> dict[str, list[float]]:
+        """Each loss statistic's mean over its (micro-batch, step) entries, summed over the ranks
+        (a rank without rows in a micro-batch adds nothing to it); grad_norm is every rank's."""
+        names = ("pg_loss", "kl", "ratio_mean", "ratio_max", "ratio_min", "clipfrac")
+        sums = reduce_sum(torch.tensor([sum(stats.get(k, [])) for k in names], dtype=torch.float64))
+        out = {k: [v / entries] for k, v in zip(names, sums.tolist())}
+        if "grad_norm" in stats:
+            out["grad_norm"] = stats["grad_norm"]
+        return out
 
     def _optimizer_step(self, acc: Accumulator, stats: dict) -> None:
         (norm,), stepped = acc.step()          # one optimiser: one norm; non-finite: skipped
@@ -418,7 +456,7 @@ class FEDGRPO(GroupAlgorithm):
             self.skipped_updates += 1
 
     def _metrics(self, stats: dict, p: dict) -> dict[str, float]:
-        s, adv = p["scores"], p["advantages"]
+        s, adv = p["scores"], p["all_advantages"]
         out = {f"fed_grpo/{k}": float(np.mean(v)) for k, v in stats.items()}
         out.update(molecule_summary(s))
         out.update({"reward_mean": out["force_reward_mean"], "kl": out.get("fed_grpo/kl", float("nan")),

@@ -73,10 +73,17 @@ class LearnerGroup:
 
     def call(self, method: str, *args):
         """The learner method on every rank (``ALL_RANKS``) or on rank 0; returns rank 0's result.
-        LearnerDied when a rank died: its process, or a collective that lost a peer."""
-        ranks = self.actors if method in ALL_RANKS else self.actors[:1]
+        A group algorithm's training samples come from every rank (``generate(num_chunks,
+        "train", ...)``: each rank samples its groups into num_chunks / N chunks; the chunk refs of
+        all ranks are returned). LearnerDied when a rank died: its process, or a collective that
+        lost a peer."""
+        gather = method == "generate" and self.size > 1 and args[1] == "train"
+        ranks = self.actors if method in ALL_RANKS or gather else self.actors[:1]
+        if gather:
+            args = (max(1, args[0] // self.size), *args[1:])
         try:
-            return get_all([getattr(a, method).remote(*args) for a in ranks])[0]
+            results = get_all([getattr(a, method).remote(*args) for a in ranks])
+            return [ref for refs in results for ref in refs] if gather else results[0]
         except RayActorError:
             raise LearnerDied(method) from None
         except RayError:

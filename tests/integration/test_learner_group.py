@@ -92,3 +92,27 @@ def test_a_killed_rank_is_survived_from_the_last_checkpoint(local_ray, tmp_path)
     rows = read_metrics(tmp_path / "run")
     assert summary["iterations"] == 4 and rows[-1]["learner_restarts"] == 1
     assert rows[-1]["policy_version"] >= 3
+
+
+def test_a_fed_grpo_run_samples_and_trains_on_two_ranks(local_ray, tmp_path):
+    from flowrl_ray.config import config_from_dict
+    from unit.algorithms.test_fed_grpo import _config
+    data = _config(sample_group_size=4, train_micro_batch_size=4)
+    data["runtime"].update(num_learners=2, learner_num_cpus=0.5, num_cpus_per_worker=0.5)
+    trainer = Trainer(config_from_dict(data), tmp_path / "run", quiet=True)
+    try:
+        trainer.setup()
+        summary = trainer.train()
+        weights = [ray.get(a.get_state.remote())["algorithm"]["model"] for a in trainer.learners.actors]
+    finally:
+        trainer.close()
+    assert summary["iterations"] == 2
+    for k, v in weights[0].items():                        # every rank holds the same model
+        assert torch.equal(v, weights[1][k]), k
+    rows = read_metrics(tmp_path / "run")
+    for row in rows[1:]:
+        # the 12 molecules of both ranks were scored and summarised (none left unscored)
+        assert sum(v for k, v in row.items() if k.startswith("reason/")) == pytest.approx(1.0)
+        assert row.get("reason/not_scored", 0.0) == 0.0
+        assert row["fed_grpo/skipped_updates"] == 0 and row["fed_grpo/ratio_min"] > 0
+    assert "eval/validity" in rows[0] and "eval/validity" in rows[-1]

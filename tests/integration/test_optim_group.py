@@ -158,3 +158,85 @@ def test_the_learner_update_on_cuda_is_the_cpu_update(name):
     cpu = _weights(algo)
     for k, v in _weights(cuda).items():
         torch.testing.assert_close(v.cpu(), cpu[k], rtol=1e-3, atol=1e-5, msg=k)
+
+
+# ---------------------------------------------------------------------- a group algorithm: FED-GRPO
+
+FORCE = [3.0, 1.0, 2.0, 0.5, 0.0, 4.0, 1.5, 2.5, 1.0, 0.0, 3.5, 2.0]      # 4 groups of 3
+ENERGY = [0.0, 1.0, 0.5, 2.0, 1.0, 0.0, 0.5, 0.5, 2.5, 1.0, 0.0, 3.0]
+
+
+def _fed(kl_coeff: float):
+    from unit.algorithms.test_fed_grpo import _algo
+    # 4 groups of 3 in micro-batches of 5 rows: a micro-batch holds rows of both ranks' groups
+    return _algo(sample_group_size=4, each_prompt_sample=3, train_micro_batch_size=5,
+                 gradient_accumulation_steps=2, epochs=2, kl_coeff=kl_coeff, lr=1e-3)
+
+
+def _fed_trajectory(algo, rows: torch.Tensor) -> dict:
+    """The rows' part of a whole batch's recorded trajectory (each tensor's batch dimension)."""
+    traj = algo.pending["trajectory"]
+    batch_dim = {"z": 1, "mu": 1, "logp": 1, "node_mask": 0}
+    return {k: v.index_select(batch_dim[k], rows) if k in batch_dim else v for k, v in traj.items()}
+
+
+def _fed_rank(rank: int, world: int, init: str, kl_coeff: float, out: dict) -> None:
+    from unit.algorithms.test_fed_grpo import _scored
+    torch.set_num_threads(1)
+    algo = _fed(kl_coeff)
+    chunks = algo.generate(2)                     # the whole batch, sampled as one learner would
+    batches = _scored(chunks, FORCE, ENERGY)
+    rows = (torch.arange(rank, 4, world)[:, None] * 3 + torch.arange(3)).flatten()   # its groups: rank, rank + 2
+    algo.pending = {**algo.pending, "rows": rows, "trajectory": _fed_trajectory(algo, rows)}
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        metrics = algo.update(algo.prepare(batches))
+        out[rank] = ({k: v.detach().clone() for k, v in algo.model.state_dict().items()}, metrics)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kl_coeff", [0.0, 0.1])
+def test_a_fed_grpo_update_on_two_ranks_is_the_one_learner_update(kl_coeff, tmp_path):
+    from unit.algorithms.test_fed_grpo import _scored
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_fed_rank, args=(2, f"file://{tmp_path / 'rendezvous'}", kl_coeff, out), nprocs=2, join=True)
+        out = dict(out)
+    algo = _fed(kl_coeff)
+    before = {k: v.clone() for k, v in algo.model.state_dict().items()}
+    metrics = algo.update(algo.prepare(_scored(algo.generate(2), FORCE, ENERGY)))
+    one = algo.model.state_dict()
+    assert any(not torch.equal(before[k], one[k]) for k in one)            # the update moved the weights
+    for rank in (0, 1):
+        weights, rank_metrics = out[rank]
+        for k in one:
+            torch.testing.assert_close(weights[k], one[k], rtol=1e-4, atol=1e-6, msg=f"rank {rank} {k}")
+        for k in ("fed_grpo/pg_loss", "fed_grpo/kl", "fed_grpo/ratio_mean", "fed_grpo/clipfrac", "fed_grpo/grad_norm",
+                  "fed_grpo/advantage_mean", "force_reward_mean", "fed_grpo/lr", "fed_grpo/skipped_updates"):
+            assert rank_metrics[k] == pytest.approx(metrics[k], rel=1e-4, abs=1e-7), k
+
+
+def _fed_generate_rank(rank: int, world: int, init: str, out: dict) -> None:
+    torch.set_num_threads(1)
+    algo = _fed(0.0)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        chunks = algo.generate(1)
+        out[rank] = ([int(i) for c in chunks for i in c["ids"]], [p.tolist() for c in chunks for p in c["positions"]],
+                     algo.generator.get_state())
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_ranks_sample_their_own_whole_groups_with_their_own_noise(tmp_path):
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_fed_generate_rank, args=(2, f"file://{tmp_path / 'rendezvous'}", out), nprocs=2, join=True)
+        out = dict(out)
+    (ids0, pos0, gen0), (ids1, pos1, gen1) = out[0], out[1]
+    assert ids0 == [0, 1, 2, 6, 7, 8] and ids1 == [3, 4, 5, 9, 10, 11]     # groups 0, 2 and 1, 3: never split
+    assert pos0[0] != pos1[0]                                             # each rank its own noise
+    assert torch.equal(gen0, gen1)                                        # the shared generator stays equal

@@ -275,10 +275,12 @@ def test_the_config_and_the_registry_import_nothing_above_them():
 def test_a_learner_group_needs_an_algorithm_that_splits_minibatches_and_a_row_per_rank():
     from conftest import tiny_config
     assert tiny_config("runtime.num_learners=2").runtime.num_learners == 2          # PPO splits them
-    with pytest.raises(ConfigError, match=r"config key 'runtime.num_learners': 'fed_grpo' updates on one learner"):
-        load_config(REPO / "configs/fed_grpo/qm9_small.yaml", ["runtime.num_learners=2"])
+    with pytest.raises(ConfigError, match=r"config key 'runtime.num_learners': 'flow_grpo' updates on one learner"):
+        load_config(REPO / "configs/flow_grpo/forms_small.yaml", ["runtime.num_learners=2"])
     # 256 rows per iteration in minibatches of 100: the last one has 56 rows
     with pytest.raises(ConfigError, match=r"'runtime.num_learners': 57 learners .* the smallest has 56 rows"):
         tiny_config("algo.minibatch_size=100", "runtime.num_learners=57")
+    with pytest.raises(ConfigError, match=r"'runtime.num_learners': 9 ranks share algo.sample_group_size=8 groups"):
+        load_config(REPO / "configs/fed_grpo/qm9_small.yaml", ["runtime.num_learners=9", "algo.sample_group_size=8"])
     with pytest.raises(ConfigError, match=r"runtime.learner_placement"):
         tiny_config("runtime.learner_placement=everywhere")
