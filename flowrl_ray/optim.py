@@ -59,6 +59,15 @@ def reduce_sum(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def reduce_max(x: torch.Tensor) -> torch.Tensor:
+    """``x``'s elementwise maximum over the ranks (``x`` itself outside a group)."""
+    if world()[1] == 1:
+        return x
+    out = x.detach().clone()
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    return out
+
+
 def _poison(optimizers: list[torch.optim.Optimizer]) -> None:
     """NaN gradients: in a group, a rank whose loss was not finite still joins the gradient sum,
     which is then not finite on every rank, so every rank skips the step (no extra collective)."""

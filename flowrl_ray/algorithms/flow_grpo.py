@@ -55,7 +55,7 @@ import torch
 
 from flowrl_ray.algorithms.advantages import group_advantages
 from flowrl_ray.algorithms.base import GroupAlgorithm
-from flowrl_ray.optim import Accumulator, dropout_off
+from flowrl_ray.optim import Accumulator, dropout_off, reduce_max, reduce_sum, world
 from flowrl_ray.algorithms.losses import k3, ppo_clip_objective
 from flowrl_ray.batch import Batch
 from flowrl_ray.config import Config, ConfigError, TextSFTPretrainConfig, check
@@ -139,6 +139,7 @@ class FlowGRPO(GroupAlgorithm):
     name = "flow_grpo"
     config_class = FlowGRPOConfig
     pretrain_config_class = TextSFTPretrainConfig
+    data_parallel = True              # runtime.num_learners > 1: each rank samples and trains whole groups
 
     @staticmethod
     def validate_config(cfg: Config) -> None:
@@ -159,6 +160,9 @@ class FlowGRPO(GroupAlgorithm):
         if c.kl_estimator not in KL_ESTIMATORS:
             raise ConfigError(f"config key 'algo.kl_estimator': {c.kl_estimator!r} is not one of "
                               f"{', '.join(KL_ESTIMATORS)}")
+        if cfg.runtime.num_learners > c.prompts_per_iteration:
+            raise ConfigError(f"config key 'runtime.num_learners': {cfg.runtime.num_learners} ranks share "
+                              f"algo.prompts_per_iteration={c.prompts_per_iteration} groups (a group is never split)")
         if c.num_generation_steps > c.gen_length:
             raise ConfigError(f"config key 'algo.num_generation_steps': {c.num_generation_steps} steps "
                               f"for {c.gen_length} tokens (algo.gen_length)")
@@ -207,25 +211,36 @@ class FlowGRPO(GroupAlgorithm):
 
     @torch.no_grad()
     def generate(self, num_chunks: int, mode: str = "train") -> list[dict]:
+        """Sample this iteration's groups ("train") or the evaluation set ("eval"). In a learner
+        group (training) every rank draws the same P prompts and samples the whole groups
+        g = rank, rank + R, ... of them, with its own stream drawn from the shared generator;
+        chunk ids are the rows' places in the whole batch [P * G]. Evaluation is one rank's."""
         from flowrl_ray.models.masked_diffusion import generate_with_trajectory
         from flowrl_ray.envs.forms import prompt_text
         c = self.c
+        rank, ranks = world() if mode == "train" else (0, 1)
         tasks = self._draw_tasks(mode)
         group = 1 if mode == "eval" else c.group_size
-        rows = [t for t in tasks for _ in range(group)]                       # [P*G], groups consecutive
+        groups = torch.arange(rank, len(tasks), ranks)                         # [P_r] this rank's groups
+        rows = [tasks[g] for g in groups.tolist() for _ in range(group)]      # [P_r*G], groups consecutive
+        generator = self.generator
+        if ranks > 1:       # every rank draws the same seed (the generators stay equal), then its own stream
+            seed = int(torch.randint(2 ** 62, (1,), generator=self.generator))
+            generator = torch.Generator().manual_seed(seed + rank)
         prompt_ids, prompt_mask = self.lm.encode_prompts([prompt_text(t, self.catalog) for t in rows],
                                                           c.max_prompt_len)
         temperature = 0.0 if mode == "eval" else c.generation_temperature
         self.lm.model.eval()
         sequences, traj = generate_with_trajectory(
             self.lm.model, prompt_ids.to(self.device), prompt_mask.to(self.device), c.gen_length,
-            c.num_generation_steps, temperature, self.lm.mask_token_id, self.generator, sampler=c.sampler)
+            c.num_generation_steps, temperature, self.lm.mask_token_id, generator, sampler=c.sampler)
         texts = self.lm.decode(sequences, prompt_ids.shape[1])
-        self.pending = {"mode": mode, "trajectory": traj, "n": len(rows), "texts": texts,
-                        "splits": [t.split for t in rows]}
-        ids = np.arange(len(rows))
-        return [{"ids": part, "task_ids": [rows[i].task_id for i in part], "texts": [texts[i] for i in part]}
-                for part in np.array_split(ids, num_chunks) if len(part)]
+        batch_rows = (groups[:, None] * group + torch.arange(group)).flatten()   # [P_r*G] places in the batch
+        self.pending = {"mode": mode, "trajectory": traj, "n": len(tasks) * group, "rows": batch_rows,
+                        "texts": texts, "splits": [t.split for t in rows]}
+        return [{"ids": batch_rows[part].numpy(), "task_ids": [rows[i].task_id for i in part],
+                 "texts": [texts[i] for i in part]}
+                for part in np.array_split(np.arange(len(rows)), num_chunks) if len(part)]
 
     def _rewards(self, batches: list[Batch]) -> dict[str, torch.Tensor]:
         n = self.pending["n"]
@@ -249,7 +264,10 @@ class FlowGRPO(GroupAlgorithm):
         scores = self._rewards(batches)
         adv = group_advantages(scores["rewards"], self.c.group_size, self.c.adv_clip_max,
                                valid=scores["valid"])                                   # [P*G]
-        return {"trajectory": self.pending["trajectory"], "advantages": adv.to(self.device), **scores}
+        # the whole batch's advantages and scores (every group is whole on its rank); the
+        # trajectory is this rank's rows (``rows``: their places in the batch)
+        return {"trajectory": self.pending["trajectory"], "advantages": adv.to(self.device),
+                "rows": self.pending["rows"], **scores}
 
     # ------------------------------------------------------------------ update
     def _update_plan(self, groups: int, steps: int) -> tuple[list[torch.Tensor], list[list[tuple[int, list[int]]]]]:
@@ -293,11 +311,22 @@ class FlowGRPO(GroupAlgorithm):
 
     def update(self, p: dict) -> dict[str, float]:
         c, traj = self.c, p["trajectory"]
-        adv = p["advantages"].double()                                        # [B]
-        valid = p.get("valid", torch.ones(adv.shape[0], dtype=torch.bool)).to(adv.device)
-        unmasked = traj["unmasked"]                                            # [S, B, L]
-        steps, batch = unmasked.shape[0], unmasked.shape[1]
-        minibatches, epochs = self._update_plan(batch // c.group_size, steps)
+        adv = p["advantages"].double()                                        # [B] the whole batch
+        batch, ranks = adv.shape[0], world()[1]
+        valid = p.get("valid", torch.ones(batch, dtype=torch.bool)).to(adv.device)
+        unmasked = traj["unmasked"]                                            # [S, B_r, L] this rank's rows
+        steps = unmasked.shape[0]
+        plan_rows, epochs = self._update_plan(batch // c.group_size, steps)   # minibatches of batch rows
+        # In a learner group each rank takes its rows of every minibatch (all of them on one
+        # learner): ``minibatches`` are its trajectory's rows, ``owned`` the batch rows they are.
+        place = torch.full((batch,), -1, dtype=torch.long)
+        place[p.get("rows", torch.arange(batch))] = torch.arange(unmasked.shape[1])
+        owned = [r[place[r] >= 0] for r in plan_rows]
+        minibatches = [place[r] for r in owned]
+        # rows that unmasked at step s (valid ones) per minibatch, over every rank: a step's
+        # loss is the mean over them
+        counts = reduce_sum(torch.stack([(unmasked[:, r].any(-1) & valid[o]).double().sum(-1)
+                                         for r, o in zip(minibatches, owned)]))            # [n_mb, S]
         model = self.lm.model
         model.train()
         # Old log-probs of every (minibatch, step) the update uses, computed before any step on
@@ -308,7 +337,7 @@ class FlowGRPO(GroupAlgorithm):
         ref: dict[tuple[int, int], torch.Tensor] = {}         # the frozen reference per token [mb, L]: on first use
         with torch.no_grad():
             for key in sorted({(m, s) for plan in epochs for m, ss in plan for s in ss}):
-                if key[0] != first_mb or key[1] not in first_steps:
+                if (key[0] != first_mb or key[1] not in first_steps) and len(minibatches[key[0]]):
                     old[key] = self._step_log_prob(model, traj, key[1], minibatches[key[0]])
         sampler_gap = 0.0                  # |recomputed - sampler's| old log-prob: numerics only
         ratios: list[torch.Tensor] = []
@@ -318,13 +347,15 @@ class FlowGRPO(GroupAlgorithm):
         for plan in epochs:
             for mb, picked in plan:
                 rows = minibatches[mb]
-                a, keep = adv[rows], valid[rows]
+                a, keep = adv[owned[mb]], valid[owned[mb]]
                 total = 0.0
                 for s in picked:
-                    weight = (unmasked[s][rows].any(-1) & keep).double()      # valid rows that unmasked at s
-                    if weight.sum() == 0:
+                    if counts[mb, s] == 0:
                         continue
-                    weight = weight / weight.sum() / len(picked)              # mean over rows, 1/K over steps
+                    if not len(rows):                          # a rank without rows here: its share is 0
+                        continue
+                    weight = (unmasked[s][rows].any(-1) & keep).double()      # valid rows that unmasked at s
+                    weight = weight / counts[mb, s] / len(picked)             # mean over rows, 1/K over steps
                     if c.kl_coeff > 0 and (mb, s) not in ref:              # before the graph is built:
                         ref[mb, s] = self._reference_log_probs(traj, s, rows)  # (adapters switch)
                     token_logp = self._token_log_probs(model, traj, s, rows)  # [mb, L] with gradients
@@ -363,11 +394,17 @@ class FlowGRPO(GroupAlgorithm):
                 if finite_loss:
                     stats.setdefault("loss", []).append(total)
         self.iteration += 1
+        if ranks > 1:                                  # the whole minibatches' statistics, over the ranks
+            entries = sum(int(counts[m, t] > 0) for plan in epochs for m, ss in plan for t in ss)
+            stats, sampler_gap = self._reduce_stats(stats, entries, sum(len(e) for e in epochs), sampler_gap, ratios)
+            ratios = []
+        ratio_stats = stats.pop("_ratios", {})
         out = {f"flow_grpo/{k}": float(np.mean(v)) for k, v in stats.items()}
         if ratios:
             r = torch.cat(ratios)
             out.update({"flow_grpo/ratio_mean": float(r.mean()), "flow_grpo/ratio_min": float(r.min()),
                         "flow_grpo/ratio_max": float(r.max())})
+        out.update(ratio_stats)
         out.update(self._episode_metrics(p))
         out.update({"kl": out.get("flow_grpo/kl", float("nan")), "clipfrac": out.get("flow_grpo/clipfrac", float("nan")),
                     "approx_kl": out.get("flow_grpo/approx_kl", float("nan")),
@@ -377,6 +414,30 @@ class FlowGRPO(GroupAlgorithm):
                     "flow_grpo/sampler_logp_gap": sampler_gap,
                     "flow_grpo/skipped_updates": float(self.skipped_updates)})
         return out
+
+    @staticmethod
+    def _reduce_stats(stats: dict, entries: int, minibatch_steps: int, sampler_gap: float,
+                      ratios: list) -> tuple[dict, float]:
+        """A learner group's statistics: each loss statistic's share-weighted sum over its
+        (minibatch, step) entries, added over the ranks, divided by the entries (the steps some
+        rank had rows for; ``loss`` by the minibatch steps); the ratios' mean, min and max and
+        the sampler gap over every rank's rows; grad_norm is the same on every rank. Fixed-size
+        collectives only, whatever each rank's own entries."""
+        names = ("pg_loss", "kl", "approx_kl", "clipfrac", "loss")
+        r = torch.cat(ratios) if ratios else torch.zeros(0, dtype=torch.float64)
+        sums = reduce_sum(torch.tensor([sum(stats.get(k, [])) for k in names] + [float(r.sum()), float(r.numel())],
+                                       dtype=torch.float64)).tolist()
+        out = {k: [v / max(1, minibatch_steps if k == "loss" else entries)]
+               for k, v in zip(names, sums) if k in stats or v}
+        if "grad_norm" in stats:
+            out["grad_norm"] = stats["grad_norm"]
+        extremes = reduce_max(torch.tensor([float(r.max()) if r.numel() else -math.inf,
+                                            float(-r.min()) if r.numel() else -math.inf, sampler_gap],
+                                           dtype=torch.float64)).tolist()
+        if sums[-1] > 0:
+            out["_ratios"] = {"flow_grpo/ratio_mean": sums[-2] / sums[-1],
+                              "flow_grpo/ratio_min": -extremes[1], "flow_grpo/ratio_max": extremes[0]}
+        return out, extremes[2]
 
     @staticmethod
     def _episode_metrics(p: dict) -> dict[str, float]:

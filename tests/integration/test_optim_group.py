@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from flowrl_ray.optim import Accumulator, local_part, optimizer_step, reduce_sum
+from unit.algorithms.test_flow_grpo import sft_dir  # noqa: F401 (a fixture)
 
 X = torch.linspace(-1, 1, 14).reshape(7, 2)          # 7 rows: shares of 4 and 3
 Y = torch.arange(7.0)
@@ -240,3 +241,56 @@ def test_two_ranks_sample_their_own_whole_groups_with_their_own_noise(tmp_path):
     assert ids0 == [0, 1, 2, 6, 7, 8] and ids1 == [3, 4, 5, 9, 10, 11]     # groups 0, 2 and 1, 3: never split
     assert pos0[0] != pos1[0]                                             # each rank its own noise
     assert torch.equal(gen0, gen1)                                        # the shared generator stays equal
+
+
+# ---------------------------------------------------------------------- a group algorithm: Flow-GRPO
+
+FORMS_REWARDS = [0.9, 0.1, 0.3, 0.6, 0.0, 1.0, 0.5, 0.2]          # 4 groups of 2
+
+
+def _flow_grpo(sft_dir: str):
+    from unit.algorithms.test_flow_grpo import _algorithm
+    # minibatches of 2 whole groups drawn at random: each holds rows of both ranks' groups or one's
+    return _algorithm(sft_dir, prompts_per_iteration=4, group_size=2, minibatch_groups=2, epochs=2,
+                      timestep_fraction=0.5, kl_coeff=0.05, lr=3e-3)
+
+
+def _flow_grpo_rank(rank: int, world: int, init: str, sft_dir: str, out: dict) -> None:
+    from integration.test_flow_grpo import _scored
+    torch.set_num_threads(1)
+    algo = _flow_grpo(sft_dir)
+    chunks = algo.generate(2, "train")            # the whole batch, sampled as one learner would
+    batches = _scored(algo, chunks, FORMS_REWARDS)
+    rows = (torch.arange(rank, 4, world)[:, None] * 2 + torch.arange(2)).flatten()   # its groups: rank, rank + 2
+    batch_dim = {"states": 1, "unmasked": 1, "tokens": 1, "logp": 1, "attention_mask": 0}
+    traj = {k: v.index_select(batch_dim[k], rows) if k in batch_dim else v
+            for k, v in algo.pending["trajectory"].items()}
+    algo.pending = {**algo.pending, "rows": rows, "trajectory": traj}
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+    try:
+        metrics = algo.update(algo.prepare(batches))
+        out[rank] = ({k: v.detach().clone() for k, v in algo.lm.model.state_dict().items()}, metrics)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_a_flow_grpo_update_on_two_ranks_is_the_one_learner_update(sft_dir, tmp_path):
+    from integration.test_flow_grpo import _scored
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(_flow_grpo_rank, args=(2, f"file://{tmp_path / 'rendezvous'}", sft_dir, out), nprocs=2, join=True)
+        out = dict(out)
+    algo = _flow_grpo(sft_dir)
+    before = {k: v.clone() for k, v in algo.lm.model.state_dict().items()}
+    metrics = algo.update(algo.prepare(_scored(algo, algo.generate(2, "train"), FORMS_REWARDS)))
+    one = algo.lm.model.state_dict()
+    assert any(not torch.equal(before[k], one[k]) for k in one)            # the update moved the weights
+    for rank in (0, 1):
+        weights, rank_metrics = out[rank]
+        for k in one:
+            torch.testing.assert_close(weights[k], one[k], rtol=1e-4, atol=1e-6, msg=f"rank {rank} {k}")
+        for k in ("flow_grpo/pg_loss", "flow_grpo/kl", "flow_grpo/approx_kl", "flow_grpo/clipfrac",
+                  "flow_grpo/grad_norm", "flow_grpo/loss", "flow_grpo/ratio_mean", "flow_grpo/ratio_min",
+                  "flow_grpo/ratio_max", "flow_grpo/sampler_logp_gap", "reward_mean", "flow_grpo/advantage_abs_mean"):
+            assert rank_metrics[k] == pytest.approx(metrics[k], rel=1e-4, abs=1e-7), k

@@ -275,8 +275,14 @@ def test_the_config_and_the_registry_import_nothing_above_them():
 def test_a_learner_group_needs_an_algorithm_that_splits_minibatches_and_a_row_per_rank():
     from conftest import tiny_config
     assert tiny_config("runtime.num_learners=2").runtime.num_learners == 2          # PPO splits them
-    with pytest.raises(ConfigError, match=r"config key 'runtime.num_learners': 'flow_grpo' updates on one learner"):
-        load_config(REPO / "configs/flow_grpo/forms_small.yaml", ["runtime.num_learners=2"])
+    # a plugin algorithm that does not say its update splits minibatches
+    with pytest.raises(ConfigError, match=r"config key 'runtime.num_learners': 'flowrl_test_plugins.token_bandit:"
+                                          r"TokenGRPO' updates on one learner"):
+        config_from_dict({"algorithm": "flowrl_test_plugins.token_bandit:TokenGRPO",
+                          "env": {"family": "flowrl_test_plugins.token_bandit", "id": "tokens"},
+                          "runtime": {"num_learners": 2}})
+    with pytest.raises(ConfigError, match=r"'runtime.num_learners': 3 ranks share algo.prompts_per_iteration=2"):
+        load_config(REPO / "configs/flow_grpo/forms_small.yaml", ["runtime.num_learners=3", "algo.prompts_per_iteration=2"])
     # 256 rows per iteration in minibatches of 100: the last one has 56 rows
     with pytest.raises(ConfigError, match=r"'runtime.num_learners': 57 learners .* the smallest has 56 rows"):
         tiny_config("algo.minibatch_size=100", "runtime.num_learners=57")
