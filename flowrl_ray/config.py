@@ -465,6 +465,10 @@ def config_from_dict(data: dict) -> Config:
     elif pretrain_data:
         raise ConfigError(f"config key 'pretrain': algorithm {cfg.algorithm!r} has no pretraining "
                           f"(flowrl-ray pretrain starts fpopp, reinflow, flowsar, flow_grpo and fed_grpo)")
+    gpus = cfg.runtime.learner_num_gpus
+    if cfg.runtime.num_learners > 1 and gpus is not None and 0 < gpus < 1:
+        raise ConfigError(f"config key 'runtime.learner_num_gpus': {gpus:g} GPU per rank; the ranks of a "
+                          f"learner group (runtime.num_learners > 1) need a whole GPU each (NCCL)")
     if cfg.runtime.num_learners > 1 and not getattr(algorithm_cls, "data_parallel", False):
         raise ConfigError(f"config key 'runtime.num_learners': {cfg.algorithm!r} updates on one learner "
                           f"(its update does not split minibatches across a learner group yet); set it to 1")

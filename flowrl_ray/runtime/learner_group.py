@@ -65,11 +65,15 @@ class LearnerGroup:
             self.close()
             raise TrainingError(f"runtime.num_learners: the cluster cannot place {self.size} learners of "
                                 f"{bundle} each (waited {rt.sample_timeout_s:.0f} s)") from None
-        self.actors = [Learner.options(**options, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                           self.placement_group, placement_group_bundle_index=rank)).remote(cfg, spec, rank)
-                       for rank in range(self.size)]
-        address = ray.get(self.actors[0].rendezvous_address.remote())
-        self.backend = get_all([a.join.remote(address, self.size, rt.sample_timeout_s) for a in self.actors])[0]
+        try:
+            self.actors = [Learner.options(**options, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                               self.placement_group, placement_group_bundle_index=rank)).remote(cfg, spec, rank)
+                           for rank in range(self.size)]
+            address = ray.get(self.actors[0].rendezvous_address.remote())
+            self.backend = get_all([a.join.remote(address, self.size, rt.sample_timeout_s) for a in self.actors])[0]
+        except BaseException:
+            self.close()                               # no half-built group left behind
+            raise
 
     def call(self, method: str, *args):
         """The learner method on every rank (``ALL_RANKS``) or on rank 0; returns rank 0's result.

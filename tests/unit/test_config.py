@@ -288,5 +288,7 @@ def test_a_learner_group_needs_an_algorithm_that_splits_minibatches_and_a_row_pe
         tiny_config("algo.minibatch_size=100", "runtime.num_learners=57")
     with pytest.raises(ConfigError, match=r"'runtime.num_learners': 9 ranks share algo.sample_group_size=8 groups"):
         load_config(REPO / "configs/fed_grpo/qm9_small.yaml", ["runtime.num_learners=9", "algo.sample_group_size=8"])
+    with pytest.raises(ConfigError, match=r"'runtime.learner_num_gpus': 0.5 GPU per rank"):
+        tiny_config("runtime.num_learners=2", "runtime.learner_num_gpus=0.5")
     with pytest.raises(ConfigError, match=r"runtime.learner_placement"):
         tiny_config("runtime.learner_placement=everywhere")
