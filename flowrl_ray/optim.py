@@ -52,19 +52,19 @@ def local_part(n: int) -> slice:
 
 def reduce_sum(x: torch.Tensor) -> torch.Tensor:
     """``x`` summed over the ranks (a new tensor; ``x`` itself outside a group)."""
-    if world()[1] == 1:
-        return x
-    out = x.detach().clone()
-    dist.all_reduce(out, op=dist.ReduceOp.SUM)
-    return out
+    return _all_reduce(x, "SUM")
 
 
 def reduce_max(x: torch.Tensor) -> torch.Tensor:
     """``x``'s elementwise maximum over the ranks (``x`` itself outside a group)."""
+    return _all_reduce(x, "MAX")
+
+
+def _all_reduce(x: torch.Tensor, op: str) -> torch.Tensor:
     if world()[1] == 1:
         return x
     out = x.detach().clone()
-    dist.all_reduce(out, op=dist.ReduceOp.MAX)
+    dist.all_reduce(out, op=getattr(dist.ReduceOp, op))
     return out
 
 

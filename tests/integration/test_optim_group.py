@@ -17,6 +17,25 @@ X = torch.linspace(-1, 1, 14).reshape(7, 2)          # 7 rows: shares of 4 and 3
 Y = torch.arange(7.0)
 
 
+def _two_ranks(fn, tmp_path, *args) -> dict:
+    """``fn(rank, 2, init, *args, out)`` in two spawned processes; -> what each put in ``out``."""
+    with mp.Manager() as manager:
+        out = manager.dict()
+        mp.spawn(fn, args=(2, f"file://{tmp_path / 'rendezvous'}", *args, out), nprocs=2, join=True)
+        return dict(out)
+
+
+def _assert_ranks_took_the_step(out: dict, before: dict, one: dict, metrics: dict, keys, rel: float = 1e-4) -> None:
+    """Each rank's weights are the one learner's (which moved) and so are the ``keys`` statistics."""
+    assert any(not torch.equal(before[k], one[k]) for k in one)            # the update moved the weights
+    for rank in (0, 1):
+        weights, rank_metrics = out[rank]
+        for k in one:
+            torch.testing.assert_close(weights[k], one[k], rtol=1e-4, atol=1e-6, msg=f"rank {rank} {k}")
+        for k in keys:
+            assert rank_metrics[k] == pytest.approx(metrics[k], rel=rel, abs=1e-6, nan_ok=True), k
+
+
 def _model() -> tuple[torch.nn.Linear, torch.optim.SGD]:
     torch.manual_seed(0)
     model = torch.nn.Linear(2, 1)
@@ -51,11 +70,7 @@ def _rank(rank: int, world: int, init: str, out: dict) -> None:
 
 @pytest.mark.slow
 def test_two_ranks_take_the_one_process_step_and_skip_together(tmp_path):
-    init = f"file://{tmp_path / 'rendezvous'}"
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_rank, args=(2, init, out), nprocs=2, join=True)
-        out = dict(out)
+    out = _two_ranks(_rank, tmp_path)
     model, opt = _model()
     norms, _ = optimizer_step(_loss(model, torch.arange(len(X))), opt, max_grad_norm=1.0)
     assert [out[r]["rows"] for r in (0, 1)] == [4, 3]
@@ -128,23 +143,14 @@ def _algo_rank(rank: int, world: int, init: str, name: str, out: dict) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["ppo", "cma_ppo", "fpopp", "fpopp_accumulating", "flowsar"])
 def test_an_update_on_two_ranks_is_the_one_learner_update(name, tmp_path):
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_algo_rank, args=(2, f"file://{tmp_path / 'rendezvous'}", name, out), nprocs=2, join=True)
-        out = dict(out)
+    out = _two_ranks(_algo_rank, tmp_path, name)
     algo, batches = _algorithm(name)
     before = _weights(algo)
     metrics = algo.update(algo.prepare(batches))
-    one = _weights(algo)
-    assert any(not torch.equal(before[k], one[k]) for k in one)            # the update moved the weights
-    for rank in (0, 1):
-        weights, rank_metrics = out[rank]
-        for k in one:
-            torch.testing.assert_close(weights[k], one[k], rtol=1e-4, atol=1e-6, msg=f"rank {rank} {k}")
-        for k, v in metrics.items():                                    # statistics of whole minibatches
-            # (std, min and max are averaged over the parts, as accumulation does: not compared)
-            if isinstance(v, float) and not k.endswith(("_std", "_min", "_max")):
-                assert rank_metrics[k] == pytest.approx(v, rel=1e-3, abs=1e-6, nan_ok=True), k
+    # statistics of whole minibatches (std, min and max are averaged over the parts, as
+    # accumulation does: not compared)
+    keys = [k for k, v in metrics.items() if isinstance(v, float) and not k.endswith(("_std", "_min", "_max"))]
+    _assert_ranks_took_the_step(out, before, _weights(algo), metrics, keys, rel=1e-3)
 
 
 @pytest.mark.cuda
@@ -201,22 +207,13 @@ def _fed_rank(rank: int, world: int, init: str, kl_coeff: float, out: dict) -> N
 @pytest.mark.parametrize("kl_coeff", [0.0, 0.1])
 def test_a_fed_grpo_update_on_two_ranks_is_the_one_learner_update(kl_coeff, tmp_path):
     from unit.algorithms.test_fed_grpo import _scored
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_fed_rank, args=(2, f"file://{tmp_path / 'rendezvous'}", kl_coeff, out), nprocs=2, join=True)
-        out = dict(out)
+    out = _two_ranks(_fed_rank, tmp_path, kl_coeff)
     algo = _fed(kl_coeff)
     before = {k: v.clone() for k, v in algo.model.state_dict().items()}
     metrics = algo.update(algo.prepare(_scored(algo.generate(2), FORCE, ENERGY)))
-    one = algo.model.state_dict()
-    assert any(not torch.equal(before[k], one[k]) for k in one)            # the update moved the weights
-    for rank in (0, 1):
-        weights, rank_metrics = out[rank]
-        for k in one:
-            torch.testing.assert_close(weights[k], one[k], rtol=1e-4, atol=1e-6, msg=f"rank {rank} {k}")
-        for k in ("fed_grpo/pg_loss", "fed_grpo/kl", "fed_grpo/ratio_mean", "fed_grpo/clipfrac", "fed_grpo/grad_norm",
-                  "fed_grpo/advantage_mean", "force_reward_mean", "fed_grpo/lr", "fed_grpo/skipped_updates"):
-            assert rank_metrics[k] == pytest.approx(metrics[k], rel=1e-4, abs=1e-7), k
+    _assert_ranks_took_the_step(out, before, algo.model.state_dict(), metrics, (
+        "fed_grpo/pg_loss", "fed_grpo/kl", "fed_grpo/ratio_mean", "fed_grpo/clipfrac", "fed_grpo/grad_norm",
+        "fed_grpo/advantage_mean", "force_reward_mean", "fed_grpo/lr", "fed_grpo/skipped_updates"))
 
 
 def _fed_generate_rank(rank: int, world: int, init: str, out: dict) -> None:
@@ -233,10 +230,7 @@ def _fed_generate_rank(rank: int, world: int, init: str, out: dict) -> None:
 
 @pytest.mark.slow
 def test_two_ranks_sample_their_own_whole_groups_with_their_own_noise(tmp_path):
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_fed_generate_rank, args=(2, f"file://{tmp_path / 'rendezvous'}", out), nprocs=2, join=True)
-        out = dict(out)
+    out = _two_ranks(_fed_generate_rank, tmp_path)
     (ids0, pos0, gen0), (ids1, pos1, gen1) = out[0], out[1]
     assert ids0 == [0, 1, 2, 6, 7, 8] and ids1 == [3, 4, 5, 9, 10, 11]     # groups 0, 2 and 1, 3: never split
     assert pos0[0] != pos1[0]                                             # each rank its own noise
@@ -277,20 +271,11 @@ def _flow_grpo_rank(rank: int, world: int, init: str, sft_dir: str, out: dict) -
 @pytest.mark.slow
 def test_a_flow_grpo_update_on_two_ranks_is_the_one_learner_update(sft_dir, tmp_path):
     from integration.test_flow_grpo import _scored
-    with mp.Manager() as manager:
-        out = manager.dict()
-        mp.spawn(_flow_grpo_rank, args=(2, f"file://{tmp_path / 'rendezvous'}", sft_dir, out), nprocs=2, join=True)
-        out = dict(out)
+    out = _two_ranks(_flow_grpo_rank, tmp_path, sft_dir)
     algo = _flow_grpo(sft_dir)
     before = {k: v.clone() for k, v in algo.lm.model.state_dict().items()}
     metrics = algo.update(algo.prepare(_scored(algo, algo.generate(2, "train"), FORMS_REWARDS)))
-    one = algo.lm.model.state_dict()
-    assert any(not torch.equal(before[k], one[k]) for k in one)            # the update moved the weights
-    for rank in (0, 1):
-        weights, rank_metrics = out[rank]
-        for k in one:
-            torch.testing.assert_close(weights[k], one[k], rtol=1e-4, atol=1e-6, msg=f"rank {rank} {k}")
-        for k in ("flow_grpo/pg_loss", "flow_grpo/kl", "flow_grpo/approx_kl", "flow_grpo/clipfrac",
-                  "flow_grpo/grad_norm", "flow_grpo/loss", "flow_grpo/ratio_mean", "flow_grpo/ratio_min",
-                  "flow_grpo/ratio_max", "flow_grpo/sampler_logp_gap", "reward_mean", "flow_grpo/advantage_abs_mean"):
-            assert rank_metrics[k] == pytest.approx(metrics[k], rel=1e-4, abs=1e-7), k
+    _assert_ranks_took_the_step(out, before, algo.lm.model.state_dict(), metrics, (
+        "flow_grpo/pg_loss", "flow_grpo/kl", "flow_grpo/approx_kl", "flow_grpo/clipfrac", "flow_grpo/grad_norm",
+        "flow_grpo/loss", "flow_grpo/ratio_mean", "flow_grpo/ratio_min", "flow_grpo/ratio_max",
+        "flow_grpo/sampler_logp_gap", "reward_mean", "flow_grpo/advantage_abs_mean"))
