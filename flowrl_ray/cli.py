@@ -202,7 +202,7 @@ def _perturbed_config(run_dir: str, cfg, items: list[str]):
     ``env.perturb`` (``action_noise_std=0.05``), read through the config loader."""
     import dataclasses
 
-    from flowrl_ray.config import PerturbConfig
+    from flowrl_ray.envs.robot.config import PerturbConfig
     from flowrl_ray.envs import env_family
     from flowrl_ray.envs.robot import perturb
     if cfg.env.family != "robot":

@@ -32,7 +32,7 @@ from typing import Any, ClassVar, Literal, Optional
 import yaml
 
 from flowrl_ray.errors import ConfigError  # noqa: F401 - defined there, raised and re-exported here
-from flowrl_ray.registry import get_algorithm
+from flowrl_ray.registry import env_family, get_algorithm
 
 
 def check(gt: float | None = None, ge: float | None = None, le: float | None = None,
@@ -63,37 +63,28 @@ def check_minibatch_size(cfg: "Config", size: int, key: str = "algo.minibatch_si
 # --------------------------------------------------------------------------- schema
 
 @dataclass
-class PerturbConfig:
-    """Out-of-distribution changes of a robot scene (flowrl_ray.envs.robot.perturb); the defaults
-    change nothing. Named sets of them are the evaluation suite (``flowrl-ray eval --perturb``)."""
-    placement_scale: float = field(default=1.0, metadata=check(gt=0))       # object x/y placement range
-    object_scale: float = field(default=1.0, metadata=check(gt=0))          # object geometry (mass kept)
-    table_friction_scale: float = field(default=1.0, metadata=check(gt=0))  # sliding friction of the surface
-    action_noise_std: float = field(default=0.0, metadata=check(ge=0))      # on each executed row, in [-1, 1]
-    camera_shift: list = field(default_factory=lambda: [0.0, 0.0, 0.0])     # metres, the observation cameras
-    light_scale: float = field(default=1.0, metadata=check(ge=0))           # scene light intensity
-
-
-@dataclass
 class EnvConfig:
-    family: str = "gym"                 # adapter family (flowrl_ray.envs.ENV_FAMILIES)
+    """The ``env`` section's keys every family reads. A family with settings of its own declares
+    its section as a subclass (its module's ``config_class``: the robot family's
+    :class:`flowrl_ray.envs.robot.config.RobotEnvConfig`); the loader builds the family's class."""
+    family: str = "gym"                 # adapter family (flowrl_ray.registry.BUILTIN_FAMILIES or a module)
     id: str = "Pendulum-v1"
     kwargs: dict = field(default_factory=dict)       # passed to the env constructor
     max_episode_steps: Optional[int] = field(default=None, metadata=check(gt=0))
-    # Robot family (flowrl_ray.envs.robot); the other families ignore these.
-    obs_mode: Literal["low_dim", "image"] = "low_dim"
-    cameras: list = field(default_factory=lambda: ["agentview"])   # image mode
-    image_size: int = field(default=84, metadata=check(gt=0))      # image mode: H = W pixels
     horizon_steps: int = field(default=1, metadata=check(gt=0))    # action chunk the policy emits
     act_steps: int = field(default=1, metadata=check(gt=0))        # rows of it executed per step
-    dataset: Optional[str] = None       # robomimic hdf5 whose min/max normalise obs and actions
-    terminate_on_success: bool = True   # False: run to max_episode_steps, reward 1 per solved step
-    # "shaped": the sparse reward plus potential-based shaping, gamma * phi(s') - phi(s) per chunk,
-    # phi = robosuite's staged task progress (flowrl_ray.envs.robot.env); leaves the optimal policy
-    # of the sparse task unchanged when shaping_gamma is the algorithm's discount (None: algo.gamma).
-    reward: Literal["sparse", "shaped"] = "sparse"
-    shaping_gamma: Optional[float] = field(default=None, metadata=check(gt=0, le=1))
-    perturb: PerturbConfig = field(default_factory=PerturbConfig)   # robot family: OOD scene changes
+
+    def resolve(self, cfg: "Config") -> None:
+        """Settings a family fills in from other sections once the config is built (none here)."""
+
+
+#: The robot keys every saved config held, at these defaults, before the robot family declared its
+#: own section: a run directory of another family written then still loads (they are dropped).
+ROBOT_KEYS_BEFORE_SECTIONS = {
+    "obs_mode": "low_dim", "cameras": ["agentview"], "image_size": 84, "dataset": None,
+    "terminate_on_success": True, "reward": "sparse", "shaping_gamma": None,
+    "perturb": {"placement_scale": 1.0, "object_scale": 1.0, "table_friction_scale": 1.0,
+                "action_noise_std": 0.0, "camera_shift": [0.0, 0.0, 0.0], "light_scale": 1.0}}
 
 
 @dataclass
@@ -282,7 +273,7 @@ class Config:
     algorithm: str = "ppo"
     name: str = "run"
     seed: int = field(default=0, metadata=check(ge=0))
-    env: EnvConfig = field(default_factory=EnvConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)   # an instance of the family's config_class
     train: TrainConfig = field(default_factory=TrainConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -457,7 +448,9 @@ def config_from_dict(data: dict) -> Config:
     algorithm_cls = get_algorithm(data.get("algorithm", "ppo"))
     algo_data = data.pop("algo", None) or {}
     pretrain_data = data.pop("pretrain", None)
+    env_data = data.pop("env", None)
     cfg = build_section(Config, data, "")
+    cfg.env = build_env_section({} if env_data is None else env_data)
     cfg.algo = build_section(algorithm_cls.config_class, algo_data, "algo.")
     pretrain_cls = getattr(algorithm_cls, "pretrain_config_class", None)
     if pretrain_cls is not None:
@@ -473,7 +466,7 @@ def config_from_dict(data: dict) -> Config:
         raise ConfigError(f"config key 'runtime.num_learners': {cfg.algorithm!r} updates on one learner "
                           f"(its update does not split minibatches across a learner group yet); set it to 1")
     check_logging(cfg.logging)
-    resolve_shaping_gamma(cfg)
+    cfg.env.resolve(cfg)
     algorithm_cls.validate_config(cfg)
     check_snapshots(cfg, algorithm_cls.rollout_kind)
     if algorithm_cls.rollout_kind == "group" and cfg.runtime.mode != "sync":
@@ -482,22 +475,28 @@ def config_from_dict(data: dict) -> Config:
     return cfg
 
 
-def resolve_shaping_gamma(cfg: Config) -> None:
-    """A shaped robot reward discounts its potential with the algorithm's own gamma (what keeps
-    the sparse task's optimal policy): env.shaping_gamma None takes algo.gamma; an algorithm
-    without a gamma needs it set."""
-    env = cfg.env
-    if env.reward == "sparse":
-        return
-    if env.family != "robot":
-        raise ConfigError(f"config key 'env.reward': 'shaped' is a robot-family reward; env family "
-                          f"{env.family!r} has its own")
-    if env.shaping_gamma is None:
-        gamma = getattr(cfg.algo, "gamma", None)
-        if gamma is None:
-            raise ConfigError(f"config key 'env.shaping_gamma': algorithm {cfg.algorithm!r} has no "
-                              f"algo.gamma to take it from; set it")
-        env.shaping_gamma = float(gamma)
+def build_env_section(data: dict) -> EnvConfig:
+    """The ``env`` section as its family's class (the family module's ``config_class``, else
+    :class:`EnvConfig`), every key checked like any section's. A run directory of another family
+    saved before the robot family declared its own section holds the robot keys at their defaults
+    (:data:`ROBOT_KEYS_BEFORE_SECTIONS`): those are dropped; set to anything else they are a
+    ConfigError naming the key and the family."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"config key 'env': expected a mapping, got {data!r}")
+    family = data.get("family", EnvConfig.family)
+    cls = getattr(env_family(family), "config_class", EnvConfig)
+    if not (isinstance(cls, type) and issubclass(cls, EnvConfig)):
+        raise ConfigError(f"config key 'env.family': {family!r} declares config_class {cls!r}, "
+                          f"which does not extend flowrl_ray.config.EnvConfig")
+    own = {f.name for f in dataclasses.fields(cls)}
+    data = dict(data)
+    for key, before in ROBOT_KEYS_BEFORE_SECTIONS.items():
+        if key in data and key not in own:
+            if data[key] != before:
+                raise ConfigError(f"config key 'env.{key}': a robot-family setting; env family "
+                                  f"{family!r} does not take it")
+            del data[key]
+    return build_section(cls, data, "env.")
 
 
 def check_snapshots(cfg: Config, rollout_kind: str) -> None:

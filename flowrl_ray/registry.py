@@ -1,11 +1,14 @@
-"""The algorithm registry: a config's ``algorithm`` key -> its class, imported on first use. It
-sits below the config (which reads an algorithm's schema through it) and imports no algorithm
-module itself, so nothing points up from the config to the algorithms."""
+"""The registries: a config's ``algorithm`` key -> its class, and its ``env.family`` -> the
+family's adapter module, each imported on first use. They sit below the config (which reads an
+algorithm's schema and an env family's section through them) and import no algorithm or family
+module themselves, so nothing points up from the config to the algorithms or the envs."""
 
 from __future__ import annotations
 
 import difflib
 import importlib
+
+from types import ModuleType
 
 from flowrl_ray.errors import ConfigError
 
@@ -39,3 +42,20 @@ def get_algorithm(name: str) -> type:
                           f"flowrl_ray.algorithms.base.EnvStepAlgorithm (rollout workers step envs with "
                           f"a policy copy) or GroupAlgorithm (the learner samples, workers score)")
     return cls
+
+
+#: built-in family name -> module; any other name is imported as a module path (a plugin family)
+BUILTIN_FAMILIES = {"gym": "flowrl_ray.envs.gym", "robot": "flowrl_ray.envs.robot", "forms": "flowrl_ray.envs.forms",
+                    "molecules": "flowrl_ray.envs.molecules"}
+
+
+def env_family(name: str) -> ModuleType:
+    """The adapter module for ``env.family`` (imported lazily: families have heavy deps)."""
+    module_name = BUILTIN_FAMILIES.get(name, name) if isinstance(name, str) else ""
+    if "." not in module_name:
+        raise ConfigError(f"config key 'env.family': unknown env family {name!r} (built in: "
+                          f"{', '.join(BUILTIN_FAMILIES)}; plugins as 'package.module')")
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"config key 'env.family': cannot import {module_name!r}: {e}") from None

@@ -10,6 +10,11 @@ learner's samples into rewards (a browser, a force field). A scoring family that
 samples (``eval.snapshots``) also takes ``score(payload, snapshots=N)``, returning pictures of the
 samples with ids below N in ``meta.extra["snapshots"]``, and provides
 ``save_snapshots(items, media_dir, label) -> [(path, caption)]`` that the driver calls to write them.
+A family whose settings are its own declares its ``env`` section as ``config_class``: a
+dataclass extending :class:`flowrl_ray.config.EnvConfig` (the robot family's
+:class:`~flowrl_ray.envs.robot.config.RobotEnvConfig`), which the config loader builds and checks
+key by key; the others take the base section, with family settings in ``env.kwargs`` checked by the
+family (``build_section``).
 Any family may provide ``job_env_vars(env_cfg) -> dict``: environment variables a cluster job
 running it needs (MuJoCo's headless renderer); the job generator (``jobs/generate.py``) reads it.
 Adapters return numpy; policies run torch.
@@ -18,8 +23,11 @@ Adapters return numpy; policies run torch.
 from __future__ import annotations
 
 import importlib
+import io
+import pickle
 from dataclasses import dataclass
-from types import ModuleType
+
+from flowrl_ray.registry import BUILTIN_FAMILIES, env_family  # noqa: F401 - the one lookup, re-exported
 
 
 @dataclass(frozen=True)
@@ -36,19 +44,24 @@ class EnvSpec:
         return n
 
 
-#: built-in family name -> module; any other name is imported as a module path (a plugin family)
-BUILTIN_FAMILIES = {"gym": "flowrl_ray.envs.gym", "robot": "flowrl_ray.envs.robot", "forms": "flowrl_ray.envs.forms",
-                    "molecules": "flowrl_ray.envs.molecules"}
+#: classes that snapshots name by a module they have left: (module, name) -> "module:Name" today
+#: (the robot family's perturbations lived in flowrl_ray.config before it declared its section)
+SNAPSHOT_CLASSES_MOVED = {("flowrl_ray.config", "PerturbConfig"): "flowrl_ray.envs.robot.config:PerturbConfig"}
 
 
-def env_family(name: str) -> ModuleType:
-    """The adapter module for ``env.family`` (imported lazily: families have heavy deps)."""
-    from flowrl_ray.config import ConfigError
-    module_name = BUILTIN_FAMILIES.get(name, name)
-    if "." not in module_name:
-        raise ConfigError(f"config key 'env.family': unknown env family {name!r} (built in: "
-                          f"{', '.join(BUILTIN_FAMILIES)}; plugins as 'package.module')")
-    try:
-        return importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(f"config key 'env.family': cannot import {module_name!r}: {e}") from None
+def load_snapshot(blob: bytes, env_config_class: type):
+    """``pickle.loads`` of a family's snapshot (:func:`snapshot` of each family) that also reads
+    snapshots written before the families declared their env sections: their env config is a
+    ``flowrl_ray.config.EnvConfig`` holding every family's keys, read as ``env_config_class``
+    (the family's section), and moved classes are found where they are now."""
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str):
+            if (module, name) == ("flowrl_ray.config", "EnvConfig"):
+                return env_config_class
+            if (module, name) in SNAPSHOT_CLASSES_MOVED:
+                module, name = SNAPSHOT_CLASSES_MOVED[module, name].split(":")
+                return getattr(importlib.import_module(module), name)
+            return super().find_class(module, name)
+
+    return Unpickler(io.BytesIO(blob)).load()

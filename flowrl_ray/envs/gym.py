@@ -9,7 +9,7 @@ import gymnasium as gym
 import numpy as np
 
 from flowrl_ray.config import ConfigError, EnvConfig
-from flowrl_ray.envs import EnvSpec
+from flowrl_ray.envs import EnvSpec, load_snapshot
 
 
 class NormalizedActions(gym.ActionWrapper):
@@ -119,7 +119,7 @@ def snapshot(vec: gym.vector.VectorEnv) -> bytes | None:
 
 
 def restore(blob: bytes) -> gym.vector.VectorEnv:
-    saved = pickle.loads(blob)
+    saved = load_snapshot(blob, EnvConfig)
     vec = saved["envs"]
     for env, state in zip(vec.envs, saved["mujoco"]):
         if state is not None:

@@ -113,7 +113,7 @@ def policy_arch(cfg: Config) -> dict:
     dict of a default network is what it always was."""
     c = cfg.algo
     arch = {"hidden_sizes": list(c.hidden_sizes), "time_dim": c.time_dim, "feature_dim": c.feature_dim,
-            "horizon_steps": cfg.env.horizon_steps, "obs_mode": cfg.env.obs_mode,
+            "horizon_steps": cfg.env.horizon_steps, "obs_mode": "image" if image_shape(cfg) else "low_dim",
             "image_shape": list(image_shape(cfg)) if image_shape(cfg) else None}
     for key, default in FLOW_ARCH_DEFAULTS.items():
         if getattr(c, key, default) != default:

@@ -20,8 +20,9 @@ import h5py
 import numpy as np
 import torch
 
-from flowrl_ray.config import Config, ConfigError, EnvConfig, FlowBCPretrainConfig
+from flowrl_ray.config import Config, ConfigError, FlowBCPretrainConfig
 from flowrl_ray.envs.robomimic_data import NormStats, iter_demos
+from flowrl_ray.envs.robot.config import RobotEnvConfig
 from flowrl_ray.optim import minibatches, optimizer_step
 from flowrl_ray.utils import atomic_write_bytes, atomic_write_text, torch_threads
 
@@ -29,7 +30,7 @@ from flowrl_ray.utils import atomic_write_bytes, atomic_write_text, torch_thread
 FLOW_KEYS = ("hidden_sizes", "time_dim", "feature_dim", "flow_steps")
 
 
-def chunk_dataset(path: str | Path, env_cfg: EnvConfig, norm: NormStats):
+def chunk_dataset(path: str | Path, env_cfg: RobotEnvConfig, norm: NormStats):
     """(obs, actions) over every step of every demo: obs [M, D] float32 (low_dim) or
     {"state": [M, 9] float32, "rgb": [M, 3 * cams, H, W] uint8} (image); actions
     [M, horizon_steps, 7] float32 in [-1, 1]."""

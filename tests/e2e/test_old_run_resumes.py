@@ -1,8 +1,14 @@
-"""A run directory written before a config change still resumes: the fixture is a tiny FlowSAR
-run (2 iterations, checkpoint at iteration 2) made by the code of revision 51cac30, whose saved
-config nests the spec's hyperparameters under `algo.flowsar:` (made from `made_from.yaml` there:
-`flowrl-ray train made_from.yaml --run-dir RUN`). Today's code reads the nested keys as the flat
-ones, loads the checkpoint and trains on."""
+"""Run directories written before a config change still resume. Each fixture is a tiny run
+(2 iterations, checkpoint at iteration 2) made from its `made_from.yaml` by the code of the
+revision before the change (`flowrl-ray train made_from.yaml --run-dir RUN`):
+
+- `flowsar_run_before_flat_config` (revision 51cac30): the saved config nests the spec's
+  hyperparameters under `algo.flowsar:`; today's code reads them as the flat keys.
+- `ppo_run_before_env_sections` (revision 21f31ca): a gym run whose saved `env` section holds
+  every robot key at its default, from before the robot family declared its own section; today's
+  code drops them.
+
+Each loads its checkpoint, trains on and saves its config in today's layout."""
 
 import json
 import os
@@ -17,7 +23,8 @@ import yaml  # noqa: E402
 from flowrl_ray.cli import main  # noqa: E402
 from flowrl_ray.config import load_config  # noqa: E402
 
-FIXTURE = Path(__file__).resolve().parent.parent / "fixtures" / "flowsar_run_before_flat_config"
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+FIXTURE = FIXTURES / "flowsar_run_before_flat_config"
 
 
 @pytest.mark.slow
@@ -37,3 +44,20 @@ def test_a_flowsar_run_saved_with_nested_keys_resumes_and_extends(tmp_path):
     resaved = yaml.safe_load((run / "config.yaml").read_text())        # now in today's layout
     assert "flowsar" not in resaved["algo"] and resaved["algo"]["lr"] == 1e-4
     assert resaved["algo"]["temperature"] == 1.0 and resaved["train"]["iterations"] == 3
+
+
+@pytest.mark.slow
+def test_a_gym_run_saved_with_the_robot_keys_resumes_and_extends(tmp_path):
+    from flowrl_ray.config import ROBOT_KEYS_BEFORE_SECTIONS
+    run = tmp_path / "run"
+    shutil.copytree(FIXTURES / "ppo_run_before_env_sections", run, ignore=shutil.ignore_patterns("made_from.yaml"))
+    saved = yaml.safe_load((run / "config.yaml").read_text())
+    assert {k: saved["env"][k] for k in ROBOT_KEYS_BEFORE_SECTIONS} == ROBOT_KEYS_BEFORE_SECTIONS   # the old layout
+    assert not hasattr(load_config(run / "config.yaml").env, "obs_mode")
+
+    assert main(["train", "--resume", str(run), "train.iterations=3", "--no-tensorboard"]) == 0
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [1, 2, 3] and rows[2]["env_steps"] == 3 * 32
+    resaved = yaml.safe_load((run / "config.yaml").read_text())
+    assert set(resaved["env"]) == {"family", "id", "kwargs", "max_episode_steps", "horizon_steps", "act_steps"}
+    assert resaved["train"]["iterations"] == 3

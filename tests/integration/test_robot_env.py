@@ -9,7 +9,8 @@ import pytest
 
 pytest.importorskip("robosuite")
 
-from flowrl_ray.config import ConfigError, EnvConfig, config_from_dict       # noqa: E402
+from flowrl_ray.config import ConfigError, config_from_dict                  # noqa: E402
+from flowrl_ray.envs.robot.config import RobotEnvConfig                       # noqa: E402
 from flowrl_ray.envs import robomimic_data as rd                             # noqa: E402
 from flowrl_ray.envs import robot                                            # noqa: E402
 from flowrl_ray.envs.robot.experts import collect_demos                      # noqa: E402
@@ -17,8 +18,8 @@ from flowrl_ray.envs.robot.experts import collect_demos                      # n
 from conftest import tiny_config                                             # noqa: E402
 
 
-def _cfg(**kw) -> EnvConfig:
-    return EnvConfig(family="robot", **{"id": "lift", **kw})
+def _cfg(**kw) -> RobotEnvConfig:
+    return RobotEnvConfig(family="robot", **{"id": "lift", **kw})
 
 
 @pytest.fixture(scope="module")

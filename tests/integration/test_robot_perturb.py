@@ -9,12 +9,12 @@ pytest.importorskip("robosuite")
 
 import mujoco                                                                # noqa: E402
 
-from flowrl_ray.config import EnvConfig, PerturbConfig  # noqa: E402
+from flowrl_ray.envs.robot.config import PerturbConfig, RobotEnvConfig  # noqa: E402
 from flowrl_ray.envs import robot                                            # noqa: E402
 
 
 def _env(task="lift", obs_mode="low_dim", **changes):
-    cfg = EnvConfig(family="robot", id=task, obs_mode=obs_mode, horizon_steps=4, act_steps=4,
+    cfg = RobotEnvConfig(family="robot", id=task, obs_mode=obs_mode, horizon_steps=4, act_steps=4,
                     image_size=48, perturb=PerturbConfig(**changes))
     return robot.make_env(cfg)
 

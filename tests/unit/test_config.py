@@ -1,5 +1,7 @@
 """Every config mistake stops with one message that names the key, before Ray starts."""
 
+import dataclasses
+
 import pytest
 
 from flowrl_ray.config import (ConfigError, apply_overrides, config_from_dict, load_config, parse_override,
@@ -292,3 +294,64 @@ def test_a_learner_group_needs_an_algorithm_that_splits_minibatches_and_a_row_pe
         tiny_config("runtime.num_learners=2", "runtime.learner_num_gpus=0.5")
     with pytest.raises(ConfigError, match=r"runtime.learner_placement"):
         tiny_config("runtime.learner_placement=everywhere")
+
+
+def test_an_env_family_declares_its_section_and_other_families_do_not_take_its_keys():
+    from flowrl_ray.config import EnvConfig
+    from flowrl_ray.envs.robot.config import RobotEnvConfig
+    robot = config_from_dict({"algorithm": "fpopp", "env": {"family": "robot", "id": "lift", "horizon_steps": 4,
+                                                            "act_steps": 2, "obs_mode": "image", "image_size": 48}})
+    assert type(robot.env) is RobotEnvConfig
+    assert (robot.env.obs_mode, robot.env.image_size, robot.env.horizon_steps) == ("image", 48, 4)
+    gym = load_config(PENDULUM)
+    assert type(gym.env) is EnvConfig and not hasattr(gym.env, "cameras")
+    assert "cameras" not in gym.to_dict()["env"] and "cameras" in robot.to_dict()["env"]
+    # a robot key on another family: the key and the family named, before anything runs
+    for override, key in (("env.cameras=[robot0_eye_in_hand]", "env.cameras"), ("env.reward=shaped", "env.reward"),
+                          ("env.perturb.placement_scale=2", "env.perturb")):
+        assert f"'{key}': a robot-family setting; env family 'gym'" in _error(override)
+    # a typo in the robot section: the closest robot key
+    with pytest.raises(ConfigError, match=r"env\.image_sizes.*did you mean 'env\.image_size'"):
+        config_from_dict({"env": {"family": "robot", "id": "lift", "image_sizes": 48}, "algorithm": "fpopp"})
+    with pytest.raises(ConfigError, match=r"env\.obs_mode.*'low_dim', 'image'"):
+        config_from_dict({"env": {"family": "robot", "id": "lift", "obs_mode": "rgb"}, "algorithm": "fpopp"})
+
+
+def test_a_saved_config_of_another_family_with_the_robot_keys_at_their_defaults_loads(tmp_path):
+    """Run directories saved before the robot family declared its section hold every robot key at
+    its default; they load (the keys dropped) and save again without them."""
+    from flowrl_ray.config import ROBOT_KEYS_BEFORE_SECTIONS
+    from flowrl_ray.envs.robot.config import RobotEnvConfig
+    fresh = RobotEnvConfig()
+    assert {k: getattr(fresh, k) if k != "perturb" else dataclasses.asdict(fresh.perturb)
+            for k in ROBOT_KEYS_BEFORE_SECTIONS} == ROBOT_KEYS_BEFORE_SECTIONS       # today's defaults
+    data = load_config(PENDULUM).to_dict()
+    old = {**data, "env": {**data["env"], **ROBOT_KEYS_BEFORE_SECTIONS}}
+    assert config_from_dict(old) == load_config(PENDULUM)
+    for family_id in (("forms", "forms-benchmark"), ("molecules", "qm9")):
+        assert set(ROBOT_KEYS_BEFORE_SECTIONS).isdisjoint(vars(config_from_dict(
+            {"algorithm": "ppo", "env": {"family": family_id[0], "id": family_id[1], **ROBOT_KEYS_BEFORE_SECTIONS}}).env))
+    changed = {**old, "env": {**old["env"], "image_size": 96}}
+    with pytest.raises(ConfigError, match=r"'env\.image_size': a robot-family setting; env family 'gym'"):
+        config_from_dict(changed)
+
+
+def test_a_plugin_env_family_declares_its_own_section(tmp_path, monkeypatch):
+    pkg = tmp_path / "my_families"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "grid.py").write_text(
+        "from dataclasses import dataclass\n"
+        "from flowrl_ray.config import EnvConfig\n"
+        "@dataclass\nclass GridEnvConfig(EnvConfig):\n    size: int = 5\n"
+        "config_class = GridEnvConfig\n")
+    (pkg / "broken.py").write_text("config_class = dict\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = config_from_dict({"env": {"family": "my_families.grid", "id": "Grid-v0", "size": 9}})
+    assert type(cfg.env).__name__ == "GridEnvConfig" and cfg.env.size == 9
+    with pytest.raises(ConfigError, match=r"'env\.size': expected int"):
+        config_from_dict({"env": {"family": "my_families.grid", "id": "Grid-v0", "size": "big"}})
+    with pytest.raises(ConfigError, match=r"'env\.family'.*does not extend"):
+        config_from_dict({"env": {"family": "my_families.broken", "id": "A-v0"}})
+    with pytest.raises(ConfigError, match=r"'env\.family'.*unknown env family 'nope'"):
+        config_from_dict({"env": {"family": "nope"}})

@@ -185,7 +185,7 @@ def test_each_env_family_says_what_its_jobs_need_and_the_jobs_carry_it():
     assert gym_family.job_env_vars(EnvConfig(id="Pendulum-v1")) == {}                           # classic control
     assert gym_family.job_env_vars(EnvConfig(id="BipedalWalker-v3")) == {}                      # Box2D
     assert gym_family.job_env_vars(EnvConfig(id="NotRegistered-v0")) == {}
-    assert robot.job_env_vars(EnvConfig(family="robot", id="lift")) == {"MUJOCO_GL": "egl"}
+    assert robot.job_env_vars(robot.RobotEnvConfig(id="lift")) == {"MUJOCO_GL": "egl"}
     assert not hasattr(env_family("forms"), "job_env_vars")                                      # a browser: nothing
     jobs = REPO / "jobs"
     assert "MUJOCO_GL" in (jobs / "ppo_halfcheetah_train.yaml").read_text()

@@ -10,16 +10,17 @@ import pytest
 pytest.importorskip("robosuite")
 
 from flowrl_ray import cli                                                   # noqa: E402
-from flowrl_ray.config import ConfigError, EnvConfig  # noqa: E402
+from flowrl_ray.config import ConfigError  # noqa: E402
 from flowrl_ray.envs import robomimic_data as rd                             # noqa: E402
 from flowrl_ray.envs import robot                                            # noqa: E402
+from flowrl_ray.envs.robot.config import RobotEnvConfig                       # noqa: E402
 from flowrl_ray.envs.robot.env import RobotEnv                               # noqa: E402
 from flowrl_ray.pretrain.flow_bc import chunk_dataset  # noqa: E402
 
 LIFT_ARGS = {"env_name": "Lift", "env_version": "1.5.2", "type": 1, "env_kwargs": {}}
 
 
-def _env_observation(env_cfg: EnvConfig, norm, raw: dict):
+def _env_observation(env_cfg: RobotEnvConfig, norm, raw: dict):
     """RobotEnv.observation (the env's own normalisation code) without starting a simulator."""
     image = env_cfg.obs_mode == "image"
     fake = SimpleNamespace(keys=robot.env.obs_keys(env_cfg.obs_mode), norm=norm, image=image,
@@ -50,7 +51,7 @@ def test_chunks_pad_with_the_last_action_and_normalise_like_the_env(tmp_path):
     demos = [(_low_dim_obs(rng, 3), a0), (_low_dim_obs(rng, 5), a1)]
     path = tmp_path / "tiny.hdf5"
     _write(path, demos, robot.LOW_DIM_KEYS)
-    env_cfg = EnvConfig(family="robot", id="lift", horizon_steps=4, act_steps=2, dataset=str(path))
+    env_cfg = RobotEnvConfig(family="robot", id="lift", horizon_steps=4, act_steps=2, dataset=str(path))
     norm = robot.load_norm(env_cfg)
     obs, actions = chunk_dataset(path, env_cfg, norm)
     assert obs.shape == (8, 19) and obs.dtype == np.float32
@@ -80,7 +81,7 @@ def test_image_chunks_stack_cameras_in_config_order(tmp_path):
         demos.append((obs, rng.uniform(-1, 1, (t, 7))))
     path = tmp_path / "img.hdf5"
     _write(path, demos, robot.LOW_DIM_KEYS)
-    cfg = EnvConfig(family="robot", id="lift", obs_mode="image", cameras=["robot0_eye_in_hand", "agentview"],
+    cfg = RobotEnvConfig(family="robot", id="lift", obs_mode="image", cameras=["robot0_eye_in_hand", "agentview"],
                     image_size=8, horizon_steps=2, act_steps=1, dataset=str(path))
     norm = robot.load_norm(cfg)
     obs, actions = chunk_dataset(path, cfg, norm)
@@ -93,10 +94,10 @@ def test_image_chunks_stack_cameras_in_config_order(tmp_path):
     env_obs = _env_observation(cfg, norm, {k: v[2] for k, v in d.items()})
     assert np.array_equal(obs["state"][5], env_obs["state"]) and np.array_equal(obs["rgb"][5], env_obs["rgb"])
     with pytest.raises(ConfigError, match="birdview_image"):
-        chunk_dataset(path, EnvConfig(family="robot", id="lift", obs_mode="image", cameras=["birdview"],
+        chunk_dataset(path, RobotEnvConfig(family="robot", id="lift", obs_mode="image", cameras=["birdview"],
                                       image_size=8), norm)
     with pytest.raises(ConfigError, match="image_size"):
-        chunk_dataset(path, EnvConfig(family="robot", id="lift", obs_mode="image", image_size=84), norm)
+        chunk_dataset(path, RobotEnvConfig(family="robot", id="lift", obs_mode="image", image_size=84), norm)
 
 
 def test_cli_demos_unknown_task_is_a_user_error(capsys):

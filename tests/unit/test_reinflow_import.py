@@ -245,14 +245,14 @@ def test_ema_or_raw_weights(tmp_path):
 
 def test_statistics_file_normalises_as_the_release(tmp_path):
     from flowrl_ray.envs import robot
-    from flowrl_ray.config import EnvConfig
+    from flowrl_ray.envs.robot.config import RobotEnvConfig
     path, npz, _, _ = save_release_run(tmp_path, "residual")
     ckpt = import_reinflow_checkpoint(path, npz, activation="ReLU")
     raw = np.load(npz)
     for k in ("obs_min", "obs_max", "action_min", "action_max"):
         np.testing.assert_array_equal(np.asarray(ckpt["normalization"][k], np.float32), raw[k])
     norm_path = write_norm_dataset(ckpt, "can", tmp_path / "base.norm.hdf5")
-    env_cfg = EnvConfig(family="robot", id="can", horizon_steps=HORIZON, act_steps=2, dataset=str(norm_path))
+    env_cfg = RobotEnvConfig(family="robot", id="can", horizon_steps=HORIZON, act_steps=2, dataset=str(norm_path))
     assert robot.spec(env_cfg).obs_dim == OBS_DIM                   # a valid env.dataset for the task
     norm = robot.load_norm(env_cfg)
     rng = np.random.default_rng(1)

@@ -30,19 +30,24 @@ from pathlib import Path
 import gymnasium as gym
 import numpy as np
 
-from flowrl_ray.config import ConfigError, EnvConfig
-from flowrl_ray.envs import EnvSpec
+from flowrl_ray.config import ConfigError
+from flowrl_ray.envs import EnvSpec, load_snapshot
 from flowrl_ray.envs.robomimic_data import NormStats, env_args, read_stats
 from flowrl_ray.envs.robot import perturb
+from flowrl_ray.envs.robot.config import PerturbConfig, RobotEnvConfig
 from flowrl_ray.envs.robot.env import (ACTION_DIM, CAMERAS, LOW_DIM_KEYS, PROPRIO_KEYS, TASKS,
                                        RobotEnv, Task, get_task, max_steps, obs_keys)
 
-__all__ = ["ACTION_DIM", "LOW_DIM_KEYS", "PROPRIO_KEYS", "TASKS", "RobotEnv", "Task", "get_task",
+__all__ = ["ACTION_DIM", "LOW_DIM_KEYS", "PROPRIO_KEYS", "TASKS", "PerturbConfig", "RobotEnv", "RobotEnvConfig",
+           "Task", "config_class", "get_task",
            "check_config", "check_video", "load_norm", "spec", "observation_shapes", "make_env",
            "make_vector_env", "episode_success", "step_grasped", "snapshot", "restore"]
 
+#: the family's env section (flowrl_ray.envs: a family may declare its own)
+config_class = RobotEnvConfig
 
-def check_config(env_cfg: EnvConfig) -> Task:
+
+def check_config(env_cfg: RobotEnvConfig) -> Task:
     """Validate the robot-family keys of ``env``; raises ConfigError naming the key."""
     task = get_task(env_cfg.id)
     if env_cfg.act_steps > env_cfg.horizon_steps:
@@ -84,7 +89,7 @@ def check_video(video) -> None:
                           f"macroblocks), got {video.size}")
 
 
-def load_norm(env_cfg: EnvConfig) -> NormStats | None:
+def load_norm(env_cfg: RobotEnvConfig) -> NormStats | None:
     """The dataset's normalisation statistics for this observation mode, or None."""
     if env_cfg.dataset is None:
         return None
@@ -95,13 +100,13 @@ def load_norm(env_cfg: EnvConfig) -> NormStats | None:
                           f"from {env_cfg.dataset!r}: {e}") from None
 
 
-def make_env(env_cfg: EnvConfig, norm: NormStats | None = None) -> RobotEnv:
+def make_env(env_cfg: RobotEnvConfig, norm: NormStats | None = None) -> RobotEnv:
     """One env. ``norm`` defaults to the configured dataset's statistics."""
     check_config(env_cfg)
     return RobotEnv(env_cfg, norm if norm is not None else load_norm(env_cfg))
 
 
-def observation_shapes(env_cfg: EnvConfig) -> dict[str, tuple[int, ...]]:
+def observation_shapes(env_cfg: RobotEnvConfig) -> dict[str, tuple[int, ...]]:
     """{"state": (D,)} and, in image mode, {"rgb": (3 * cameras, H, W)} (no simulator needed)."""
     task = check_config(env_cfg)
     if env_cfg.obs_mode == "low_dim":
@@ -110,12 +115,12 @@ def observation_shapes(env_cfg: EnvConfig) -> dict[str, tuple[int, ...]]:
     return {"state": (3 + 4 + 2,), "rgb": (3 * len(env_cfg.cameras), s, s)}
 
 
-def job_env_vars(env_cfg: EnvConfig) -> dict:
+def job_env_vars(env_cfg: RobotEnvConfig) -> dict:
     """Environment variables a cluster job running robosuite needs: MuJoCo renders headless with EGL."""
     return {"MUJOCO_GL": "egl"}
 
 
-def spec(env_cfg: EnvConfig) -> EnvSpec:
+def spec(env_cfg: RobotEnvConfig) -> EnvSpec:
     """Shapes of the configured task; ``obs_shape`` is the state vector's (image mode: also see
     :func:`observation_shapes`), ``action_dim`` the per-step action width."""
     task = check_config(env_cfg)
@@ -124,12 +129,12 @@ def spec(env_cfg: EnvConfig) -> EnvSpec:
                    max_episode_steps=max_steps(task, env_cfg))
 
 
-def make_vector_env(env_cfg: EnvConfig, num_envs: int) -> gym.vector.VectorEnv:
+def make_vector_env(env_cfg: RobotEnvConfig, num_envs: int) -> gym.vector.VectorEnv:
     check_config(env_cfg)
     return _vector_env(env_cfg, load_norm(env_cfg), num_envs)   # statistics read once, shared
 
 
-def _vector_env(env_cfg: EnvConfig, norm: NormStats | None, num_envs: int) -> gym.vector.VectorEnv:
+def _vector_env(env_cfg: RobotEnvConfig, norm: NormStats | None, num_envs: int) -> gym.vector.VectorEnv:
     # functools.partial rather than a lambda: the factories must pickle.
     return gym.vector.SyncVectorEnv([functools.partial(RobotEnv, env_cfg, norm)
                                      for _ in range(num_envs)],
@@ -179,7 +184,7 @@ def snapshot(vec: gym.vector.VectorEnv) -> bytes:
 
 
 def restore(blob: bytes) -> gym.vector.VectorEnv:
-    saved = pickle.loads(blob)
+    saved = load_snapshot(blob, RobotEnvConfig)
     vec = _vector_env(saved["env_cfg"], saved["norm"], len(saved["envs"]))
     for env, state in zip(vec.envs, saved["envs"]):
         env.set_state(state)

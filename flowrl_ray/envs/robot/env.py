@@ -63,7 +63,8 @@ from dataclasses import dataclass
 import gymnasium as gym
 import numpy as np
 
-from flowrl_ray.config import ConfigError, EnvConfig
+from flowrl_ray.config import ConfigError
+from flowrl_ray.envs.robot.config import RobotEnvConfig
 from flowrl_ray.envs.gym import get_mujoco_state, rescale_action, set_mujoco_state
 from flowrl_ray.envs.robomimic_data import NormStats
 from flowrl_ray.envs.robot import perturb
@@ -116,7 +117,7 @@ def import_robosuite():
     return robosuite
 
 
-def robosuite_kwargs(task: Task, env_cfg: EnvConfig) -> dict:
+def robosuite_kwargs(task: Task, env_cfg: RobotEnvConfig) -> dict:
     """The robosuite.make arguments; also stored as robomimic's env_args["env_kwargs"]."""
     from robosuite.controllers import load_composite_controller_config
     image = env_cfg.obs_mode == "image"
@@ -135,7 +136,7 @@ def robosuite_kwargs(task: Task, env_cfg: EnvConfig) -> dict:
     return kwargs
 
 
-def max_steps(task: Task, env_cfg: EnvConfig) -> int:
+def max_steps(task: Task, env_cfg: RobotEnvConfig) -> int:
     return env_cfg.max_episode_steps or task.max_episode_steps
 
 
@@ -148,7 +149,7 @@ class RobotEnv(gym.Env):
 
     metadata = {"render_modes": []}
 
-    def __init__(self, env_cfg: EnvConfig, norm: NormStats | None = None):
+    def __init__(self, env_cfg: RobotEnvConfig, norm: NormStats | None = None):
         self.task = get_task(env_cfg.id)
         self.env_cfg, self.norm = env_cfg, norm
         self.image = env_cfg.obs_mode == "image"

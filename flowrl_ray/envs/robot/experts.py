@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 from scipy.spatial.transform import Rotation
 
-from flowrl_ray.config import EnvConfig
+from flowrl_ray.envs.robot.config import RobotEnvConfig
 from flowrl_ray.envs.robomimic_data import (ROBOSUITE_ENV_TYPE, DemoWriter, compute_stats,
                                              write_stats)
 from flowrl_ray.envs.robot.env import LOW_DIM_KEYS, RobotEnv, get_task
@@ -347,7 +347,7 @@ def collect_demos(task: str, episodes: int, out_path: str | Path, seed: int = 0,
     with the low-dim normalisation statistics. ``cameras`` also records ``<cam>_image``
     [T, H, W, 3] for image policies. Returns the expert's success count over its attempts."""
     t = get_task(task)
-    cfg = EnvConfig(family="robot", id=t.name, obs_mode="image" if cameras else "low_dim",
+    cfg = RobotEnvConfig(family="robot", id=t.name, obs_mode="image" if cameras else "low_dim",
                     cameras=list(cameras) or ["agentview"], image_size=image_size)
     env = RobotEnv(cfg)
     rng = np.random.default_rng(seed)

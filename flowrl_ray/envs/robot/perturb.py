@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from flowrl_ray.config import ConfigError, PerturbConfig
+from flowrl_ray.config import ConfigError
+from flowrl_ray.envs.robot.config import PerturbConfig
 
 OOD_SUITE: dict[str, dict] = {
     "placement": {"placement_scale": 2.0},

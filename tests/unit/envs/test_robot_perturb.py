@@ -7,7 +7,8 @@ import pytest
 
 pytest.importorskip("robosuite")
 
-from flowrl_ray.config import ConfigError, EnvConfig, PerturbConfig          # noqa: E402
+from flowrl_ray.config import ConfigError                                      # noqa: E402
+from flowrl_ray.envs.robot.config import PerturbConfig, RobotEnvConfig         # noqa: E402
 from flowrl_ray.envs import robot                                            # noqa: E402
 from flowrl_ray.envs.robot import perturb                                    # noqa: E402
 
@@ -20,7 +21,7 @@ from flowrl_ray.envs.robot import perturb                                    # n
     ("lift", "image", {"camera_shift": [0.1, 0.0]}, "camera_shift"),
 ])
 def test_changes_a_task_cannot_take_name_the_key(task, obs_mode, changes, key):
-    cfg = EnvConfig(family="robot", id=task, obs_mode=obs_mode, horizon_steps=4, act_steps=4,
+    cfg = RobotEnvConfig(family="robot", id=task, obs_mode=obs_mode, horizon_steps=4, act_steps=4,
                     perturb=PerturbConfig(**changes))
     with pytest.raises(ConfigError, match=rf"env\.perturb\.{key}"):
         robot.check_config(cfg)
