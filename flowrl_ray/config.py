@@ -469,9 +469,6 @@ def config_from_dict(data: dict) -> Config:
     cfg.env.resolve(cfg)
     algorithm_cls.validate_config(cfg)
     check_snapshots(cfg, algorithm_cls.rollout_kind)
-    if algorithm_cls.rollout_kind == "group" and cfg.runtime.mode != "sync":
-        raise ConfigError("config key 'runtime.mode': group rollouts (the learner generates, workers "
-                          "score) run in 'sync' mode only")
     return cfg
 
 

@@ -113,9 +113,16 @@ class GroupAlgorithm(Algorithm):
     the env family's ``make_scorer``; the scored batches come back to ``prepare``. Evaluation is
     ``generate(num_chunks, "eval")``, scored the same way, summarised by ``eval_metrics``.
     Scorers hold no model, so nothing is published; the model is in ``state_dict()``.
+
+    ``generate`` keeps what the update needs in ``pending``; ``prepare`` and ``eval_metrics`` read
+    it. In asynchronous mode (``runtime.mode=async``) the runtime generates the next groups before
+    the update on the previous ones, keeps each "train" generation's ``pending`` and puts it back
+    before its scored samples are prepared: the update may then train on samples of a policy up to
+    ``runtime.max_staleness`` versions old, with their behaviour log-probs.
     """
 
     rollout_kind = "group"
+    pending: dict
 
     @abstractmethod
     def generate(self, num_chunks: int, mode: str) -> list[dict]:

@@ -7,6 +7,7 @@ knowing the kind:
     publish()           -> policy version        after each update
     evaluate()          -> eval/... metrics
     worker_restarted(i)                          a replaced worker gets what it needs
+    learner_restarted()                          a replaced learner group: what it lost is sampled again
     drain()                                      samples still in flight land (before a checkpoint)
     checkpoint_part()   -> extra checkpoint keys
 
@@ -19,7 +20,10 @@ weights, so no batch is thrown away (``dropped_batches`` stays 0; ``policy_lag_m
 the used batches were). max_staleness 0 is synchronous sampling.
 
 GroupRollouts (GroupAlgorithm): the learner generates (``generate(num_workers, mode)``: one ray.put
-per chunk), every scoring worker scores one chunk; nothing is published, scorers hold no model.
+per chunk), every scoring worker scores one chunk; nothing is published, scorers hold no model. In
+asynchronous mode the learner generates the next iteration's groups before each update and the
+scorers score them while it updates, paced the same way: at most ``runtime.max_staleness``
+generations ahead, so a batch is at most that many versions old when the learner uses it.
 """
 
 from __future__ import annotations
@@ -42,6 +46,9 @@ class Rollouts(ABC):
     (``Trainer._restart_worker``), the wait for batches (``Trainer._collect``) and the learner."""
 
     worker_class = None
+    #: whether sampled batches stay usable when the learner is replaced (group algorithms keep
+    #: what their update needs on the learner that generated them)
+    batches_outlive_learner = True
 
     def __init__(self, trainer):
         """trainer: the ``Trainer`` that drives this strategy (not imported here: it imports this)."""
@@ -65,6 +72,9 @@ class Rollouts(ABC):
 
     def worker_restarted(self, index: int) -> None:
         """Worker ``index`` was replaced by a fresh actor."""
+
+    def learner_restarted(self) -> None:
+        """The learner (group) was replaced and resumed from the last checkpoint."""
 
     def drain(self) -> None:
         """Let samples still in flight land (async mode) before the workers' state is saved."""
@@ -205,6 +215,13 @@ class EnvStepRollouts(Rollouts):
 
 class GroupRollouts(Rollouts):
     worker_class = ScoringWorker
+    batches_outlive_learner = False
+
+    def __init__(self, trainer):
+        super().__init__(trainer)
+        # async mode: generations whose scoring is in flight, oldest first (each
+        # (meta ref -> (worker index, batch ref, chunk ref), chunks)), made before the update they feed
+        self._ahead: collections.deque = collections.deque()
 
     @staticmethod
     def check_config(cfg: Config, family) -> None:
@@ -219,10 +236,11 @@ class GroupRollouts(Rollouts):
         """Scorers hold no model: only the learner's version is read."""
         return self.trainer._learner_call("policy_version")
 
-    def _score(self, mode: str, snapshots: int = 0) -> tuple[list[BatchMeta], list]:
-        """The learner samples, the workers score one chunk each (and picture the samples with
-        ids below `snapshots`, returned in their metas). A scorer that fails is replaced and its
-        chunk scored again by the new one (``Trainer._collect``)."""
+    def _start(self, mode: str, snapshots: int = 0) -> tuple[dict, int]:
+        """The learner samples, the workers start scoring one chunk each (and picturing the
+        samples with ids below `snapshots`, returned in their metas); -> (the scoring calls in
+        flight, the number of chunks), for ``Trainer._collect``, which replaces a scorer that
+        fails and has its chunk scored again by the new one."""
         t = self.trainer
         chunk_refs = t._learner_call("generate", len(t.workers), mode, snapshots)
         pending = {}
@@ -230,10 +248,42 @@ class GroupRollouts(Rollouts):
             index = i % len(t.workers)
             meta_ref, batch_ref = t.workers[index].score.remote(chunk)
             pending[meta_ref] = (index, batch_ref, chunk)
-        return _by_worker(*t._collect(pending, len(chunk_refs)))
+        return pending, len(chunk_refs)
+
+    def _score(self, mode: str, snapshots: int = 0) -> tuple[list[BatchMeta], list]:
+        return _by_worker(*self.trainer._collect(*self._start(mode, snapshots)))
 
     def sample(self) -> tuple[list[BatchMeta], list]:
-        return self._score("train")
+        if self.cfg.runtime.mode == "sync":
+            return self._score("train")
+        # async: this update takes the oldest generation; the next ones are generated now, with
+        # the weights of this update's start, and scored while it runs (none past the last update)
+        t = self.trainer
+        while True:
+            if not self._ahead:
+                self._generate_ahead()
+            (pending, chunks), learner = self._ahead.popleft()
+            metas, refs = _by_worker(*t._collect(pending, chunks))
+            updates_left = self.cfg.train.iterations - t.counters.iteration - 1
+            while len(self._ahead) < min(self.cfg.runtime.max_staleness, updates_left):
+                self._generate_ahead()
+            if learner == t.counters.learner_restarts:
+                return metas, refs
+            # the learner that generated these samples died since (it kept what their update
+            # needs): learner_restarted() emptied the queue; sample again from the new one
+
+    def _generate_ahead(self) -> None:
+        started = self._start("train")
+        self._ahead.append((started, self.trainer.counters.learner_restarts))   # which learner holds it
+
+    def learner_restarted(self) -> None:
+        """A new learner holds none of the generations in flight: they are sampled again."""
+        self._ahead.clear()
+
+    def drain(self) -> None:
+        calls = [ref for (pending, _), _ in self._ahead for ref in pending]
+        if calls:
+            ray.wait(calls, num_returns=len(calls), timeout=self.cfg.runtime.sample_timeout_s)
 
     def evaluate(self) -> dict:
         t = self.trainer

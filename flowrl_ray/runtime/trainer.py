@@ -96,6 +96,11 @@ def _success_summary(rows: list[dict]) -> dict:
     return out
 
 
+class SamplesLost(Exception):
+    """The learner that generated this iteration's samples died (group algorithms keep what the
+    update needs on the learner): the iteration is sampled again by the resumed learner."""
+
+
 class Trainer:
     def __init__(self, cfg: Config, run_dir: str | os.PathLike, resume: bool = False,
                  tune_trial: bool = False, tensorboard: bool = True, quiet: bool = False):
@@ -232,6 +237,9 @@ class Trainer:
             self.learners.close()
             self.learners = LearnerGroup(self.cfg, self.spec)
             self.learners.call("set_state", load_checkpoint(path)["learner"])
+            self.rollouts.learner_restarted()
+            if method == "update" and not self.rollouts.batches_outlive_learner:
+                raise SamplesLost from None
             return self.learners.call(method, *args)
 
     def _save_snapshots(self, metas: list[BatchMeta]) -> None:
@@ -311,7 +319,10 @@ class Trainer:
             if not refs:
                 raise TrainingError("no rollout batch arrived in this iteration")
             t_sampled = time.perf_counter()
-            learner_metrics = self._learner_call("update", refs)
+            try:
+                learner_metrics = self._learner_call("update", refs)
+            except SamplesLost:      # the samples' generation died with its learner: sample again
+                continue
             self.version = self.rollouts.publish()
             c.iteration += 1
             steps = sum(m.env_steps for m in metas)

@@ -51,7 +51,7 @@ class TokenScorer:
         rewards = (samples["tokens"] == right_token(samples["prompts"])).astype(np.float32)
         meta = BatchMeta(policy_version=-1, worker_id=self.worker_id, env_steps=len(rewards),
                          episode_returns=rewards.tolist(), episode_lengths=[1] * len(rewards))
-        return Batch({"ids": samples["ids"], "rewards": rewards}, meta)
+        return Batch({"ids": samples["ids"], "tokens": samples["tokens"], "rewards": rewards}, meta)
 
 
 def make_scorer(env_cfg, seed: int, worker_id: int) -> TokenScorer:
@@ -101,7 +101,11 @@ class TokenGRPO(GroupAlgorithm):
     def _rewards(self, batches: list[Batch]) -> torch.Tensor:
         rewards = torch.zeros(len(self.pending["prompts"]))
         for b in batches:
-            rewards[torch.as_tensor(b["ids"])] = torch.as_tensor(b["rewards"])
+            ids = torch.as_tensor(b["ids"])
+            # the scored tokens are the generation this update reads (async mode keeps several)
+            if not torch.equal(torch.as_tensor(b["tokens"]), self.pending["tokens"][ids]):
+                raise AssertionError("scored samples do not match the generation being prepared")
+            rewards[ids] = torch.as_tensor(b["rewards"])
         return rewards
 
     def prepare(self, batches):
@@ -109,11 +113,15 @@ class TokenGRPO(GroupAlgorithm):
         return dict(self.pending, rewards=rewards, adv=group_advantages(rewards, self.cfg.algo.group_size))
 
     def update(self, p):
+        ratios = []
         for _ in range(self.cfg.algo.epochs):
             logp = torch.log_softmax(self._policy.logits[p["prompts"]], -1).gather(-1, p["tokens"][:, None]).squeeze(-1)
-            loss = -ppo_clip_objective((logp - p["logp_old"]).exp(), p["adv"], self.cfg.algo.clip).mean()
+            ratio = (logp - p["logp_old"]).exp()
+            ratios.append(float((ratio - 1).abs().max()))
+            loss = -ppo_clip_objective(ratio, p["adv"], self.cfg.algo.clip).mean()
             optimizer_step(loss, self.optimizer, None)
-        return {"token_grpo/reward_mean": float(p["rewards"].mean())}
+        # 0 when the samples are the current policy's (sync); > 0 for samples generated ahead
+        return {"token_grpo/reward_mean": float(p["rewards"].mean()), "token_grpo/ratio_start_dev": ratios[0]}
 
     def eval_metrics(self, batches):
         rewards = self._rewards(batches)
