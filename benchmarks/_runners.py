@@ -78,6 +78,7 @@ def run_flowrl(config_path, steps: int, seed: int, overrides=(), eval_episodes: 
             "startup_s": t1 - t0, "loop_s": t2 - t1, "iteration_time_sum_s": summary["time_s"],
             "final_train_return": summary["final_episode_return_mean"],
             "eval_return": float(np.mean(ev["episode_returns"])), "eval_std": float(np.std(ev["episode_returns"])),
+            "eval_returns": [float(x) for x in ev["episode_returns"]],
             "eval_episodes": len(ev["episode_returns"]), "eval_s": time.perf_counter() - e0,
             "sample_s": mean_finite([r.get("sample_time_s") for r in rows]),
             "update_s": mean_finite([r.get("learner/update_time_s") for r in rows]),

@@ -297,3 +297,22 @@ def test_fed_grpo_protocol_refuses_other_algorithms_and_a_missing_base(tmp_path,
     assert mp.main(["--config", str(tmp_path / "c.yaml"), "--seeds", "0", "--molecules", "0"]) == 2
     assert "--molecules" in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
+
+
+# --------------------------------------------------------------------------- async pacing benchmark
+
+def test_async_pacing_counts_batches_by_policy_lag_and_reads_a_run(tmp_path):
+    from async_pacing import lag_histogram, run_stats
+    rows = [{"batches": 2, "policy_lag_mean": 0.0, "policy_lag_max": 0},      # the first update: both fresh
+            {"batches": 2, "policy_lag_mean": 0.5, "policy_lag_max": 1},      # one batch a version old
+            {"batches": 2, "policy_lag_mean": 1.0, "policy_lag_max": 1}]
+    assert lag_histogram(rows) == {0: 3, 1: 3}
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(
+        {"iteration": i + 1, "env_steps": 100 * (i + 1), "time_s": 2.0 * (i + 1), "sample_time_s": 1.5,
+         "learner/update_time_s": 0.5, "dropped_batches": 0, "episode_return_mean": float(i), **r}) + "\n"
+        for i, r in enumerate(rows)))
+    s = run_stats(run)
+    assert (s["steps"], s["loop_s"], s["steps_per_s"], s["iterations"]) == (300, 6.0, 50.0, 3)
+    assert s["lags"] == {0: 3, 1: 3} and s["dropped"] == 0 and s["curve"][-1] == (300, 6.0, 2.0)
