@@ -79,7 +79,8 @@ class ShapingConfig:
 @dataclass
 class FEDGRPOConfig:
     #: earlier or paper names of keys, accepted and mapped to the one name (config.py)
-    ALIASES = {"learning_rate": "lr", "clip_range": "clip", "kl_penalty_weight": "kl_coeff"}
+    ALIASES = {"learning_rate": "lr", "clip_range": "clip", "kl_penalty_weight": "kl_coeff",
+               "gradient_accumulation_steps": "grad_accumulation"}
     model: EDMModelConfig = field(default_factory=EDMModelConfig)
     base_model: Optional[str] = None           # `flowrl-ray pretrain` output: start and KL reference
     sample_group_size: int = field(default=4, metadata=check(gt=0))     # prompts per iteration
@@ -97,7 +98,7 @@ class FEDGRPOConfig:
     stability_adv_weight: float = field(default=0.0, metadata=check(ge=0))   # w_S: the stability channel
     adv_clip_max: float = field(default=5.0, metadata=check(gt=0))
     train_micro_batch_size: int = field(default=4, metadata=check(gt=0))   # rows per backward
-    gradient_accumulation_steps: int = field(default=1, metadata=check(gt=0))
+    grad_accumulation: int = field(default=1, metadata=check(gt=0))        # micro-batches per optimiser step
     epochs: int = field(default=1, metadata=check(gt=0))                 # passes over a batch
     max_grad_norm: float = field(default=1.0, metadata=check(gt=0))
     shaping: ShapingConfig = field(default_factory=ShapingConfig)
@@ -262,7 +263,7 @@ class FEDGRPO(GroupAlgorithm):
                                      weight_decay=self.c.weight_decay)
         rows = self.c.sample_group_size * self.c.each_prompt_sample
         steps_per_iter = math.ceil(math.ceil(rows / self.c.train_micro_batch_size)
-                                   / self.c.gradient_accumulation_steps) * self.c.epochs
+                                   / self.c.grad_accumulation) * self.c.epochs
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.opt, lr_multiplier(self.c.lr_schedule, steps_per_iter * cfg.train.iterations,
                                     self.c.warmup_steps, self.c.min_lr_ratio))
@@ -398,7 +399,7 @@ class FEDGRPO(GroupAlgorithm):
         micro = [local[i:min(i + c.train_micro_batch_size, p["n"])] for i in range(0, p["n"], c.train_micro_batch_size)]
         stats: dict[str, list[float]] = {}
         self.model.train()
-        acc = Accumulator([self.opt], c.max_grad_norm)       # gradient_accumulation_steps micro-batches a step
+        acc = Accumulator([self.opt], c.max_grad_norm)       # grad_accumulation micro-batches a step
         for _ in range(c.epochs):
             acc.zero_grad()
             for m, batch_rows in enumerate(micro):
@@ -418,7 +419,7 @@ class FEDGRPO(GroupAlgorithm):
                         loss = loss + c.kl_coeff * kl
                     # one learner stops the epoch at a non-finite loss; a group's ranks go on to the
                     # step together, which every rank then skips (flowrl_ray.optim)
-                    if not acc.backward(loss * share / (c.gradient_accumulation_steps * k_steps)) and ranks == 1:
+                    if not acc.backward(loss * share / (c.grad_accumulation * k_steps)) and ranks == 1:
                         break
                     with torch.no_grad():
                         for name, v in (("pg_loss", pg), ("kl", kl), ("ratio_mean", ratio.mean()),
@@ -427,7 +428,7 @@ class FEDGRPO(GroupAlgorithm):
                             stats.setdefault(name, []).append(float(v) * share)
                 if not acc.finite and ranks == 1:
                     break
-                if (m + 1) % c.gradient_accumulation_steps == 0 or m + 1 == len(micro):
+                if (m + 1) % c.grad_accumulation == 0 or m + 1 == len(micro):
                     self._optimizer_step(acc, stats)
             if not acc.finite:                      # NaN loss: drop this epoch's gradients, count it
                 self._optimizer_step(acc, stats)

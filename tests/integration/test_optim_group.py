@@ -177,7 +177,7 @@ def _fed(kl_coeff: float):
     from unit.algorithms.test_fed_grpo import _algo
     # 4 groups of 3 in micro-batches of 5 rows: a micro-batch holds rows of both ranks' groups
     return _algo(sample_group_size=4, each_prompt_sample=3, train_micro_batch_size=5,
-                 gradient_accumulation_steps=2, epochs=2, kl_coeff=kl_coeff, lr=1e-3)
+                 grad_accumulation=2, epochs=2, kl_coeff=kl_coeff, lr=1e-3)
 
 
 def _fed_trajectory(algo, rows: torch.Tensor) -> dict:

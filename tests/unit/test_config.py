@@ -139,8 +139,10 @@ def test_one_name_per_concept_with_the_earlier_and_paper_names_as_aliases(tmp_pa
     forms = REPO / "configs" / "flow_grpo" / "forms_small.yaml"
     cfg = load_config(forms, ["algo.learning_rate=3e-5", "algo.clip_range=0.1", "algo.grad_clip=0.5"])
     assert (cfg.algo.lr, cfg.algo.clip, cfg.algo.max_grad_norm) == (3e-5, 0.1, 0.5)
-    fed = load_config(REPO / "configs" / "fed_grpo" / "qm9_small.yaml", ["algo.kl_penalty_weight=0.1"])
+    fed = load_config(REPO / "configs" / "fed_grpo" / "qm9_small.yaml",
+                      ["algo.kl_penalty_weight=0.1", "algo.gradient_accumulation_steps=2"])
     assert fed.algo.kl_coeff == 0.1 and not hasattr(fed.algo, "kl_penalty_weight")
+    assert fed.algo.grad_accumulation == 2      # ELIGN's DeepSpeed name for FPO++'s accumulation
     fpopp = load_config(REPO / "configs" / "fpopp" / "lift_state_quickstart.yaml",
                         ["algo.actor_lr=2e-5", "algo.actor_lr_warmup_iters=3"])
     assert (fpopp.algo.lr, fpopp.algo.lr_warmup_iters) == (2e-5, 3)
