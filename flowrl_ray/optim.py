@@ -14,7 +14,8 @@ the algorithms and by pretraining alike.
   consecutive share of a minibatch's rows (:func:`local_part`), weights its loss by its share of
   the rows, and :func:`clip_and_step` sums the gradients over the ranks (one all-reduce) before
   clipping, so the step is the one-process step on the whole minibatch. :func:`reduce_sum` sums
-  statistics the same way. Outside a group (world size 1) all of it is the identity.
+  statistics the same way; a step's own statistics can ride in its gradients' all-reduce
+  (``optimizer_step(..., also_sum=stats)``), one collective per step instead of two. Outside a group (world size 1) all of it is the identity.
 
       for idx in minibatches(m, size, generator):          # the same on every rank
           rows = idx[local_part(len(idx))]                  # this rank's share
@@ -77,29 +78,36 @@ def _poison(optimizers: list[torch.optim.Optimizer]) -> None:
                 p.grad = torch.full_like(p, float("nan"))
 
 
-def _sum_gradients(params: list[torch.Tensor]) -> None:
+def _sum_gradients(params: list[torch.Tensor], also_sum: torch.Tensor | None = None) -> None:
     """Each gradient summed over the ranks, in one all-reduce of one flat buffer (a parameter
-    without a gradient counts as zeros and gets the sum)."""
+    without a gradient counts as zeros and gets the sum); ``also_sum`` (statistics of the step,
+    1-D) rides in the same buffer and is overwritten with its sum."""
     if world()[1] == 1 or not params:
         return
     params = list({id(p): p for p in params}.values())          # a parameter two optimisers share: once
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
+    extra = [] if also_sum is None else [also_sum.detach().to(grads[0].dtype).reshape(-1)]
+    flat = torch.cat([g.reshape(-1) for g in grads] + extra)
     dist.all_reduce(flat, op=dist.ReduceOp.SUM)
     offset = 0
     for p, g in zip(params, grads):
         n = g.numel()
         p.grad = flat[offset:offset + n].view_as(p).clone()
         offset += n
+    if also_sum is not None:
+        also_sum.copy_(flat[offset:].view_as(also_sum))
 
 
 def optimizer_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer],
-                   max_grad_norm: float | None, joint: bool = False) -> tuple[list[float], bool]:
+                   max_grad_norm: float | None, joint: bool = False,
+                   also_sum: torch.Tensor | None = None) -> tuple[list[float], bool]:
     """Backward, clip, step (one optimiser or several, e.g. actor and critic with their own
     learning rates). A non-finite loss or gradient skips the step (the caller counts it).
 
     Each optimiser's parameters are clipped to ``max_grad_norm`` by their own norm (``joint``:
-    all of them by one norm), see :func:`clip_and_step`.
+    all of them by one norm), see :func:`clip_and_step`. ``also_sum``: a 1-D tensor of the
+    step's statistics (this rank's share), summed over a learner group's ranks in place, in the
+    gradients' all-reduce (float32); untouched outside a group.
     Returns (grad norms before clipping, one per optimiser or one if ``joint``; whether the
     step was taken).
     """
@@ -110,13 +118,13 @@ def optimizer_step(loss: torch.Tensor, optimizer: torch.optim.Optimizer | list[t
         if world()[1] == 1:
             return [float("nan")] * (1 if joint else len(optimizers)), False
         _poison(optimizers)                          # in a group: every rank skips in clip_and_step
-        return clip_and_step(optimizers, max_grad_norm, joint)
+        return clip_and_step(optimizers, max_grad_norm, joint, also_sum)
     loss.backward()
-    return clip_and_step(optimizers, max_grad_norm, joint)
+    return clip_and_step(optimizers, max_grad_norm, joint, also_sum)
 
 
 def clip_and_step(optimizers: list[torch.optim.Optimizer], max_grad_norm: float | None,
-                  joint: bool = False) -> tuple[list[float], bool]:
+                  joint: bool = False, also_sum: torch.Tensor | None = None) -> tuple[list[float], bool]:
     """Clip the gradients already in the optimisers' parameters, then step them all.
 
     Each optimiser's parameters (its param groups) are clipped by their own L2 norm to
@@ -130,7 +138,7 @@ def clip_and_step(optimizers: list[torch.optim.Optimizer], max_grad_norm: float 
     """
     limit = max_grad_norm if max_grad_norm else float("inf")   # an inf limit scales by exactly 1
     groups = [[p for g in o.param_groups for p in g["params"]] for o in optimizers]
-    _sum_gradients([p for params in groups for p in params])
+    _sum_gradients([p for params in groups for p in params], also_sum)
     if joint:
         groups = [[p for params in groups for p in params]]
     norms = [float(torch.nn.utils.clip_grad_norm_(params, limit)) for params in groups]

@@ -49,8 +49,7 @@ import torch.nn.functional as F
 
 from flowrl_ray.algorithms.advantages import gae, group_advantages, group_normalize
 from flowrl_ray.algorithms.base import EnvStepAlgorithm
-from flowrl_ray.optim import (ema_update, load_scheduler, local_part, lr_multiplier, minibatches, optimizer_step,
-                              reduce_sum)
+from flowrl_ray.optim import ema_update, load_scheduler, local_part, lr_multiplier, minibatches, optimizer_step
 from flowrl_ray.algorithms.episodes import EpisodeAssembler
 from flowrl_ray.models.flow_policy import (check_base_policy, check_flow_arch, image_shape, load_base_policy,
                                          make_flow_policy)
@@ -579,12 +578,13 @@ class FlowSAR(EnvStepAlgorithm):
                 # joint=True: the policy and the optional critic are clipped together by one
                 # norm, as FlowSAR always did (per-network clipping would change its numbers
                 # when the critic is on; FlowSAR's own behaviour is decided separately).
-                (grad_norm,), stepped = optimizer_step(loss * share, optimizers, c.max_grad_norm, joint=True)
+                keys = sorted(mb_stats)                        # the minibatch's means: the shares' summed
+                values = torch.stack([mb_stats[k].detach().float() for k in keys]) * share   # (in the step's all-reduce)
+                (grad_norm,), stepped = optimizer_step(loss * share, optimizers, c.max_grad_norm, joint=True,
+                                                       also_sum=values)
                 self.skipped_updates += int(not stepped)
                 steps += 1
-                keys = sorted(mb_stats)                        # the minibatch's means: the shares' summed
-                values = reduce_sum(torch.stack([mb_stats[k].float() for k in keys]) * share).tolist()
-                mb_stats = dict(zip(keys, values), **{"flowsar/grad_norm": grad_norm})
+                mb_stats = dict(zip(keys, values.tolist()), **{"flowsar/grad_norm": grad_norm})
                 for k, v in mb_stats.items():
                     stats.setdefault(k, []).append(float(v))
         b_ema = ema_coefficient(self.iteration, h.ema_schedule, h.ema_beta, h.ema_eta_rate, h.ema_eta_max)

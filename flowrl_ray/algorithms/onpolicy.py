@@ -12,7 +12,7 @@ import torch
 
 from flowrl_ray.algorithms.advantages import gae
 from flowrl_ray.batch import Batch, concat_time_major, gather_obs, map_obs
-from flowrl_ray.optim import local_part, minibatches, optimizer_step, reduce_sum, world
+from flowrl_ray.optim import local_part, minibatches, optimizer_step
 
 #: Batch keys the runner writes itself; every other key is the policy's per-step record
 ROLLOUT_KEYS = ("obs", "rewards", "terminated", "truncated", "final_obs", "last_obs", "grasped")
@@ -115,11 +115,10 @@ def actor_critic_epochs(m: int, losses: Callable[[torch.Tensor, torch.Tensor, bo
                 total_loss = total_loss + loss * (len(part) / len(mb))
                 for k, v in part_stats.items():
                     mb_stats[k] = mb_stats.get(k, 0.0) + float(v) * len(part) / len(mb)
-            if world()[1] > 1:                               # the minibatch's statistics: the ranks' summed
-                keys = sorted(mb_stats)
-                mb_stats = dict(zip(keys, reduce_sum(torch.tensor([mb_stats[k] for k in keys],
-                                                                  dtype=torch.float64)).tolist()))
-            norms, stepped = optimizer_step(total_loss, optimizers, max_grad_norm)
+            keys = sorted(mb_stats)                          # the minibatch's statistics: the ranks' summed
+            values = torch.tensor([mb_stats[k] for k in keys], dtype=torch.float64)   # (in the step's all-reduce)
+            norms, stepped = optimizer_step(total_loss, optimizers, max_grad_norm, also_sum=values)
+            mb_stats = dict(zip(keys, values.tolist()))
             out.skipped += int(not stepped)
             out.actor_steps += int(actor_active)
             out.critic_steps += 1

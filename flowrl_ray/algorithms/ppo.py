@@ -19,7 +19,7 @@ import torch
 
 from flowrl_ray.algorithms.advantages import explained_variance, normalize
 from flowrl_ray.algorithms.base import EnvStepAlgorithm
-from flowrl_ray.optim import load_scheduler, local_part, lr_multiplier, minibatches, optimizer_step, reduce_sum
+from flowrl_ray.optim import load_scheduler, local_part, lr_multiplier, minibatches, optimizer_step
 from flowrl_ray.algorithms.losses import approx_kl, ppo_clip_objective, value_loss
 from flowrl_ray.algorithms.onpolicy import advantages_from_rollouts
 from flowrl_ray.batch import Batch
@@ -134,15 +134,16 @@ class PPO(EnvStepAlgorithm):
                 v_loss = value_loss(self.values(b.obs[idx]), b.returns[idx], b.values_old[idx], c.vf_clip).mean()
                 entropy = dist.entropy().sum(-1).mean()
                 loss = (policy_loss + c.vf_coef * v_loss - c.ent_coef * entropy) * share
-                (grad_norm,), stepped = optimizer_step(loss, self.optimizer, c.max_grad_norm)   # one optimiser, policy and value: one norm
+                with torch.no_grad():                # the minibatch's means: the shares' summed (in the step's all-reduce)
+                    values = torch.stack([policy_loss, v_loss, entropy, approx_kl(log_ratio),
+                                          ((ratio - 1).abs() > c.clip).float().mean()]) * share
+                (grad_norm,), stepped = optimizer_step(loss, self.optimizer, c.max_grad_norm,   # one optimiser, policy
+                                                       also_sum=values)                        # and value: one norm
                 self.skipped_updates += int(not stepped)
-                with torch.no_grad():                # the minibatch's means: the shares' summed
-                    values = reduce_sum(torch.stack([policy_loss, v_loss, entropy, approx_kl(log_ratio),
-                                                     ((ratio - 1).abs() > c.clip).float().mean()]) * share)
-                    policy_l, v_l, ent, kl, clipped = values.tolist()
-                    for k, v in (("policy_loss", policy_l), ("value_loss", v_l), ("entropy", ent),
-                                 ("approx_kl", kl), ("clip_fraction", clipped), ("grad_norm", grad_norm)):
-                        stats[k].append(float(v))
+                policy_l, v_l, ent, kl, clipped = values.tolist()
+                for k, v in (("policy_loss", policy_l), ("value_loss", v_l), ("entropy", ent),
+                             ("approx_kl", kl), ("clip_fraction", clipped), ("grad_norm", grad_norm)):
+                    stats[k].append(float(v))
                 if c.target_kl is not None and kl > c.target_kl:
                     early_stop = True
                     break

@@ -53,7 +53,8 @@ def _rank(rank: int, world: int, init: str, out: dict) -> None:
         part = local_part(len(X))
         rows = torch.arange(len(X))[part]
         share = len(rows) / len(X)
-        norms, stepped = optimizer_step(_loss(model, rows) * share, opt, max_grad_norm=1.0)
+        stats = torch.tensor([float(len(rows)), rank + 1.0])          # summed in the step's all-reduce
+        norms, stepped = optimizer_step(_loss(model, rows) * share, opt, max_grad_norm=1.0, also_sum=stats)
         mean = reduce_sum(_loss(model, rows).detach() * share)       # after the step: the whole batch's
         # a non-finite loss on rank 1 only: both ranks skip (neither waits for the other)
         bad = lambda: torch.tensor(float("nan")) * model.weight.sum() if rank == 1 else _loss(model, rows) * share  # noqa: E731
@@ -63,7 +64,8 @@ def _rank(rank: int, world: int, init: str, out: dict) -> None:
         _, stepped_acc = acc.step()
         out[rank] = {"weight": model.weight.detach().clone(), "bias": model.bias.detach().clone(),
                      "norm": norms[0], "stepped": stepped, "mean": float(mean),
-                     "stepped_bad": stepped_bad, "stepped_acc": stepped_acc, "rows": len(rows)}
+                     "stepped_bad": stepped_bad, "stepped_acc": stepped_acc, "rows": len(rows),
+                     "stats": stats.tolist()}
     finally:
         dist.destroy_process_group()
 
@@ -74,6 +76,7 @@ def test_two_ranks_take_the_one_process_step_and_skip_together(tmp_path):
     model, opt = _model()
     norms, _ = optimizer_step(_loss(model, torch.arange(len(X))), opt, max_grad_norm=1.0)
     assert [out[r]["rows"] for r in (0, 1)] == [4, 3]
+    assert out[0]["stats"] == out[1]["stats"] == [7.0, 3.0]          # 4 + 3 rows, 1 + 2
     for r in (0, 1):
         assert out[r]["stepped"] and out[r]["norm"] == pytest.approx(norms[0], rel=1e-6)   # clipped alike
         torch.testing.assert_close(out[r]["weight"], model.weight.detach())

@@ -182,7 +182,7 @@ class LiftExpert(Expert):
     """Approach above the cube with the fingers across two faces, descend, close, lift."""
 
     def build(self) -> list[Phase]:
-        raw, r = self.env.raw, self.rng
+        r = self.rng
         cube = self.env.object_body_id()
         above, grasp_dz, lift = r.uniform(0.06, 0.12), r.uniform(-0.012, 0.0), r.uniform(0.12, 0.2)
         # A cube is 4-fold symmetric: turn the least angle that puts the fingers across faces.
@@ -207,7 +207,7 @@ class CanExpert(Expert):
     back away (robosuite counts the can as placed only once the gripper has left it)."""
 
     def build(self) -> list[Phase]:
-        raw, r = self.env.raw, self.rng
+        r = self.rng
         can = self.env.object_body_id()
         goal = np.array(raw.target_bin_placements[raw.object_id])
         goal[:2] += r.uniform(-0.02, 0.02, 2)
@@ -244,7 +244,7 @@ class SquareExpert(Expert):
     onto the peg until the peg guides it, release (it drops to the table), back away."""
 
     def build(self) -> list[Phase]:
-        raw, r = self.env.raw, self.rng
+        r = self.rng
         nut = raw.nuts[raw.nut_id]
         nut_body = self.env.object_body_id()
         handle = self.sim.model.site_name2id(nut.important_sites["handle"])

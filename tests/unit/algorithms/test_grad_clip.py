@@ -124,7 +124,7 @@ def test_ppo_update_is_bit_for_bit_what_it_was():
         algo = PPO(cfg, EnvSpec((3,), 1), torch.device("cpu"))
         batch = algo.prepare([ppo_rollout_batch(algo)])
 
-        def old_step(loss, optimizer, max_grad_norm, algo=algo):
+        def old_step(loss, optimizer, max_grad_norm, algo=algo, also_sum=None):   # one learner: nothing to sum
             norm, stepped = _old_optimizer_step(loss, optimizer, algo.params, max_grad_norm)
             return [norm], stepped
 
