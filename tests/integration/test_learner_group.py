@@ -116,3 +116,43 @@ def test_a_fed_grpo_run_samples_and_trains_on_two_ranks(local_ray, tmp_path):
         assert row.get("reason/not_scored", 0.0) == 0.0
         assert row["fed_grpo/skipped_updates"] == 0 and row["fed_grpo/ratio_min"] > 0
     assert "eval/validity" in rows[0] and "eval/validity" in rows[-1]
+
+
+def _group_config(*overrides):
+    cfg = tiny_config(*TWO, *overrides)
+    from flowrl_ray.envs import EnvSpec
+    return cfg, EnvSpec((3,), 1)
+
+
+def _no_group_left(before_pgs: set) -> None:
+    """Every placement group made since ``before_pgs`` is removed and no Learner actor lives."""
+    from ray._private.state import actors as actor_table
+    from ray.util import placement_group_table
+    new = {k: v for k, v in placement_group_table().items() if k not in before_pgs}
+    assert new and all(v["state"] == "REMOVED" for v in new.values())
+    deadline = time.time() + 30
+    while any(a["ActorClassName"] == "Learner" and a["State"] != "DEAD" for a in actor_table().values()):
+        assert time.time() < deadline, "a Learner actor outlived its group"
+        time.sleep(0.2)
+
+
+def test_a_group_the_cluster_cannot_place_fails_naming_the_key_and_leaves_nothing(local_ray, tmp_path):
+    from flowrl_ray.errors import TrainingError
+    from flowrl_ray.runtime.learner_group import LearnerGroup
+    from ray.util import placement_group_table
+    before = set(placement_group_table())
+    cfg, spec = _group_config("runtime.learner_num_cpus=3", "runtime.sample_timeout_s=3")   # 2 x 3 CPUs of 4
+    with pytest.raises(TrainingError, match=r"runtime\.num_learners: the cluster cannot place 2 learners"):
+        LearnerGroup(cfg, spec)
+    _no_group_left(before)
+
+
+def test_a_group_whose_rank_fails_to_start_removes_its_actors_and_placement(local_ray, tmp_path):
+    from ray.exceptions import RayActorError
+    from flowrl_ray.runtime.learner_group import LearnerGroup
+    from ray.util import placement_group_table
+    before = set(placement_group_table())
+    cfg, _ = _group_config()
+    with pytest.raises(RayActorError):
+        LearnerGroup(cfg, None)                  # every rank's algorithm fails to build (no env spec)
+    _no_group_left(before)
