@@ -67,3 +67,22 @@ def run_trainer(cfg, run_dir, **kwargs) -> dict:
         return trainer.train()
     finally:
         trainer.close()
+
+
+def train_killing(trainer, pid: int, after: int = 2) -> dict:
+    """``trainer.train()`` while a thread SIGKILLs process ``pid`` once ``after`` iterations are
+    done (a learner rank, say); -> the run's summary."""
+    import signal
+    import threading
+    import time
+
+    def kill():
+        while trainer.counters.iteration < after:
+            time.sleep(0.01)
+        os.kill(pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill, daemon=True)
+    killer.start()
+    summary = trainer.train()
+    killer.join(timeout=5)
+    return summary

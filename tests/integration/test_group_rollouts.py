@@ -10,7 +10,7 @@ import ray
 
 from flowrl_ray.metrics import read_metrics
 
-from conftest import TESTS, run_trainer
+from conftest import TESTS, run_trainer, train_killing
 from unit.runtime.test_group_rollouts import _config
 
 pytestmark = pytest.mark.slow
@@ -70,25 +70,12 @@ def test_a_killed_learner_is_survived_and_its_samples_sampled_again(plugin_ray, 
     """The learner keeps what each update needs from its generation; killed, it is resumed from
     the last checkpoint and the samples it generated are sampled again (the plugin fails the run if
     an update prepares scores of another generation)."""
-    import signal
-    import threading
-    import time
-
     from flowrl_ray.runtime.trainer import Trainer
     trainer = Trainer(_config(mode=mode, checkpoint_interval=1), tmp_path / "run", quiet=True)
     try:
         trainer.setup()
         learner = trainer.learners.pids()[0]
-
-        def kill_after_two_iterations():
-            while trainer.counters.iteration < 2:
-                time.sleep(0.01)
-            os.kill(learner, signal.SIGKILL)
-
-        killer = threading.Thread(target=kill_after_two_iterations, daemon=True)
-        killer.start()
-        summary = trainer.train()
-        killer.join(timeout=5)
+        summary = train_killing(trainer, learner)
         assert learner not in trainer.learners.pids()
     finally:
         trainer.close()

@@ -2,9 +2,6 @@
 gives on the same batches, every rank holds the same weights, a two-rank run resumes exactly, and
 a killed rank is survived."""
 
-import os
-import signal
-import threading
 import time
 
 import pytest
@@ -15,7 +12,7 @@ from flowrl_ray.checkpoint import latest_checkpoint, load_checkpoint
 from flowrl_ray.metrics import read_metrics
 from flowrl_ray.runtime.trainer import Trainer
 
-from conftest import run_trainer, tiny_config
+from conftest import run_trainer, tiny_config, train_killing
 
 pytestmark = pytest.mark.slow
 
@@ -77,15 +74,7 @@ def test_a_killed_rank_is_survived_from_the_last_checkpoint(local_ray, tmp_path)
     try:
         trainer.setup()
         rank1 = trainer.learners.pids()[1]
-
-        def kill_after_two_iterations():
-            while trainer.counters.iteration < 2:
-                time.sleep(0.01)
-            os.kill(rank1, signal.SIGKILL)
-
-        killer = threading.Thread(target=kill_after_two_iterations, daemon=True)
-        killer.start()
-        summary = trainer.train()
+        summary = train_killing(trainer, rank1)
         assert rank1 not in trainer.learners.pids()         # a new group
     finally:
         trainer.close()

@@ -15,7 +15,7 @@ from flowrl_ray.checkpoint import latest_checkpoint, load_checkpoint
 from flowrl_ray.metrics import read_metrics
 from flowrl_ray.runtime.trainer import Trainer
 
-from conftest import REPO, TINY_RUNTIME, run_trainer, tiny_config
+from conftest import REPO, TINY_RUNTIME, run_trainer, tiny_config, train_killing
 
 pytestmark = pytest.mark.slow
 
@@ -155,16 +155,7 @@ def test_dead_learner_resumes_from_the_last_checkpoint(local_ray, tmp_path):
     trainer = Trainer(cfg, tmp_path / "run", quiet=True)
     try:
         trainer.setup()
-        learner_pid = ray.get(trainer.learner.pid.remote())
-
-        def kill_after_two_iterations():
-            while trainer.counters.iteration < 2:
-                time.sleep(0.01)
-            os.kill(learner_pid, signal.SIGKILL)
-
-        killer = threading.Thread(target=kill_after_two_iterations, daemon=True)
-        killer.start()
-        summary = trainer.train()
+        summary = train_killing(trainer, ray.get(trainer.learner.pid.remote()))
     finally:
         trainer.close()
     rows = read_metrics(tmp_path / "run")
