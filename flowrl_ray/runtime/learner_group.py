@@ -56,18 +56,30 @@ class LearnerGroup:
         if self.size == 1:
             self.actors = [Learner.options(**options).remote(cfg, spec)]
             return
-        bundle = {k: v for k, v in (("CPU", rt.learner_num_cpus), ("GPU", gpus)) if v} or {"CPU": 0.01}
-        self.placement_group = placement_group([bundle] * self.size,
-                                               strategy="PACK" if rt.learner_placement == "pack" else "SPREAD")
-        try:
-            ray.get(self.placement_group.ready(), timeout=rt.sample_timeout_s)
-        except GetTimeoutError:
-            self.close()
-            raise TrainingError(f"runtime.num_learners: the cluster cannot place {self.size} learners of "
-                                f"{bundle} each (waited {rt.sample_timeout_s:.0f} s)") from None
+        # Inside a placement group that captures its children (a Tune trial, which reserved a
+        # bundle per rank): each rank takes one of its bundles shaped like a rank's, the first ones
+        # (a rank in a rollout worker's bundle could leave the worker no room). Otherwise the
+        # group reserves its own.
+        bundle = {k: float(v) for k, v in (("CPU", rt.learner_num_cpus), ("GPU", gpus)) if v} or {"CPU": 0.01}
+        outer = ray.util.get_current_placement_group()
+        if outer is not None:
+            shaped = [i for i, spec in enumerate(outer.bundle_specs)
+                      if {k: float(v) for k, v in spec.items() if k in ("CPU", "GPU") and v} == bundle]
+            indices = shaped[:self.size] if len(shaped) >= self.size else [-1] * self.size
+        else:
+            indices = list(range(self.size))
+            self.placement_group = placement_group([bundle] * self.size,
+                                                   strategy="PACK" if rt.learner_placement == "pack" else "SPREAD")
+            try:
+                ray.get(self.placement_group.ready(), timeout=rt.sample_timeout_s)
+            except GetTimeoutError:
+                self.close()
+                raise TrainingError(f"runtime.num_learners: the cluster cannot place {self.size} learners of "
+                                    f"{bundle} each (waited {rt.sample_timeout_s:.0f} s)") from None
+        group = self.placement_group or outer
         try:
             self.actors = [Learner.options(**options, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                               self.placement_group, placement_group_bundle_index=rank)).remote(cfg, spec, rank)
+                               group, placement_group_bundle_index=indices[rank])).remote(cfg, spec, rank)
                            for rank in range(self.size)]
             address = ray.get(self.actors[0].rendezvous_address.remote())
             self.backend = get_all([a.join.remote(address, self.size, rt.sample_timeout_s) for a in self.actors])[0]

@@ -4,12 +4,13 @@ Each trial is a full :class:`flowrl_ray.runtime.trainer.Trainer` run inside a fu
 trainable. The trial reserves one placement group::
 
     [{"CPU": 0.01}]                  the trial's own driver (the function trainable)
-    + [{"CPU": learner_num_cpus, "GPU": learner gpus}]
+    + [{"CPU": learner_num_cpus, "GPU": learner gpus}] * num_learners
     + [{"CPU": num_cpus_per_worker, "GPU": num_gpus_per_worker}] * num_workers
 
-and the Trainer's learner and rollout actors land inside it, because Tune starts trials with
+and the Trainer's learner ranks and rollout actors land inside it, because Tune starts trials with
 ``placement_group_capture_child_tasks=True`` (each trial records where its actors went in
-``placement.json``). Per-iteration metrics reach Tune through the Trainer's MetricsLogger
+``placement.json``); a learner group then uses the trial's bundles instead of a placement group of
+its own (``runtime.learner_placement`` does not apply inside a trial). Per-iteration metrics reach Tune through the Trainer's MetricsLogger
 (``tune_trial=True``). With a `logging.wandb` / `logging.mlflow` section, Tune's own W&B and
 MLflow callbacks make each trial one tracked run (steps: training iterations); the trials'
 Trainers open no run of their own.
@@ -177,7 +178,7 @@ def _format_override(key: str, value: Any) -> str:
 
 
 def trial_bundles(cfg: Config, cluster_gpus: float = 0.0) -> list[dict]:
-    """Placement group bundles for one trial: its driver, the learner, one per rollout worker."""
+    """Placement group bundles for one trial: its driver, each learner rank, one per rollout worker."""
     from flowrl_ray.runtime.cluster import learner_gpus
     rt = cfg.runtime
 
@@ -185,7 +186,8 @@ def trial_bundles(cfg: Config, cluster_gpus: float = 0.0) -> list[dict]:
         # Zero entries are left out (a bundle may not request 0 of a resource).
         return {k: v for k, v in (("CPU", float(cpu)), ("GPU", float(gpu))) if v > 0}
 
-    bundles = [bundle(TRIAL_DRIVER_CPU, 0), bundle(rt.learner_num_cpus, learner_gpus(cfg, cluster_gpus))]
+    bundles = [bundle(TRIAL_DRIVER_CPU, 0)]
+    bundles += [bundle(rt.learner_num_cpus, learner_gpus(cfg, cluster_gpus)) for _ in range(rt.num_learners)]
     bundles += [bundle(rt.num_cpus_per_worker, rt.num_gpus_per_worker) for _ in range(rt.num_workers)]
     return [b for b in bundles if b]
 
@@ -233,10 +235,11 @@ def _record_placement(trainer, run_dir: Path) -> dict:
     import ray
     pg = ray.util.get_current_placement_group()
     trial_pg = pg.id.hex() if pg is not None else None
-    learner_pg = ray.get(trainer.learner.__ray_call__.remote(_placement_group_id))
+    learner_pgs = ray.get([a.__ray_call__.remote(_placement_group_id) for a in trainer.learners.actors])
     worker_pgs = ray.get([w.__ray_call__.remote(_placement_group_id) for w in trainer.workers])
-    info = {"trial_placement_group": trial_pg, "learner": learner_pg, "workers": worker_pgs,
-            "inside": trial_pg is not None and all(p == trial_pg for p in [learner_pg, *worker_pgs])}
+    info = {"trial_placement_group": trial_pg, "learner": learner_pgs[0], "learner_ranks": learner_pgs,
+            "workers": worker_pgs,
+            "inside": trial_pg is not None and all(p == trial_pg for p in [*learner_pgs, *worker_pgs])}
     (run_dir / "placement.json").write_text(json.dumps(info, indent=2) + "\n")
     if not info["inside"]:
         print(f"[flowrl_ray] warning: trial actors are not all in the trial's placement group: {info}",

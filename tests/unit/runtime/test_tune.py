@@ -88,3 +88,8 @@ def test_trial_bundles_and_config(base):
     assert trial_bundles(cfg) == [{"CPU": 0.01}, {"CPU": 1.0}, {"CPU": 1.0}, {"CPU": 1.0}]
     # with a GPU in the cluster the learner's bundle reserves it (learner_num_gpus: null)
     assert trial_bundles(cfg, cluster_gpus=1)[1] == {"CPU": 1.0, "GPU": 1.0}
+    # a learner group: one bundle per rank, each with the rank's CPUs and GPU
+    group = trial_config(PENDULUM, SWEEP_OVERRIDES, {"runtime.num_learners": 2, "runtime.learner_num_cpus": 0.5,
+                                                      "runtime.num_workers": 2})
+    assert trial_bundles(group) == [{"CPU": 0.01}, {"CPU": 0.5}, {"CPU": 0.5}, {"CPU": 1.0}, {"CPU": 1.0}]
+    assert trial_bundles(group, cluster_gpus=2)[1:3] == [{"CPU": 0.5, "GPU": 1.0}] * 2
