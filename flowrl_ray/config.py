@@ -475,9 +475,10 @@ def config_from_dict(data: dict) -> Config:
 def build_env_section(data: dict) -> EnvConfig:
     """The ``env`` section as its family's class (the family module's ``config_class``, else
     :class:`EnvConfig`), every key checked like any section's. A run directory of another family
-    saved before the robot family declared its own section holds the robot keys at their defaults
-    (:data:`ROBOT_KEYS_BEFORE_SECTIONS`): those are dropped; set to anything else they are a
-    ConfigError naming the key and the family."""
+    saved before the robot family declared its own section holds every robot key at its default
+    (:data:`ROBOT_KEYS_BEFORE_SECTIONS`): such a section loads without them. Any other robot key
+    on another family (one of them, or a changed value) is a ConfigError naming the key and the
+    family."""
     if not isinstance(data, dict):
         raise ConfigError(f"config key 'env': expected a mapping, got {data!r}")
     family = data.get("family", EnvConfig.family)
@@ -486,14 +487,15 @@ def build_env_section(data: dict) -> EnvConfig:
         raise ConfigError(f"config key 'env.family': {family!r} declares config_class {cls!r}, "
                           f"which does not extend flowrl_ray.config.EnvConfig")
     own = {f.name for f in dataclasses.fields(cls)}
-    data = dict(data)
-    for key, before in ROBOT_KEYS_BEFORE_SECTIONS.items():
-        if key in data and key not in own:
-            if data[key] != before:
-                raise ConfigError(f"config key 'env.{key}': a robot-family setting; env family "
-                                  f"{family!r} does not take it")
-            del data[key]
-    return build_section(cls, data, "env.")
+    foreign = [k for k in ROBOT_KEYS_BEFORE_SECTIONS if k in data and k not in own]
+    saved_before = len(foreign) == len(ROBOT_KEYS_BEFORE_SECTIONS) and all(
+        data[k] == ROBOT_KEYS_BEFORE_SECTIONS[k] for k in foreign)      # a whole saved section, untouched
+    if foreign and not saved_before:
+        changed = [k for k in foreign if data[k] != ROBOT_KEYS_BEFORE_SECTIONS[k]]
+        key = (changed if len(foreign) == len(ROBOT_KEYS_BEFORE_SECTIONS) else foreign)[0]
+        raise ConfigError(f"config key 'env.{key}': a robot-family setting; env family "
+                          f"{family!r} does not take it")
+    return build_section(cls, {k: v for k, v in data.items() if k not in foreign}, "env.")
 
 
 def check_snapshots(cfg: Config, rollout_kind: str) -> None:

@@ -310,7 +310,8 @@ def test_an_env_family_declares_its_section_and_other_families_do_not_take_its_k
     assert "cameras" not in gym.to_dict()["env"] and "cameras" in robot.to_dict()["env"]
     # a robot key on another family: the key and the family named, before anything runs
     for override, key in (("env.cameras=[robot0_eye_in_hand]", "env.cameras"), ("env.reward=shaped", "env.reward"),
-                          ("env.perturb.placement_scale=2", "env.perturb")):
+                          ("env.perturb.placement_scale=2", "env.perturb"),
+                          ("env.cameras=[agentview]", "env.cameras")):      # even at the robot's default
         assert f"'{key}': a robot-family setting; env family 'gym'" in _error(override)
     # a typo in the robot section: the closest robot key
     with pytest.raises(ConfigError, match=r"env\.image_sizes.*did you mean 'env\.image_size'"):
