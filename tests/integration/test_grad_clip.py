@@ -48,7 +48,7 @@ def test_flowsar_with_its_critic_keeps_one_norm_over_policy_and_critic():
         algo = FlowSAR(cfg, FLOWSAR_SPEC, torch.device("cpu"))
         init = copy.deepcopy(algo.policy.state_dict())
 
-        def old_step(loss, optimizers, max_grad_norm, joint):
+        def old_step(loss, optimizers, max_grad_norm, joint, also_sum=None):   # one learner: nothing to sum
             params = [p for o in optimizers for g in o.param_groups for p in g["params"]]
             norm, stepped = _old_optimizer_step(loss, optimizers, params, max_grad_norm)
             return [norm], stepped

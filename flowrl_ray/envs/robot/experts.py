@@ -207,7 +207,7 @@ class CanExpert(Expert):
     back away (robosuite counts the can as placed only once the gripper has left it)."""
 
     def build(self) -> list[Phase]:
-        r = self.rng
+        raw, r = self.env.raw, self.rng
         can = self.env.object_body_id()
         goal = np.array(raw.target_bin_placements[raw.object_id])
         goal[:2] += r.uniform(-0.02, 0.02, 2)
@@ -244,7 +244,7 @@ class SquareExpert(Expert):
     onto the peg until the peg guides it, release (it drops to the table), back away."""
 
     def build(self) -> list[Phase]:
-        r = self.rng
+        raw, r = self.env.raw, self.rng
         nut = raw.nuts[raw.nut_id]
         nut_body = self.env.object_body_id()
         handle = self.sim.model.site_name2id(nut.important_sites["handle"])
