@@ -490,9 +490,8 @@ def build_env_section(data: dict) -> EnvConfig:
     foreign = [k for k in ROBOT_KEYS_BEFORE_SECTIONS if k in data and k not in own]
     saved_before = len(foreign) == len(ROBOT_KEYS_BEFORE_SECTIONS) and all(
         data[k] == ROBOT_KEYS_BEFORE_SECTIONS[k] for k in foreign)      # a whole saved section, untouched
-    if foreign and not saved_before:
-        changed = [k for k in foreign if data[k] != ROBOT_KEYS_BEFORE_SECTIONS[k]]
-        key = (changed if len(foreign) == len(ROBOT_KEYS_BEFORE_SECTIONS) else foreign)[0]
+    if foreign and not saved_before:      # name a changed key first, else the first one given
+        key = next((k for k in foreign if data[k] != ROBOT_KEYS_BEFORE_SECTIONS[k]), foreign[0])
         raise ConfigError(f"config key 'env.{key}': a robot-family setting; env family "
                           f"{family!r} does not take it")
     return build_section(cls, {k: v for k, v in data.items() if k not in foreign}, "env.")
