@@ -322,6 +322,7 @@ class Trainer:
             try:
                 learner_metrics = self._learner_call("update", refs)
             except SamplesLost:      # the samples' generation died with its learner: sample again
+                self._log(f"the samples of iteration {c.iteration + 1} died with their learner; sampling again")
                 continue
             self.version = self.rollouts.publish()
             c.iteration += 1

@@ -83,6 +83,10 @@ class TokenGRPO(GroupAlgorithm):
         self.optimizer = torch.optim.Adam(self._policy.parameters(), lr=cfg.algo.lr)
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.pending: dict = {}
+        # A test can make the learner die in its n-th update (n read from the file, which is
+        # removed first, so only one learner process dies).
+        self.crash_file = os.environ.get("FLOWRL_TEST_LEARNER_CRASH_FILE")
+        self.updates = 0
 
     def generate(self, num_chunks: int, mode: str) -> list[dict]:
         g = self.cfg.algo.group_size
@@ -113,6 +117,13 @@ class TokenGRPO(GroupAlgorithm):
         return dict(self.pending, rewards=rewards, adv=group_advantages(rewards, self.cfg.algo.group_size))
 
     def update(self, p):
+        self.updates += 1
+        if self.crash_file and os.path.exists(self.crash_file):
+            with open(self.crash_file) as f:
+                die_at = int(f.read())
+            if self.updates == die_at:
+                os.remove(self.crash_file)
+                os._exit(1)
         ratios = []
         for _ in range(self.cfg.algo.epochs):
             logp = torch.log_softmax(self._policy.logits[p["prompts"]], -1).gather(-1, p["tokens"][:, None]).squeeze(-1)
