@@ -91,7 +91,7 @@ def test_train_against_a_ray_start_cluster(tmp_path):
         out = r.stdout + r.stderr
         assert r.returncode == 0, out[-4000:]
         line = next(x for x in r.stdout.splitlines() if "Ray:" in x)
-        assert line.startswith(f"[flowrl_ray] Ray: connected to ") and f":{gcs_port} (runtime.ray_address; 2 CPUs, 0 GPUs" in line, line
+        assert line.startswith("[flowrl_ray] Ray: connected to ") and f":{gcs_port} (runtime.ray_address; 2 CPUs, 0 GPUs" in line, line
         assert [row["iteration"] for row in _rows(tmp_path / "auto")] == [1, 2]
         # an explicit address: as in ray.init, the token is sent only with RAY_AUTH_MODE=token
         r = _train(tmp, tmp_path / "no_token", "--address", f"127.0.0.1:{gcs_port}")
@@ -126,7 +126,7 @@ def test_train_against_a_ray_start_cluster(tmp_path):
         r = _train(tmp, tmp_path / "auto_dead", "--address", "auto", timeout=120)
         err = _our_lines(r.stderr)
         assert r.returncode == 2 and len(err) == 1 and "Traceback" not in r.stderr, r.stdout + r.stderr
-        assert f"auto -> " in err[0] and f":{gcs_port}" in err[0] and "no Ray cluster answers there" in err[0]
+        assert "auto -> " in err[0] and f":{gcs_port}" in err[0] and "no Ray cluster answers there" in err[0]
         assert "points at a stopped cluster" in err[0]
     finally:
         _stop_cluster(proc)

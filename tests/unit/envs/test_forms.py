@@ -226,7 +226,7 @@ def test_gold_actions_parse_and_validate_on_the_server(catalog):
         form = catalog[t.form_id]
         posted = {}
         for name, v in t.ground_truth_fields.items():
-            f = form.field(name)
+            form.field(name)                 # every gold field is one of the form's (raises if not)
             posted[name] = v if isinstance(v, list) else ["on" if v is True else str(v)]
         _, errors = validate_submission(form, posted)
         assert errors == [], (t.task_id, errors)

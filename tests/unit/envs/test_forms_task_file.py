@@ -81,7 +81,7 @@ def test_a_value_the_form_refuses_and_duplicate_ids_and_an_empty_file(tmp_path):
     if choice is not None:
         bad = {**fields, choice.name: "not an option"}
         path = _write(tmp_path, [json.dumps({"instruction": "x", "url": FORM.path, "ground_truth_fields": bad})])
-        with pytest.raises(TaskFileError, match=rf":1: key 'ground_truth_fields': .*not one of the options"):
+        with pytest.raises(TaskFileError, match=r":1: key 'ground_truth_fields': .*not one of the options"):
             load_task_file(path, CATALOG)
     row = {"instruction": "x", "url": FORM.path, "ground_truth_fields": fields, "task_id": "a"}
     with pytest.raises(TaskFileError, match=r":2: key 'task_id': 'a' is also the id of line 1"):

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from flowrl_ray.config import ConfigError, config_from_dict
+from flowrl_ray.config import config_from_dict
 
 
 def _config(**runtime):
