@@ -92,12 +92,12 @@ def make_config(args: argparse.Namespace):
                  "critic_warmup_iters": 0, "normalize_advantages": True, "target_kl": None}})
 
 
-def make_algo(cfg, spec):
+def make_algo(cfg, spec, device=None):
     import torch
 
     from flowrl_ray.algorithms.fpopp import FPOPP
     torch.manual_seed(cfg.seed)               # identical initial weights for every instance
-    return FPOPP(cfg, spec, torch.device("cpu"))
+    return FPOPP(cfg, spec, device or torch.device("cpu"))
 
 
 def rollout_batches(algo, args: argparse.Namespace) -> list:

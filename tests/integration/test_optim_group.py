@@ -240,6 +240,28 @@ def test_two_ranks_sample_their_own_whole_groups_with_their_own_noise(tmp_path):
     assert torch.equal(gen0, gen1)                                        # the shared generator stays equal
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_fed_grpo_generates_on_cuda_and_its_update_there_is_the_cpu_update():
+    import numpy as np
+
+    from unit.algorithms.test_fed_grpo import _scored
+    cpu = _fed(0.1)
+    torch.manual_seed(0)                                          # as _fed: the same start, on the GPU
+    cuda = type(cpu)(cpu.cfg, cpu.spec, torch.device("cuda"))
+    chunks = cuda.generate(2)                                     # the learner samples on its device
+    assert cuda.pending["trajectory"]["z"].device.type == "cuda"
+    assert all(np.isfinite(p).all() for c in chunks for p in c["positions"])
+    # the update on one trajectory (the CPU learner's, copied to the GPU) takes the same step
+    batches = _scored(cpu.generate(2), FORCE, ENERGY)
+    traj = {k: v.to("cuda") if torch.is_tensor(v) else v for k, v in cpu.pending["trajectory"].items()}
+    cuda.pending = {**cpu.pending, "trajectory": traj}
+    cpu.update(cpu.prepare(batches))
+    cuda.update(cuda.prepare(batches))
+    for k, v in cuda.model.state_dict().items():
+        torch.testing.assert_close(v.cpu(), cpu.model.state_dict()[k], rtol=1e-3, atol=1e-5, msg=k)
+
+
 # ---------------------------------------------------------------------- a group algorithm: Flow-GRPO
 
 FORMS_REWARDS = [0.9, 0.1, 0.3, 0.6, 0.0, 1.0, 0.5, 0.2]          # 4 groups of 2
