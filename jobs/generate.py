@@ -114,6 +114,9 @@ JOBS = {
     "flowsar/lift_state_quickstart": Job("the laptop-sized FlowSAR Lift run (low-dim state, CPU only), from the same "
                                          "demos and base policy as FPO++'s quickstart", "cpu", hours=2,
                                          learner_gpus=0, demos=50, pretrain="--epochs 20"),
+    "flowsar/can_state_quickstart": Job("the laptop-sized FlowSAR Can run (low-dim state, CPU only), on the FPO++ Can "
+                                        "quickstart's base and at its env-step budget", "cpu", hours=2,
+                                        learner_gpus=0, demos=100, pretrain="--epochs 20"),
     "flow_grpo/forms_small": Job(
         "Flow-GRPO on the browser forms benchmark with the small offline masked-diffusion model (CPU learner)",
         "scoring", learner_gpus=0, eval_episodes=64,
