@@ -17,7 +17,7 @@ policy trained from a binary episode reward R in {0, 1} (here: task success).
                            episode_mean; mean_one: mean 1 per real step; sum_one: the spec's
                            sum to 1)
                        labels R in {0, 1} (label_baseline: batch, beyond the spec: DiffusionNFT's
-                           r = 1/2 + 1/2 clip((R - mean R) / std R, -1, 1) over the batch)
+                           r = 1/2 + clip(A, -c, c) / (2c), A = (R - mean R) / std R over the batch)
     update:            weighted mirror loss, t ~ U[t_min, t_max]:
                            v+ = (1 - beta) v_old + beta v,   v- = (1 + beta) v_old - beta v
                            E+- = mean over chunk and action dims of (v+- - u)^2  [/ (2t): sde]
@@ -109,6 +109,9 @@ class FlowSARConfig:
     weight_scale: Literal["mean_one", "sum_one", "episode_mean"] = "episode_mean"
     # beyond the spec: batch centres the labels as DiffusionNFT does (see centred_labels)
     label_baseline: Literal["none", "batch"] = "none"
+    # with label_baseline batch: DiffusionNFT's adv_clip_max c, r = 1/2 + clip(A, -c, c) / (2c);
+    # the labels of a batch with success rate p average 1/2 while 1 / (1 + c^2) <= p <= c^2 / (1 + c^2)
+    label_clip: float = field(default=5.0, metadata=check(gt=0))
     shaped_lambda: Optional[float] = field(default=None, metadata=check(ge=0, le=1))  # None: off
     ema_schedule: Literal["fixed", "linear"] = "linear"
     ema_beta: float = field(default=0.995, metadata=check(ge=0, le=1))
@@ -178,15 +181,21 @@ def episode_correlation(x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) ->
     return float((prod.sum(1)[keep] / n[keep]).mean())
 
 
-def centred_labels(success: torch.Tensor) -> torch.Tensor:
-    """DiffusionNFT's optimality probability with the batch's success rate as the baseline
+def centred_labels(success: torch.Tensor, clip: float = 5.0) -> torch.Tensor:
+    """DiffusionNFT's optimality probability with the batch's success rate p as the baseline
     (beyond the FlowSAR spec): success [E] bool -> r [E] in [0, 1],
 
-        r = 1/2 + 1/2 clip((R - mean R) / std R, -1, 1)      (population std over the E episodes)
+        A = (R - mean R) / std R          (population std over the E episodes)
+        r = 1/2 + clip(A, -c, c) / (2 c)  (c = ``clip``, DiffusionNFT's adv_clip_max, 5 there)
 
-    A batch of one outcome gets r = 1/2 (no contrast: the softplus term is flat)."""
+    A success has A = sqrt((1 - p) / p), a failure -sqrt(p / (1 - p)), so while neither is clipped
+    (1 / (1 + c^2) <= p <= c^2 / (1 + c^2)) the labels y = 2r - 1 average 0 over the batch: the
+    successes pull exactly as hard as the failures push. A c small enough to clip one side (c = 1:
+    every p but 1/2) tilts that balance towards the rarer outcome's opposite: at p < 1/2 the mean y
+    is negative, and the policy is pushed away from what it did. A batch of one outcome gets
+    r = 1/2 (no contrast: the softplus term is flat)."""
     r = success.float()
-    return 0.5 + 0.5 * group_advantages(r, r.numel(), adv_clip_max=1.0)
+    return 0.5 + 0.5 * group_advantages(r, r.numel(), adv_clip_max=clip) / clip
 
 
 def credit_weights(errors: torch.Tensor, success: torch.Tensor, temperature: float,
@@ -458,7 +467,7 @@ class FlowSAR(EnvStepAlgorithm):
         obs = self._episode_obs(episodes)                                            # [M, ...]
         actions = self._tensor(np.concatenate([ep["actions"] for ep in episodes]))   # [M, Ta, Da]
         success = torch.tensor([ep["return"] > 0 for ep in episodes], device=self.device)   # R [E]
-        labels = centred_labels(success) if h.label_baseline == "batch" else success.float()  # [E]
+        labels = centred_labels(success, h.label_clip) if h.label_baseline == "batch" else success.float()  # [E]
         errors = self._annotate(obs, actions)                                        # e [M]
         # [M] -> padded [E, H]: row i holds episode i's steps
         mask = torch.arange(h_max, device=self.device)[None] < torch.tensor(lengths, device=self.device)[:, None]

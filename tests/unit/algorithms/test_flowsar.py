@@ -334,15 +334,30 @@ def test_critic_oracle_mode_reports_the_correlation_of_e_and_the_advantages():
 
 
 def test_centred_labels_by_hand():
-    # 1 success in 4: (R - .25) / (sqrt(3) / 4) = [1.73, -.577 x 3] -> clip -> r = [1, .5 - .289 x 3]
+    # 1 success in 4: A = (R - .25) / (sqrt(3) / 4) = [sqrt(3), -1 / sqrt(3) x 3]; with DiffusionNFT's
+    # c = 5 nothing is clipped: r = 1/2 + A / 10
     r = centred_labels(torch.tensor([True, False, False, False]))
-    f = 0.5 - 0.5 / math.sqrt(3)
-    torch.testing.assert_close(r, torch.tensor([1.0, f, f, f]))
+    s, f = 0.5 + math.sqrt(3) / 10, 0.5 - 1 / (10 * math.sqrt(3))
+    torch.testing.assert_close(r, torch.tensor([s, f, f, f]))
+    torch.testing.assert_close((2 * r - 1).mean(), torch.tensor(0.0))     # pulls and pushes balance
     # 1 failure in 4: mirrored
     torch.testing.assert_close(centred_labels(torch.tensor([False, True, True, True])),
-                               torch.tensor([0.0, 1 - f, 1 - f, 1 - f]))
+                               torch.tensor([1 - s, 1 - f, 1 - f, 1 - f]))
     # one outcome only: no contrast
     torch.testing.assert_close(centred_labels(torch.tensor([True, True])), torch.tensor([0.5, 0.5]))
+
+
+def test_centred_labels_clipped_on_one_side_tilt_the_batch():
+    # c = 1 clips the success's A = sqrt(3) to 1: r = [1, .5 - .289 x 3], and the labels y = 2r - 1
+    # no longer average 0 but 1/4 (1 - sqrt(3)) < 0: the batch pushes away from what it did
+    r = centred_labels(torch.tensor([True, False, False, False]), clip=1.0)
+    f = 0.5 - 0.5 / math.sqrt(3)
+    torch.testing.assert_close(r, torch.tensor([1.0, f, f, f]))
+    torch.testing.assert_close((2 * r - 1).mean(), torch.tensor((1 - math.sqrt(3)) / 4))
+    # 1 success in 26 is the last rate c = 5 leaves unclipped (A = 5 exactly); 1 in 27 is clipped
+    for n, balanced in ((26, True), (27, False)):
+        y = 2 * centred_labels(torch.arange(n) == 0) - 1
+        assert (abs(float(y.mean())) < 1e-6) == balanced
 
 
 def test_uniform_mean_one_mse_branch_is_diffusionnfts_loss_on_a_toy_batch():
@@ -660,12 +675,15 @@ def test_batch_label_baseline_gives_the_centred_labels_to_every_step():
     b = make_batch(0, ends={(1, 0): "term", (2, 1): "term", (3, 2): "term", (5, 3): "term"},
                    rewards={(1, 0): 1.0}, n=4, seed=3)
     out = algo.prepare([b])
-    r_fail = 0.5 - 0.5 * (0.25 / (math.sqrt(3) / 4))
+    r_win, r_fail = 0.5 + math.sqrt(3) / 10, 0.5 - 1 / (10 * math.sqrt(3))     # r = 1/2 + A / (2 c), c = 5
     lengths = [2, 3, 4, 6]
-    expect = torch.tensor([1.0] * 2 + [r_fail] * (3 + 4 + 6))
+    expect = torch.tensor([r_win] * 2 + [r_fail] * (3 + 4 + 6))
     assert out["weights"].shape[0] == sum(lengths)
     torch.testing.assert_close(out["rewards"], expect)
-    assert out["stats"]["flowsar/label_mean"] == pytest.approx((1.0 + 3 * r_fail) / 4)
+    assert out["stats"]["flowsar/label_mean"] == pytest.approx(0.5)
+    clipped = FlowSAR(tiny_cfg(label_baseline="batch", label_clip=1.0), SPEC, torch.device("cpu"))
+    out = clipped.prepare([b])
+    torch.testing.assert_close(out["rewards"][:2], torch.tensor([1.0, 1.0]))
 
 
 def _params(module) -> dict:
@@ -740,6 +758,7 @@ def test_lr_warm_up_is_linear_over_its_iterations_and_survives_a_resume():
     ({"error_scale": "zscore"}, r"algo\.error_scale.*zscore"),
     ({"weight_scale": "sum"}, r"algo\.weight_scale.*sum"),
     ({"label_baseline": "group"}, r"algo\.label_baseline.*group"),
+    ({"label_clip": 0.0}, r"algo\.label_clip"),
     ({"n_annotation_samples": 0}, r"algo\.n_annotation_samples"),
 ])
 def test_config_mistakes_name_the_key(overrides, pattern):
