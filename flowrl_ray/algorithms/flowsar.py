@@ -191,8 +191,8 @@ def centred_labels(success: torch.Tensor, clip: float = 5.0) -> torch.Tensor:
     A success has A = sqrt((1 - p) / p), a failure -sqrt(p / (1 - p)), so while neither is clipped
     (1 / (1 + c^2) <= p <= c^2 / (1 + c^2)) the labels y = 2r - 1 average 0 over the batch: the
     successes pull exactly as hard as the failures push. A c small enough to clip one side (c = 1:
-    every p but 1/2) tilts that balance towards the rarer outcome's opposite: at p < 1/2 the mean y
-    is negative, and the policy is pushed away from what it did. A batch of one outcome gets
+    every p but 1/2) weakens the rarer outcome's labels: at p < 1/2 the successes' pull is cut, the
+    mean y is negative, and the policy is pushed away from what it did. A batch of one outcome gets
     r = 1/2 (no contrast: the softplus term is flat)."""
     r = success.float()
     return 0.5 + 0.5 * group_advantages(r, r.numel(), adv_clip_max=clip) / clip
