@@ -17,6 +17,23 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 
 
+def portable(obj):
+    """``obj`` with every path inside the repository written relative to its root, so that a
+    results file names no machine's directories (``/home/me/flowrl-ray/runs/a`` -> ``runs/a``).
+    Walks dicts, lists and tuples (tuples become lists, as JSON writes them); Path values become
+    strings; other values are kept."""
+    if isinstance(obj, Path):
+        obj = str(obj)
+    if isinstance(obj, str):
+        root = str(REPO_ROOT) + os.sep
+        return obj[len(root):] if obj.startswith(root) else ("." if obj == str(REPO_ROOT) else obj)
+    if isinstance(obj, dict):
+        return {k: portable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [portable(v) for v in obj]
+    return obj
+
+
 # --------------------------------------------------------------------------- machine
 
 def _cpu_model() -> str:

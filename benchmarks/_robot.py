@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from _common import portable
+
 os.environ.setdefault("MUJOCO_GL", "egl")
 FLOWRL = [sys.executable, "-m", "flowrl_ray.cli"]
 SAMPLING_RULES = ("zero", "random")
@@ -151,4 +153,4 @@ def run_summary(run_dir: Path) -> dict:
 
 def write_json(path: Path, data: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2) + "\n")
+    path.write_text(json.dumps(portable(data), indent=2) + "\n")

@@ -24,7 +24,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS_DIR, git_revision, machine_info, md_table, write_results  # noqa: E402
+from _common import (RESULTS_DIR, git_revision, machine_info, md_table,  # noqa: E402
+                     portable, write_results)
 
 CONFIG = "configs/flow_grpo/forms_small.yaml"
 
@@ -120,8 +121,8 @@ def main(argv=None) -> dict:
     out = Path(args.results_dir)
     write_results(args.output, "Flow-GRPO: how far one update moves the policy, and the two KL estimators",
                   body, results_dir=out)
-    (out / f"{args.output}.json").write_text(json.dumps(
-        {"args": vars(args), "machine": machine_info(), "git": git_revision(), "runs": runs}, indent=2))
+    (out / f"{args.output}.json").write_text(json.dumps(portable(
+        {"args": vars(args), "machine": machine_info(), "git": git_revision(), "runs": runs}), indent=2))
     return {"runs": runs}
 
 

@@ -30,7 +30,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS_DIR, git_revision, machine_info, md_table, write_results  # noqa: E402
+from _common import (RESULTS_DIR, git_revision, machine_info, md_table,  # noqa: E402
+                     portable, write_results)
 
 CONFIG = "configs/flow_grpo/forms_small.yaml"
 
@@ -137,7 +138,7 @@ def main() -> None:
               "the (minibatch, step) pairs not first met before any optimiser step. A minibatch keeps its "
               "K steps in every epoch, so those passes shrink with K as well.\n")
     write_results(args.output, "Flow-GRPO update time: step subsampling (timestep_fraction)", body)
-    (RESULTS_DIR / f"{args.output}.json").write_text(json.dumps(results, indent=2, default=str))
+    (RESULTS_DIR / f"{args.output}.json").write_text(json.dumps(portable(results), indent=2, default=str))
 
 
 if __name__ == "__main__":

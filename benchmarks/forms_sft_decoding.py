@@ -26,7 +26,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS_DIR, git_revision, machine_info, md_table, write_results  # noqa: E402
+from _common import (RESULTS_DIR, git_revision, machine_info, md_table,  # noqa: E402
+                     portable, write_results)
 
 CONFIG = "configs/flow_grpo/forms_small.yaml"
 
@@ -113,7 +114,7 @@ def main() -> None:
             + "\n\nTasks that cannot fit:\n\n" + "\n".join(cut_lines)
             + "\n\nFirst completion of each split (cut to 240 characters):\n\n" + "\n".join(examples) + "\n")
     write_results(args.output, "Forms SFT model: gold actions written, by unmasking steps", body)
-    (RESULTS_DIR / f"{args.output}.json").write_text(json.dumps(results, indent=2, default=str))
+    (RESULTS_DIR / f"{args.output}.json").write_text(json.dumps(portable(results), indent=2, default=str))
 
 
 if __name__ == "__main__":

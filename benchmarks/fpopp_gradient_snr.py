@@ -34,7 +34,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS_DIR, git_revision, machine_info, md_table, write_results  # noqa: E402
+from _common import (RESULTS_DIR, git_revision, machine_info, md_table,  # noqa: E402
+                     portable, write_results)
 
 os.environ.setdefault("MUJOCO_GL", "egl")
 CONFIG = "configs/fpopp/lift_state_quickstart.yaml"
@@ -177,7 +178,7 @@ def main() -> None:
             + md_table(["variant", "chunks per gradient B", "disjoint sets", "mean cosine between sets",
                         "same, advantages shuffled"], rows) + "\n\n" + "\n".join(lines) + "\n")
     write_results(args.output, "FPO++ on Lift: policy-gradient agreement between disjoint batches", body)
-    (RESULTS_DIR / f"{args.output}.json").write_text(json.dumps(results, indent=2, default=str))
+    (RESULTS_DIR / f"{args.output}.json").write_text(json.dumps(portable(results), indent=2, default=str))
 
 
 if __name__ == "__main__":

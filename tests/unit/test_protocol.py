@@ -316,3 +316,21 @@ def test_async_pacing_counts_batches_by_policy_lag_and_reads_a_run(tmp_path):
     s = run_stats(run)
     assert (s["steps"], s["loop_s"], s["steps_per_s"], s["iterations"]) == (300, 6.0, 50.0, 3)
     assert s["lags"] == {0: 3, 1: 3} and s["dropped"] == 0 and s["curve"][-1] == (300, 6.0, 2.0)
+
+
+def test_results_files_name_paths_inside_the_repository_relative_to_it(tmp_path):
+    """A results JSON written on one machine names no directory of it: paths under the
+    repository become relative to its root (nested, as Path or str); others stay as they are."""
+    from pathlib import Path
+
+    from _common import REPO_ROOT, RESULTS_DIR, portable
+    from _robot import write_json
+    data = {"results_dir": RESULTS_DIR, "runs": [str(REPO_ROOT / "runs" / "a"), ("x", REPO_ROOT)],
+            "other": "/elsewhere/runs/a", "near": str(REPO_ROOT) + "-copy/runs/a", "n": 3, "none": None}
+    out = portable(data)
+    assert out == {"results_dir": "benchmarks/results", "runs": ["runs/a", ["x", "."]],
+                   "other": "/elsewhere/runs/a", "near": str(REPO_ROOT) + "-copy/runs/a", "n": 3, "none": None}
+    write_json(tmp_path / "r.json", data)
+    text = (tmp_path / "r.json").read_text()
+    assert str(REPO_ROOT) + "/" not in text and json.loads(text)["runs"][0] == "runs/a"
+    assert isinstance(data["results_dir"], Path)                 # the caller's object is not changed
