@@ -5,6 +5,7 @@ directly, so this is Linux-only; elsewhere the load section says "unavailable").
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import os
 import platform
 import shlex
@@ -32,6 +33,29 @@ def portable(obj):
     if isinstance(obj, (list, tuple)):
         return [portable(v) for v in obj]
     return obj
+
+
+def _json_value(value):
+    """What JSON cannot hold: numpy (and torch) scalars and arrays as numbers and lists, anything
+    else as its ``str``."""
+    return value.tolist() if hasattr(value, "tolist") else str(value)
+
+
+def write_json(path: str | Path, obj, indent: int = 2) -> Path:
+    """Write ``obj`` as JSON to ``path``: paths inside the repository relative to its root
+    (:func:`portable`), numpy values as numbers and lists, other values JSON cannot hold as their
+    ``str``; through a temporary file and a rename, so an interrupted benchmark leaves the
+    previous file whole. Returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    text = json.dumps(portable(obj), indent=indent, default=_json_value) + "\n"
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
 
 
 # --------------------------------------------------------------------------- machine

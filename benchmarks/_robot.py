@@ -9,13 +9,11 @@ robosuite steps (fewer when the episode ends inside the chunk).
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-from _common import portable
 
 os.environ.setdefault("MUJOCO_GL", "egl")
 FLOWRL = [sys.executable, "-m", "flowrl_ray.cli"]
@@ -151,6 +149,3 @@ def run_summary(run_dir: Path) -> dict:
             "train_curve": train, "eval_curve": evals, "name": run_config(run_dir).name}
 
 
-def write_json(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(portable(data), indent=2) + "\n")

@@ -27,14 +27,13 @@ env steps and wall-clock. Written to ``benchmarks/results/<output>.{json,md}`` a
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (RESULTS_DIR, git_revision, md_table, portable,  # noqa: E402
+from _common import (RESULTS_DIR, git_revision, md_table, write_json,  # noqa: E402
                      wait_for_quiet, write_results)
 
 MODES = {"sync": ["runtime.mode=sync"], "async": ["runtime.mode=async"]}
@@ -113,8 +112,8 @@ def report(results: dict[str, list[dict]], args: argparse.Namespace) -> None:
             png = plot_curves({m: ds for m, ds in data.items() if ds}, RESULTS_DIR / f"{args.output}_{name}.png",
                               x, "training episode return", "sync vs paced async")
             body.append(f"![{name}]({png.name})")
-    (RESULTS_DIR / f"{args.output}.json").write_text(json.dumps(portable(
-        {"revision": git_revision(), "results": results}), indent=1, default=str) + "\n")
+    write_json(RESULTS_DIR / f"{args.output}.json",
+        {"revision": git_revision(), "results": results}, indent=1)
     write_results(args.output, "Paced asynchronous sampling vs synchronous sampling", "\n".join(body))
 
 

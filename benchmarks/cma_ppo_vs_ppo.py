@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO_ROOT, RESULTS_DIR, git_revision, md_table, wait_for_quiet, write_results  # noqa: E402
+from _common import REPO_ROOT, RESULTS_DIR, git_revision, md_table, wait_for_quiet, write_json, write_results  # noqa: E402
 from _runners import run_flowrl, run_rllib  # noqa: E402
 
 TASKS = {"bipedalwalker": "BipedalWalker-v3", "halfcheetah": "HalfCheetah-v5"}
@@ -62,11 +62,6 @@ def run_one(side: str, task: str, seed: int, args: argparse.Namespace) -> dict:
         result = run_flowrl(path, args.steps, seed, CMA_4K if side == "cma_ppo_4k" else [], args.eval_episodes,
                             args.return_window)
     return {**result, "side": side, "task": task}
-
-
-def _plain(value):
-    """JSON for numpy scalars in RLlib's results."""
-    return value.item() if hasattr(value, "item") else str(value)
 
 
 def parse_args() -> argparse.Namespace:
@@ -176,7 +171,7 @@ def main() -> None:
         load = result.pop("load")
         result["other_cores"] = sum(v for k, v in load["cores_by_process"].items() if k.startswith("other:"))
         runs.append(result)
-        store.write_text(json.dumps(runs, indent=1, default=_plain) + "\n")
+        write_json(store, runs, indent=1)
         print(f"[bench] {LABELS[side]} seed {seed}: final training return {result['final_train_return']}, "
               f"eval {result['eval_return']}, loop {result['loop_s']:.0f} s", flush=True)
     selected = [r for r in runs if r["task"] in args.tasks and r["side"] in args.sides and r["seed"] < args.seeds]

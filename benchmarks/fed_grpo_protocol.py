@@ -42,8 +42,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS_DIR, command_line, git_revision, machine_info, md_table, write_results  # noqa: E402
-from _robot import run_config, write_json  # noqa: E402
+from _common import command_line, git_revision, machine_info, md_table, write_json, write_results  # noqa: E402
+from _robot import run_config  # noqa: E402
 from robot_protocol import (LEVEL, MIN_SEEDS, UsageError, add_shared_arguments, check_launch_args,  # noqa: E402
                             collect_one_base, launch, log, metric_curve, parse_args, plot_run_curves)
 

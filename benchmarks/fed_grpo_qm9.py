@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (REPO_ROOT, RESULTS_DIR, git_revision, md_table,  # noqa: E402
-                     portable, write_results)
+                     write_json, write_results)
 
 CONFIG = "configs/fed_grpo/qm9_small.yaml"
 FLOWRL = [sys.executable, "-m", "flowrl_ray.cli"]
@@ -105,8 +105,8 @@ def main() -> None:
         row["train_time_s"] = metrics_rows[-1].get("time_s")
         row["molecules_trained"] = metrics_rows[-1].get("env_steps")
         results.append(row)
-    (RESULTS_DIR / "fed_grpo_qm9.json").write_text(json.dumps(portable({"config": args.config, "overrides": args.overrides,
-                                                                "git": git_revision(), "results": results}), indent=2))
+    write_json(RESULTS_DIR / "fed_grpo_qm9.json", {"config": args.config, "overrides": args.overrides,
+                                                   "git": git_revision(), "results": results})
     body = ["## Before vs after (paired samples: same atom counts and noise)", ""]
     for row in results:
         body += [f"Run `{row['run']}`: {row['iterations']} iterations, {row['molecules_trained']} molecules "

@@ -19,13 +19,12 @@ the sum of per-token k3). Results: ``<results-dir>/<output>.{json,md}``. No asse
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (RESULTS_DIR, git_revision, machine_info, md_table,  # noqa: E402
-                     portable, write_results)
+                     write_json, write_results)
 
 CONFIG = "configs/flow_grpo/forms_small.yaml"
 
@@ -121,8 +120,8 @@ def main(argv=None) -> dict:
     out = Path(args.results_dir)
     write_results(args.output, "Flow-GRPO: how far one update moves the policy, and the two KL estimators",
                   body, results_dir=out)
-    (out / f"{args.output}.json").write_text(json.dumps(portable(
-        {"args": vars(args), "machine": machine_info(), "git": git_revision(), "runs": runs}), indent=2))
+    write_json(out / f"{args.output}.json",
+        {"args": vars(args), "machine": machine_info(), "git": git_revision(), "runs": runs})
     return {"runs": runs}
 
 

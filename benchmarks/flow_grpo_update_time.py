@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import sys
 import tempfile
@@ -31,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (RESULTS_DIR, git_revision, machine_info, md_table,  # noqa: E402
-                     portable, write_results)
+                     write_json, write_results)
 
 CONFIG = "configs/flow_grpo/forms_small.yaml"
 
@@ -138,7 +137,7 @@ def main() -> None:
               "the (minibatch, step) pairs not first met before any optimiser step. A minibatch keeps its "
               "K steps in every epoch, so those passes shrink with K as well.\n")
     write_results(args.output, "Flow-GRPO update time: step subsampling (timestep_fraction)", body)
-    (RESULTS_DIR / f"{args.output}.json").write_text(json.dumps(portable(results), indent=2, default=str))
+    write_json(RESULTS_DIR / f"{args.output}.json", results)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ it. Results: ``benchmarks/results/<output>.{json,md}``. No assertion is made.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
@@ -31,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (RESULTS_DIR, git_revision, machine_info, md_table,  # noqa: E402
-                     portable, write_results)
+                     write_json, write_results)
 
 CONFIG = "configs/flow_grpo/forms_small.yaml"
 
@@ -144,7 +143,7 @@ def main(argv=None) -> dict:
                         "training values: exact / tokens", "example (value -> output)"], rows) + "\n")
     write_results(args.output, "Forms: can the model learn to copy?", body)
     results = {"args": vars(args), "machine": machine_info(), "git": git_revision(), "curve": curve}
-    (RESULTS_DIR / f"{args.output}.json").write_text(json.dumps(portable(results), indent=2, default=str))
+    write_json(RESULTS_DIR / f"{args.output}.json", results)
     return results
 
 

@@ -43,7 +43,6 @@ Results go to stdout and ``benchmarks/results/<output>.md`` / ``.json``. No asse
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -53,7 +52,7 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (RESULTS_DIR, LoadMonitor, _descendants, _proc_table, git_revision, load_lines,  # noqa: E402
-                     machine_info, md_table, portable, wait_for_quiet, write_results)
+                     machine_info, md_table, write_json, wait_for_quiet, write_results)
 
 TARGET_EFFICIENCY = 0.85
 
@@ -290,7 +289,7 @@ def main() -> None:
             f"- git: {result['git']}\n\n## CPU load during the run\n\n{quiet}\n\n" + "\n".join(load_lines(load)) + "\n")
     write_results(args.output, "Browser form-filling rollout throughput", body)
     out_json = RESULTS_DIR / f"{args.output}.json"
-    out_json.write_text(json.dumps(portable(result), indent=2, default=str))
+    write_json(out_json, result)
     print(f"[bench] json: {out_json}", flush=True)
 
 

@@ -23,14 +23,13 @@ benchmarks/results/forms_sft_copy). No assertion is made.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS_DIR, git_revision, machine_info, md_table, portable  # noqa: E402
+from _common import RESULTS_DIR, git_revision, machine_info, md_table, write_json  # noqa: E402
 
 CONFIG = "configs/flow_grpo/forms_small.yaml"
 FILL_TYPES = ("text", "textarea", "email", "tel", "number", "date")
@@ -190,7 +189,7 @@ def main(argv=None) -> dict:
     out = Path(args.results_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.output}.md").write_text(body)
-    (out / f"{args.output}.json").write_text(json.dumps(portable(results), indent=2, default=str))
+    write_json(out / f"{args.output}.json", results)
     print(body, flush=True)
     return results
 

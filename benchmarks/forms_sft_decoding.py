@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (RESULTS_DIR, git_revision, machine_info, md_table,  # noqa: E402
-                     portable, write_results)
+                     write_json, write_results)
 
 CONFIG = "configs/flow_grpo/forms_small.yaml"
 
@@ -114,7 +114,7 @@ def main() -> None:
             + "\n\nTasks that cannot fit:\n\n" + "\n".join(cut_lines)
             + "\n\nFirst completion of each split (cut to 240 characters):\n\n" + "\n".join(examples) + "\n")
     write_results(args.output, "Forms SFT model: gold actions written, by unmasking steps", body)
-    (RESULTS_DIR / f"{args.output}.json").write_text(json.dumps(portable(results), indent=2, default=str))
+    write_json(RESULTS_DIR / f"{args.output}.json", results)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import pickle
 import sys
@@ -35,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (RESULTS_DIR, git_revision, machine_info, md_table,  # noqa: E402
-                     portable, write_results)
+                     write_json, write_results)
 
 os.environ.setdefault("MUJOCO_GL", "egl")
 CONFIG = "configs/fpopp/lift_state_quickstart.yaml"
@@ -178,7 +177,7 @@ def main() -> None:
             + md_table(["variant", "chunks per gradient B", "disjoint sets", "mean cosine between sets",
                         "same, advantages shuffled"], rows) + "\n\n" + "\n".join(lines) + "\n")
     write_results(args.output, "FPO++ on Lift: policy-gradient agreement between disjoint batches", body)
-    (RESULTS_DIR / f"{args.output}.json").write_text(json.dumps(portable(results), indent=2, default=str))
+    write_json(RESULTS_DIR / f"{args.output}.json", results)
 
 
 if __name__ == "__main__":

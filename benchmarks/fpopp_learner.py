@@ -38,7 +38,6 @@ Results go to stdout, ``benchmarks/results/fpopp_learner.md`` and ``.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -47,7 +46,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (REPO_ROOT, RESULTS_DIR, LoadMonitor, git_revision, load_lines, machine_info,  # noqa: E402
-                     md_table, write_results)
+                     md_table, write_json, write_results)
 
 TARGET_RATIO = 1.1
 
@@ -316,11 +315,10 @@ def main() -> None:
     results = [measure(t, cfg, spec, batches, args) for t in args.threads]
     elapsed = time.perf_counter() - t0
     write_results(args.output, "FPO++ learner: FPOPP.update vs a bare-PyTorch loop", report(results, args, elapsed))
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    store = RESULTS_DIR / f"{args.output}.json"
-    store.write_text(json.dumps({"benchmark": "fpopp_learner", "args": vars(args), "machine": machine_info(),
-                                 "revision": git_revision(), "elapsed_s": elapsed, "target_ratio": TARGET_RATIO,
-                                 "results": results}, indent=1) + "\n")
+    store = write_json(RESULTS_DIR / f"{args.output}.json",
+                       {"benchmark": "fpopp_learner", "args": vars(args), "machine": machine_info(),
+                        "revision": git_revision(), "elapsed_s": elapsed, "target_ratio": TARGET_RATIO,
+                        "results": results}, indent=1)
     print(f"[bench] raw numbers written to {os.path.relpath(store, Path.cwd())}", flush=True)
 
 

@@ -26,7 +26,6 @@ quickstart) low-level 20 Hz robosuite steps, fewer at the end of an episode).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -34,7 +33,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import REPO_ROOT, RESULTS_DIR, git_revision, md_table, portable, write_results  # noqa: E402
+from _common import REPO_ROOT, RESULTS_DIR, git_revision, md_table, write_json, write_results  # noqa: E402
 from _robot import FLOWRL, base_key, base_policy, ensure_demos_and_base, evaluate, run_config, run_summary  # noqa: E402
 
 CONFIG = "configs/fpopp/lift_state_quickstart.yaml"
@@ -85,7 +84,7 @@ def main() -> None:
                                 "final": evaluate(policy, run_cfg, args.eval_episodes)})
     results["eval_time_s"] = round(time.perf_counter() - t0, 1)
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    (RESULTS_DIR / f"{args.output}.json").write_text(json.dumps(portable(results), indent=2) + "\n")
+    write_json(RESULTS_DIR / f"{args.output}.json", results)
 
     pct = lambda v: "-" if v is None else f"{100 * v:.0f} %"     # noqa: E731
     rows = [[f"pretrained base `{path}`", "-", "-", pct(b["zero"]), pct(b["random"]), "-"]

@@ -37,7 +37,6 @@ lines), the ranks share cores and the speed-up says so. Results: stdout,
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -45,7 +44,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import LoadMonitor, RESULTS_DIR, git_revision, load_lines, machine_info, md_table, portable, write_results  # noqa: E402
+from _common import LoadMonitor, RESULTS_DIR, git_revision, load_lines, machine_info, md_table, write_json, write_results  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -204,9 +203,9 @@ def main() -> int:
                        rows)
             + "\n\n## Load while it ran\n\n" + "\n".join(load_lines(load)) + "\n")
     write_results(args.output, "Learner group: update time on 1 process vs N gloo ranks", body)
-    (RESULTS_DIR / f"{args.output}.json").write_text(json.dumps(portable(
+    write_json(RESULTS_DIR / f"{args.output}.json",
         {"results": results, "ranks": args.ranks, "devices": args.devices, "reps": args.reps, "load": load,
-         "machine": machine_info(), "revision": git_revision()}), indent=1))
+         "machine": machine_info(), "revision": git_revision()}, indent=1)
     return 0
 
 

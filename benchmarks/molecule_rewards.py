@@ -41,7 +41,6 @@ for _var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
     os.environ[_var] = "1"              # before numpy/tblite load: the baseline runs one thread
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -50,7 +49,7 @@ from types import SimpleNamespace  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (RESULTS_DIR, LoadMonitor, _descendants, _proc_table, git_revision, load_lines,  # noqa: E402
-                     machine_info, md_table, portable, wait_for_quiet, write_results)
+                     machine_info, md_table, write_json, wait_for_quiet, write_results)
 from _runners import niceness  # noqa: E402
 
 TARGET = 0.85
@@ -263,7 +262,7 @@ def main() -> None:
             f"- git: {result['git']}\n\n## CPU load during the run\n\n{quiet}\n\n" + "\n".join(load_lines(load)) + "\n")
     write_results(args.output, "Molecule force-field rewards: GFN2-xTB scoring actors vs a tblite loop", body)
     out_json = RESULTS_DIR / f"{args.output}.json"
-    out_json.write_text(json.dumps(portable(result), indent=2, default=str))
+    write_json(out_json, result)
     print(f"[bench] json: {out_json}", flush=True)
 
 

@@ -64,10 +64,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS_DIR, command_line, git_revision, machine_info, md_table, write_results  # noqa: E402
+from _common import RESULTS_DIR, command_line, git_revision, machine_info, md_table, write_json, write_results  # noqa: E402
 from _robot import (EVAL_ENVS, EVAL_SEED, FLOWRL, SAMPLING_RULES, base_policy,  # noqa: E402
-                    ensure_demos_and_base, evaluate_episodes, make_eval_runner, run_config, run_summary,
-                    write_json)
+                    ensure_demos_and_base, evaluate_episodes, make_eval_runner, run_config, run_summary)
 
 MIN_SEEDS = 3
 LEVEL = 0.95

@@ -59,7 +59,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import statistics
 import sys
@@ -70,7 +69,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _runners import ProcessPair, make_runner, niceness  # noqa: E402
 from _common import (REPO_ROOT, RESULTS_DIR, LoadMonitor, _descendants, _proc_table, git_revision,  # noqa: E402
-                     load_lines, machine_info, md_table, wait_for_quiet, write_results)
+                     load_lines, machine_info, md_table, wait_for_quiet, write_json, write_results)
 
 TARGET_EFFICIENCY = 0.85
 NUM_WORKERS = 2
@@ -474,12 +473,11 @@ def main() -> None:
     elapsed = time.perf_counter() - t0
     write_results(args.output, f"Robot rollout throughput (FPO++ flow policy, robosuite {args.task}): "
                   f"Ray rollout workers vs a single process", report(result, args, elapsed, quiet, calibration))
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    store = RESULTS_DIR / f"{args.output}.json"
-    store.write_text(json.dumps({"benchmark": "robot_rollout", "args": vars(args), "machine": machine_info(),
-                                 "revision": git_revision(), "quiet": quiet, "calibration": calibration,
-                                 "elapsed_s": elapsed, "target_efficiency": TARGET_EFFICIENCY,
-                                 "result": result}, indent=1, default=str) + "\n")
+    store = write_json(RESULTS_DIR / f"{args.output}.json",
+                       {"benchmark": "robot_rollout", "args": vars(args), "machine": machine_info(),
+                        "revision": git_revision(), "quiet": quiet, "calibration": calibration,
+                        "elapsed_s": elapsed, "target_efficiency": TARGET_EFFICIENCY, "result": result},
+                       indent=1)
     print(f"[bench] raw numbers written to {os.path.relpath(store, Path.cwd())}", flush=True)
 
 

@@ -323,8 +323,7 @@ def test_results_files_name_paths_inside_the_repository_relative_to_it(tmp_path)
     repository become relative to its root (nested, as Path or str); others stay as they are."""
     from pathlib import Path
 
-    from _common import REPO_ROOT, RESULTS_DIR, portable
-    from _robot import write_json
+    from _common import REPO_ROOT, RESULTS_DIR, portable, write_json
     data = {"results_dir": RESULTS_DIR, "runs": [str(REPO_ROOT / "runs" / "a"), ("x", REPO_ROOT)],
             "other": "/elsewhere/runs/a", "near": str(REPO_ROOT) + "-copy/runs/a", "n": 3, "none": None}
     out = portable(data)
@@ -334,3 +333,33 @@ def test_results_files_name_paths_inside_the_repository_relative_to_it(tmp_path)
     text = (tmp_path / "r.json").read_text()
     assert str(REPO_ROOT) + "/" not in text and json.loads(text)["runs"][0] == "runs/a"
     assert isinstance(data["results_dir"], Path)                 # the caller's object is not changed
+
+
+def test_write_json_is_the_one_results_writer_and_replaces_a_file_whole(tmp_path, monkeypatch):
+    """Every benchmark writes its results JSON through _common.write_json (so none can forget
+    portable()); numpy values become numbers and lists, other values JSON cannot hold their str; a write that fails half-way
+    leaves the previous file as it was, and no temporary file behind."""
+    import re
+
+    import _common
+    from _common import REPO_ROOT, write_json
+    bench = REPO_ROOT / "benchmarks"
+    for script in sorted(bench.glob("*.py")):
+        text = script.read_text()
+        assert not re.search(r"write_text\(json\.dumps", text), f"{script.name} writes JSON itself"
+        assert "def write_json" not in text or script.name == "_common.py", script.name
+    class Stamp:
+        def __str__(self):
+            return "2026-11-27"
+    path = write_json(tmp_path / "sub" / "r.json", {"when": Stamp(), "x": [1.5, None], "n": np.int64(3),
+                                                    "a": np.arange(2.0)})
+    assert json.loads(path.read_text()) == {"when": "2026-11-27", "x": [1.5, None], "n": 3, "a": [0.0, 1.0]}
+    before = path.read_text()
+
+    def disk_full(*args):
+        raise OSError("disk full")
+    monkeypatch.setattr(_common.os, "replace", disk_full)
+    with pytest.raises(OSError, match="disk full"):
+        write_json(path, {"b": 2})
+    assert path.read_text() == before                             # the previous results, whole
+    assert [p.name for p in path.parent.iterdir()] == ["r.json"]  # and no temporary file
