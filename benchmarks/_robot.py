@@ -14,7 +14,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 os.environ.setdefault("MUJOCO_GL", "egl")
 FLOWRL = [sys.executable, "-m", "flowrl_ray.cli"]
 SAMPLING_RULES = ("zero", "random")
@@ -147,5 +146,3 @@ def run_summary(run_dir: Path) -> dict:
             "train_success_first": train[0][1] if train else None,
             "train_success_last": train[-1][1] if train else None,
             "train_curve": train, "eval_curve": evals, "name": run_config(run_dir).name}
-
-

@@ -337,8 +337,8 @@ def test_results_files_name_paths_inside_the_repository_relative_to_it(tmp_path)
 
 def test_write_json_is_the_one_results_writer_and_replaces_a_file_whole(tmp_path, monkeypatch):
     """Every benchmark writes its results JSON through _common.write_json (so none can forget
-    portable()); numpy values become numbers and lists, other values JSON cannot hold their str; a write that fails half-way
-    leaves the previous file as it was, and no temporary file behind."""
+    portable()); numpy values become numbers and lists, other values JSON cannot hold their str;
+    a write that fails leaves the previous file as it was, and no temporary file behind."""
     import re
 
     import _common
@@ -348,6 +348,7 @@ def test_write_json_is_the_one_results_writer_and_replaces_a_file_whole(tmp_path
         text = script.read_text()
         assert not re.search(r"write_text\(json\.dumps", text), f"{script.name} writes JSON itself"
         assert "def write_json" not in text or script.name == "_common.py", script.name
+
     class Stamp:
         def __str__(self):
             return "2026-11-27"
