@@ -54,8 +54,10 @@ run-ppo: install
 
 # tests/unit (pure Python: no Ray, no CLI subprocess, browser or simulator), tests/integration (a
 # local Ray or a real robosuite, Chromium, xTB ...), tests/e2e (the CLI through the whole stack).
+# PYTHONFAULTHANDLER: pytest's own fault handler stops at its unconfigure; with this set it is
+# re-armed, so a native crash while the interpreter shuts down prints the Python stacks.
 test: install
-	$(PY) -m pytest -q -ra tests
+	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q -ra tests
 
 test-unit: install
 	$(PY) -m pytest -q tests/unit
