@@ -18,6 +18,8 @@ policy trained from a binary episode reward R in {0, 1} (here: task success).
                            sum to 1)
                        labels R in {0, 1} (label_baseline: batch, beyond the spec: DiffusionNFT's
                            r = 1/2 + clip(A, -c, c) / (2c), A = (R - mean R) / std R over the batch)
+                       (label_shuffle, a control: the outcomes R permuted across the batch's
+                           episodes before labels and weights, so the update carries no signal)
     update:            weighted mirror loss, t ~ U[t_min, t_max]:
                            v+ = (1 - beta) v_old + beta v,   v- = (1 + beta) v_old - beta v
                            E+- = mean over chunk and action dims of (v+- - u)^2  [/ (2t): sde]
@@ -112,6 +114,10 @@ class FlowSARConfig:
     # with label_baseline batch: DiffusionNFT's adv_clip_max c, r = 1/2 + clip(A, -c, c) / (2c);
     # the labels of a batch with success rate p average 1/2 while 1 / (1 + c^2) <= p <= c^2 / (1 + c^2)
     label_clip: float = field(default=5.0, metadata=check(gt=0))
+    # a control, not a method: the batch's outcomes permuted across its episodes before labels and
+    # weights, so the update keeps its size and label mix but carries no information about what
+    # each episode did (what the update does to the policy without a signal)
+    label_shuffle: bool = False
     shaped_lambda: Optional[float] = field(default=None, metadata=check(ge=0, le=1))  # None: off
     ema_schedule: Literal["fixed", "linear"] = "linear"
     ema_beta: float = field(default=0.995, metadata=check(ge=0, le=1))
@@ -363,6 +369,10 @@ class FlowSAR(EnvStepAlgorithm):
             raise ConfigError(f"config key 'algo.t_min': {h.t_min} must be below algo.t_max ({h.t_max})")
         if h.w_min > h.w_max:
             raise ConfigError(f"config key 'algo.w_min': {h.w_min} is above algo.w_max ({h.w_max})")
+        if h.label_shuffle and (h.weight_mode == "critic_oracle" or h.shaped_lambda is not None):
+            raise ConfigError("config key 'algo.label_shuffle': the critic oracle and the shaping term read the "
+                              "episodes' own rewards, which the shuffle does not permute; use it with the "
+                              "outcome-only rules")
 
     @staticmethod
     def preflight(cfg: Config, spec: EnvSpec) -> None:
@@ -467,7 +477,10 @@ class FlowSAR(EnvStepAlgorithm):
         obs = self._episode_obs(episodes)                                            # [M, ...]
         actions = self._tensor(np.concatenate([ep["actions"] for ep in episodes]))   # [M, Ta, Da]
         success = torch.tensor([ep["return"] > 0 for ep in episodes], device=self.device)   # R [E]
-        labels = centred_labels(success, h.label_clip) if h.label_baseline == "batch" else success.float()  # [E]
+        outcome = success                              # what labels and weights read: R, or R permuted
+        if h.label_shuffle:                            # the no-signal control
+            outcome = success[torch.randperm(e_count, generator=self.generator).to(self.device)]
+        labels = centred_labels(outcome, h.label_clip) if h.label_baseline == "batch" else outcome.float()  # [E]
         errors = self._annotate(obs, actions)                                        # e [M]
         # [M] -> padded [E, H]: row i holds episode i's steps
         mask = torch.arange(h_max, device=self.device)[None] < torch.tensor(lengths, device=self.device)[:, None]
@@ -479,7 +492,7 @@ class FlowSAR(EnvStepAlgorithm):
         if h.shaped_lambda is not None:               # r_{i+1} - r_i per episode, r_H := r_{H-1}
             diffs = [np.diff(ep["rewards"], append=ep["rewards"][-1:]) for ep in episodes]
             reward_diff = pad(self._tensor(np.concatenate(diffs)))
-        weights = credit_weights(pad(errors), success, h.temperature, h.weight_mode, mask,
+        weights = credit_weights(pad(errors), outcome, h.temperature, h.weight_mode, mask,
                                  w_min=h.w_min, w_max=h.w_max, shaped_lambda=h.shaped_lambda,
                                  reward_diff=reward_diff,
                                  advantages=pad(advantages) if advantages is not None else None,

@@ -686,6 +686,39 @@ def test_batch_label_baseline_gives_the_centred_labels_to_every_step():
     torch.testing.assert_close(out["rewards"][:2], torch.tensor([1.0, 1.0]))
 
 
+def test_label_shuffle_permutes_the_outcomes_that_labels_and_weights_read():
+    # 4 episodes (2, 3, 4, 6 steps), episode 0 the only success. The control draws one
+    # permutation of the 4 outcomes from the algorithm's generator before the annotation's
+    # eps; labels and softmax signs follow the permuted outcomes, the logged success rate the
+    # true ones.
+    ends = {(1, 0): "term", (2, 1): "term", (3, 2): "term", (5, 3): "term"}
+    lengths = [2, 3, 4, 6]
+    winners = set()
+    for seed in range(6):
+        algo = FlowSAR(tiny_cfg(seed=seed, label_baseline="batch", temperature=0.5, label_shuffle=True),
+                       SPEC, torch.device("cpu"))
+        b = make_batch(0, ends=ends, rewards={(1, 0): 1.0}, n=4, seed=3)
+        gen = torch.Generator()
+        gen.set_state(algo.generator.get_state())
+        perm = torch.randperm(4, generator=gen)
+        outcome = torch.tensor([True, False, False, False])[perm]
+        out = algo.prepare([b])
+        r_win, r_fail = 0.5 + math.sqrt(3) / 10, 0.5 - 1 / (10 * math.sqrt(3))
+        expect = torch.cat([torch.full((n,), r_win if won else r_fail) for n, won in zip(lengths, outcome.tolist())])
+        torch.testing.assert_close(out["rewards"], expect)
+        e = _errors_by_hand(algo, out, gen, draws=3)
+        z = lambda x: (x - x.mean()) / (x.std(unbiased=False) + 1e-8)   # noqa: E731
+        start = 0
+        for n, won in zip(lengths, outcome.tolist()):
+            sign = 1.0 if won else -1.0
+            torch.testing.assert_close(out["weights"][start:start + n],
+                                       3.75 * torch.softmax(sign * z(e[start:start + n]) / 0.5, 0))
+            start += n
+        assert out["stats"]["flowsar/episode_success"] == pytest.approx(0.25)
+        winners.add(int(torch.nonzero(outcome)))
+    assert len(winners) > 1                    # the success label moves between episodes
+
+
 def _params(module) -> dict:
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
@@ -759,6 +792,8 @@ def test_lr_warm_up_is_linear_over_its_iterations_and_survives_a_resume():
     ({"weight_scale": "sum"}, r"algo\.weight_scale.*sum"),
     ({"label_baseline": "group"}, r"algo\.label_baseline.*group"),
     ({"label_clip": 0.0}, r"algo\.label_clip"),
+    ({"label_shuffle": True, "weight_mode": "critic_oracle"}, r"algo\.label_shuffle"),
+    ({"label_shuffle": True, "shaped_lambda": 0.5}, r"algo\.label_shuffle"),
     ({"n_annotation_samples": 0}, r"algo\.n_annotation_samples"),
 ])
 def test_config_mistakes_name_the_key(overrides, pattern):
