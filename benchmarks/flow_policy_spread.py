@@ -3,8 +3,8 @@ shifted, or further from the demonstrations?
 
 Run from the repository root (seconds per policy on 2 cores):
 
-    .venv/bin/python benchmarks/flow_policy_spread.py --variant uniform-centred=runs/can30-unc-s0,runs/can30-unc-s1 \\
-        --variant shuffled=runs/can30-uncshuf-s0,runs/can30-uncshuf-s1 --output flowsar_can_spread
+    .venv/bin/python benchmarks/flow_policy_spread.py --variant uniform-centred=runs/can30-unc-s0,runs/can30-unc-s1,runs/can30-unc-s2 \\
+        --variant shuffled=runs/can30-uncshuf-s0,runs/can30-uncshuf-s1,runs/can30-uncshuf-s2 --output flowsar_policy_spread_can
 
 Every policy (the runs' common base and each run's latest checkpoint) samples K action chunks at
 the same N states, taken evenly from the base's demonstrations (``env.dataset``, normalised as the
@@ -37,6 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RESULTS_DIR, command_line, git_revision, machine_info, md_table, write_json, write_results  # noqa: E402
 from _robot import base_policy, run_config  # noqa: E402
+from robot_protocol import UsageError, parse_variant  # noqa: E402
 
 QUARTERS = 4
 
@@ -104,13 +105,10 @@ def main(argv=None) -> int:
     import torch
 
     from flowrl_ray.checkpoint import load_policy
-    torch.manual_seed(args.seed)
-    variants = {}
-    for text in args.variant:
-        name, sep, runs = text.partition("=")
-        if not sep or not runs:
-            p.error(f"--variant {text!r}: expected NAME=RUN_DIR[,RUN_DIR...]")
-        variants[name] = [Path(r) for r in runs.split(",") if r]
+    try:
+        variants = dict(parse_variant(text) for text in args.variant)
+    except UsageError as e:
+        p.error(str(e))
     cfgs = {d: run_config(d) for dirs in variants.values() for d in dirs}
     bases = {c.algo.base_policy for c in cfgs.values()}
     if len(bases) != 1:
