@@ -44,14 +44,15 @@ def _progress(label: str, episodes: int, every_s: float = 15.0):
 
 
 def evaluate_episodes(policy, cfg, episodes: int, runner=None, label: str | None = None,
-                      rules=SAMPLING_RULES) -> dict:
+                      rules=SAMPLING_RULES, noise_seed: int | None = None) -> dict:
     """Per sampling rule, each episode's outcome, ordered by episode key (env index, episode
     number on that env), so that position e is the same initial state for every policy:
     {"zero": {"successes": [E] 0/1, "lengths": [E] chunk steps, "keys": [E] [env, k]}, "random": ...}.
 
     runner: a :func:`make_eval_runner` to reuse (its policy is replaced); None builds one per
     sampling rule and closes it. label: print progress lines ``[label zero] 40/100 episodes ...``.
-    rules: the sampling rules to run (a subset of :data:`SAMPLING_RULES`)."""
+    rules: the sampling rules to run (a subset of :data:`SAMPLING_RULES`). noise_seed: another
+    action-noise seed for the same initial states (None: the protocol's noise)."""
     import torch
     torch.set_num_threads(1)
     out = {}
@@ -61,7 +62,7 @@ def evaluate_episodes(policy, cfg, episodes: int, runner=None, label: str | None
         r.policy = policy.eval()
         torch.manual_seed(EVAL_SEED)         # the same action noise for every policy evaluated
         try:
-            res = r.evaluate(episodes, deterministic=sampling == "zero",
+            res = r.evaluate(episodes, deterministic=sampling == "zero", noise_seed=noise_seed,
                              on_episodes=_progress(f"{label} {sampling}", episodes) if label else None)
         finally:
             if own:

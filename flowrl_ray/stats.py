@@ -1,6 +1,7 @@
 """Statistics of the robot evaluation protocol (``benchmarks/robot_protocol.py``): the gain of
 several fine-tuned policies (one per training seed) over their base, with a paired bootstrap
-confidence interval. NumPy only; no Ray, no torch.
+confidence interval, and how much of an outcome its initial state decides (the share of the
+outcome variance between initial states). NumPy only; no Ray, no torch.
 
 Shapes: S = training seeds of one variant, E = evaluation episodes. Every policy and the base
 are evaluated on the same E seeded episodes (the same initial states, in the same order), so
@@ -75,3 +76,42 @@ def paired_bootstrap_gain(policy, base, n_boot: int = 10_000, level: float = 0.9
     lo, hi = np.quantile(boot, [(1.0 - level) / 2.0, (1.0 + level) / 2.0])
     return {"gain": float(d.mean()), "ci_low": float(lo), "ci_high": float(hi), "level": level,
             "n_boot": int(n_boot), "seeds": int(p.shape[0]), "episodes": int(e)}
+
+
+def state_share(outcomes) -> float:
+    """The share of the outcome variance that lies between initial states: the one-way
+    random-effects intra-class correlation ICC(1).
+
+    outcomes: [E, R], R >= 2 outcomes (success 0/1, or any per-episode score) of one policy from
+    each of E initial states, the R episodes of a state differing only in the sampling noise.
+    With y_bar_e the mean of state e's row, y_bar the grand mean,
+
+        MSB = R / (E - 1) * sum_e (y_bar_e - y_bar)^2                      (between states)
+        MSW = 1 / (E (R - 1)) * sum_e sum_r (y_er - y_bar_e)^2              (within a state)
+        ICC = (MSB - MSW) / (MSB + (R - 1) MSW).
+
+    1: the initial state alone decides the outcome; 0: the state says nothing beyond the
+    grand mean (the outcome is the sampled actions'); slightly negative values are noise around 0.
+    NaN where every outcome is the same (no variance to split)."""
+    y = np.asarray(outcomes, dtype=np.float64)
+    if y.ndim != 2 or y.shape[0] < 2 or y.shape[1] < 2:
+        raise ValueError(f"expected outcomes [states >= 2, repeats >= 2], got shape {y.shape}")
+    e, r = y.shape
+    row = y.mean(axis=1)
+    msb = r * ((row - y.mean()) ** 2).sum() / (e - 1)
+    msw = ((y - row[:, None]) ** 2).sum() / (e * (r - 1))
+    denom = msb + (r - 1) * msw
+    return float((msb - msw) / denom) if denom > 0 else float("nan")
+
+
+def state_share_ci(outcomes, n_boot: int = 10_000, level: float = 0.95, seed: int = 0) -> dict:
+    """:func:`state_share` with a percentile-bootstrap interval over initial states (each
+    resample draws E states with replacement, keeping each state's R outcomes together).
+    Returns {"share", "ci_low", "ci_high", "level", "n_boot", "states", "repeats"}."""
+    y = np.asarray(outcomes, dtype=np.float64)
+    share = state_share(y)
+    rng = np.random.default_rng(seed)
+    boot = np.array([state_share(y[rng.integers(0, len(y), len(y))]) for _ in range(n_boot)])
+    lo, hi = np.nanquantile(boot, [(1.0 - level) / 2.0, (1.0 + level) / 2.0])
+    return {"share": share, "ci_low": float(lo), "ci_high": float(hi), "level": level,
+            "n_boot": int(n_boot), "states": int(y.shape[0]), "repeats": int(y.shape[1])}

@@ -118,7 +118,8 @@ class EnvRunner:
         return Batch(buf, meta)
 
     def evaluate(self, episodes: int, deterministic: bool = True, video_episodes: int = 0,
-                 video: tuple[str, int] = ("agentview", 256), on_episodes=None) -> dict:
+                 video: tuple[str, int] = ("agentview", 256), on_episodes=None,
+                 noise_seed: int | None = None) -> dict:
         """Run `episodes` full episodes on separate, freshly seeded eval envs (training envs
         keep their state). Returns returns and lengths of each episode (and, for families that
         report success, ``episode_successes``) in the order they finished, and ``episode_keys``:
@@ -133,6 +134,8 @@ class EnvRunner:
         "fps" (the env's ``control_freq``: real time), "return", "length" (env steps),
         "success" (None where the family reports none)}].
         on_episodes(done, total): called after every env step in which episodes finished.
+        noise_seed: the seed of the action-noise generator (default ``seed + EVAL_SEED_OFFSET``,
+        as the envs): another value replays the same initial states with other sampling noise.
         """
         if video_episodes and not hasattr(self.family, "check_video"):
             raise ValueError("this env family renders no videos")
@@ -153,7 +156,7 @@ class EnvRunner:
         done_count = np.zeros(n, dtype=np.int64)
         ret, length = np.zeros(n), np.zeros(n, dtype=np.int64)
         returns, lengths, successes, videos, keys = [], [], [], [], []
-        eval_gen = torch.Generator().manual_seed(self.seed + EVAL_SEED_OFFSET)
+        eval_gen = torch.Generator().manual_seed(self.seed + EVAL_SEED_OFFSET if noise_seed is None else noise_seed)
         while (done_count < quota).any():
             action, _ = self._act(obs, deterministic, eval_gen, record=False)
             obs, reward, terminated, truncated, info = envs.step(action)

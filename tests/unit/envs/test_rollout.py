@@ -44,6 +44,17 @@ def test_evaluate_runs_exactly_the_requested_episodes_and_is_reproducible():
     assert a == runner.evaluate(5)      # eval envs are reseeded; the deterministic policy is the mean
 
 
+def test_evaluate_noise_seed_replays_the_same_initial_states_with_other_noise():
+    from flowrl_ray.envs.rollout import EVAL_SEED_OFFSET
+    runner, _ = _runner("env.max_episode_steps=20")
+    default = runner.evaluate(4, deterministic=False)
+    assert runner.evaluate(4, deterministic=False, noise_seed=runner.seed + EVAL_SEED_OFFSET) == default
+    other = runner.evaluate(4, deterministic=False, noise_seed=123)
+    assert other["episode_keys"] == default["episode_keys"] and other["episode_returns"] != default["episode_returns"]
+    # with the mean action the noise plays no part: the same initial states give the same episodes
+    assert runner.evaluate(4, noise_seed=123) == runner.evaluate(4)
+
+
 def test_state_round_trip_continues_identically():
     r1, _ = _runner(seed=3)
     r1.sample(30)
