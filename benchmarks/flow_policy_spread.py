@@ -23,7 +23,8 @@ differences are the policies', not the noise's). Only the executed rows of a chu
 - agreement (per variant): the mean cosine, over pairs of its seeds, between their shifts (each
   the policy's mean action minus the base's, flattened over the N states): near 0 when the
   seeds moved in unrelated directions (an update that is mostly noise), towards 1 when every
-  seed moved the same way (a systematic direction).
+  seed moved the same way (a systematic direction); and between two variants, the mean cosine
+  over every pair of a seed of one and a seed of the other (do they move the same way?).
 
 Results: ``benchmarks/results/<output>.md/.json``. No assertion is made: this is a measurement.
 """
@@ -91,6 +92,15 @@ def seed_agreement(shifts: list) -> float | None:
     return sum(pairs) / len(pairs) if pairs else None
 
 
+def cross_agreement(shifts_a: list, shifts_b: list) -> float:
+    """The mean cosine over every (seed of A, seed of B) pair of shift vectors: whether two
+    variants move the policy the same way."""
+    import torch
+    pairs = [torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0).item()
+             for a in shifts_a for b in shifts_b]
+    return sum(pairs) / len(pairs)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variant", action="append", required=True, metavar="NAME=RUN,RUN,...",
@@ -122,7 +132,7 @@ def main(argv=None) -> int:
     base_fig, base_mean = measure(base, obs, chunks, progress, eps, rows)
     base_fig["shift"] = 0.0
     results = {"base": {"path": cfg.algo.base_policy, **base_fig}, "variants": {}}
-    agreement = {}
+    agreement, all_shifts = {}, {}
     for name, dirs in variants.items():
         runs, shifts = [], []
         for d in dirs:
@@ -131,8 +141,12 @@ def main(argv=None) -> int:
             shifts.append((mean - base_mean).flatten())
         results["variants"][name] = runs
         agreement[name] = seed_agreement(shifts)
+        all_shifts[name] = shifts
         print(f"[spread] {name}: done", flush=True)
     results["agreement"] = agreement
+    names = list(variants)
+    results["cross_agreement"] = {f"{a} | {b}": cross_agreement(all_shifts[a], all_shifts[b])
+                                  for i, a in enumerate(names) for b in names[i + 1:]}
 
     keys = ["spread", "spread_gripper", "shift", "demo_error"]
     headers = ["policy", "seeds", "spread", "spread, gripper", "shift from the base", "demo error (zero noise)",
@@ -154,6 +168,10 @@ def main(argv=None) -> int:
             f"Each cell: the mean over seeds (per seed in brackets).\n\n{md_table(headers, rows_md)}\n\n"
             f"The shift's signed mean per action dim (robosuite's OSC_POSE: dims 0-2 position, 3-5 "
             f"rotation, 6 the gripper, +1 closed):\n\n{dim_table}\n")
+    if results["cross_agreement"]:
+        body += ("\nAgreement between variants (the mean cosine over every pair of a seed of one and a seed of "
+                 "the other):\n\n" + md_table(["variants", "agreement"],
+                                               [[k, f"{v:+.2f}"] for k, v in results["cross_agreement"].items()]) + "\n")
     results_dir = Path(args.results_dir)
     write_json(results_dir / f"{args.output}.json",
                {"revision": git_revision(), "command": command_line(), "machine": machine_info(),

@@ -11,7 +11,7 @@ import torch
 from conftest import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
-from flow_policy_spread import measure, seed_agreement  # noqa: E402
+from flow_policy_spread import cross_agreement, measure, seed_agreement  # noqa: E402
 
 
 class AffinePolicy:
@@ -52,3 +52,11 @@ def test_seed_agreement_is_the_mean_pairwise_cosine():
     assert seed_agreement([a, b, c]) == pytest.approx(-1 / 3)
     assert seed_agreement([a, 2 * a]) == pytest.approx(1.0)
     assert seed_agreement([a]) is None
+
+
+def test_cross_agreement_is_the_mean_cosine_over_pairs_of_both_variants_seeds():
+    a, b, c = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0]), torch.tensor([-1.0, 0.0])
+    # cos(a, a) = 1, cos(a, b) = 0, cos(c, a) = -1, cos(c, b) = 0
+    assert cross_agreement([a, c], [a, b]) == pytest.approx(0.0)
+    assert cross_agreement([a, 3 * a], [2 * a]) == pytest.approx(1.0)
+    assert cross_agreement([a], [c]) == pytest.approx(-1.0)
