@@ -107,21 +107,12 @@ def split_by_group(groups: list[str], base0, variant, n_boot: int = 10_000) -> d
 
 
 def spearman(x, y) -> float:
-    """Rank correlation (average ranks for ties); NaN when either side is constant."""
+    """Rank correlation (scipy's, ties at their mean rank); NaN when either side is constant."""
     import numpy as np
-
-    def ranks(a):
-        a = np.asarray(a, float)
-        order = a.argsort(kind="stable")
-        r = np.empty(len(a))
-        r[order] = np.arange(len(a))
-        for v in np.unique(a):                      # ties share their mean rank
-            r[a == v] = r[a == v].mean()
-        return r
-    rx, ry = ranks(x), ranks(y)
-    if rx.std() == 0 or ry.std() == 0:
+    from scipy.stats import spearmanr
+    if np.ptp(np.asarray(x, float)) == 0 or np.ptp(np.asarray(y, float)) == 0:
         return float("nan")
-    return float(np.corrcoef(rx, ry)[0, 1])
+    return float(spearmanr(x, y).statistic)
 
 
 def plot(path: Path, pos, per_state, variants: dict, title: str) -> None:
