@@ -65,10 +65,9 @@ def pytest_unconfigure(config):
     them) run, then ``os._exit`` with pytest's status, skipping the interpreter's native teardown.
 
     The whole suite's process loads torch, MuJoCo, Ray, Playwright, transformers and bitsandbytes
-    at once; now and then (twice in the last day's full runs, after every test had passed) a
-    native thread jumped into freed memory while the interpreter tore down, after the fault
-    handler stopped, so the process died with SIGSEGV and no stack, and ``make test`` failed with
-    nothing failing. ``FLOWRL_TEST_NATIVE_TEARDOWN=1`` keeps the full teardown (to chase it)."""
+    at once; now and then, after every test had passed, a native thread jumped into freed memory
+    while the interpreter tore down, after the fault handler had stopped: the process died with
+    SIGSEGV and no stack, and ``make test`` failed with nothing failing. ``FLOWRL_TEST_NATIVE_TEARDOWN=1`` keeps the full teardown (to chase it)."""
     if "exitstatus" not in _SESSION or os.environ.get("FLOWRL_TEST_NATIVE_TEARDOWN") == "1":
         return
     import atexit
