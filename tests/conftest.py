@@ -67,7 +67,9 @@ def pytest_unconfigure(config):
     The whole suite's process loads torch, MuJoCo, Ray, Playwright, transformers and bitsandbytes
     at once; now and then, after every test had passed, a native thread jumped into freed memory
     while the interpreter tore down, after the fault handler had stopped: the process died with
-    SIGSEGV and no stack, and ``make test`` failed with nothing failing. ``FLOWRL_TEST_NATIVE_TEARDOWN=1`` keeps the full teardown (to chase it)."""
+    SIGSEGV and no stack, and ``make test`` failed with nothing failing.
+    ``FLOWRL_TEST_NATIVE_TEARDOWN=1`` keeps the full teardown (to chase it); tested by
+    tests/unit/test_conftest_exit.py."""
     if "exitstatus" not in _SESSION or os.environ.get("FLOWRL_TEST_NATIVE_TEARDOWN") == "1":
         return
     import atexit
