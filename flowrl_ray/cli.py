@@ -343,7 +343,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 #: `flowrl-ray pretrain` flags: each sets the key of the same name in the config's typed
 #: `pretrain:` section (flowrl_ray.config), whose schema the algorithm chooses
 PRETRAIN_FLAGS = ("dataset", "out", "epochs", "steps", "batch_size", "lr", "eval_episodes",
-                  "tasks_per_form", "copy_aux", "eval_samples", "curve_every", "curve_samples",
+                  "tasks_per_form", "copy_aux", "init_from", "eval_samples", "curve_every", "curve_samples",
                   "checkpoint_every", "max_minutes", "resume", "device", "seed")
 
 
@@ -549,15 +549,19 @@ def build_parser() -> argparse.ArgumentParser:
                          "their stability and validity (metrics.jsonl, <stem>.stability.png) and write "
                          "the checkpoint")
     pr.add_argument("--curve-samples", type=int, help="EDM: molecules per curve point (default 200)")
+    pr.add_argument("--init-from", metavar="DIR",
+                    help="language model: start from this SFT checkpoint directory's weights and tokenizer "
+                         "(trains it further; default: a new tokenizer and model)")
     pr.add_argument("--checkpoint-every", type=int, metavar="N",
-                    help="EDM: also write the checkpoint every N steps (no sampling; for --resume after a "
-                         "stop)")
+                    help="EDM and language model: also write the checkpoint every N steps (for --resume after "
+                         "a stop)")
     pr.add_argument("--max-minutes", type=float, metavar="M",
-                    help="EDM: stop at the first checkpoint or curve point after M minutes of this "
-                         "invocation (the run stays resumable with --resume; default 0: no limit)")
+                    help="EDM and language model: stop at the first checkpoint (language model: step) after M "
+                         "minutes of this invocation (the run stays resumable with --resume; default 0: no limit)")
     pr.add_argument("--resume", action="store_true", default=None,
-                    help="EDM: continue the run whose checkpoint is at the output path (weights, EMA, "
-                         "optimiser, data sampler, curves) up to --steps in all; a new run when there is none")
+                    help="EDM and language model: continue the unfinished run whose checkpoint is at the output "
+                         "path (weights, optimiser, schedule, data order) up to its budget; EDM: a new run "
+                         "when there is none")
     pr.add_argument("--device", choices=["auto", "cpu", "cuda"],
                     help="EDM: where to train (default auto: CUDA when there is one)")
     pr.add_argument("--seed", type=int, help="default: the config's seed")

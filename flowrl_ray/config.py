@@ -241,6 +241,10 @@ class TextSFTPretrainConfig:
     lr: float = field(default=1e-3, metadata=check(gt=0))
     tasks_per_form: int = field(default=200, metadata=check(gt=0))    # the sft task set per training form
     copy_aux: float = field(default=0.0, metadata=check(ge=0))         # 'repeat the quoted value' pairs per pair
+    init_from: Optional[str] = None     # an SFT checkpoint directory to train further (None: a new model)
+    checkpoint_every: int = field(default=0, metadata=check(ge=0))    # write the checkpoint every N steps
+    max_minutes: float = field(default=0.0, metadata=check(ge=0))     # stop this invocation after M minutes
+    resume: bool = False                # continue the unfinished run at `out`
     seed: Optional[int] = field(default=None, metadata=check(ge=0))
 
     def __post_init__(self):

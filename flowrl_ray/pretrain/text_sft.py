@@ -10,13 +10,14 @@ directory next to it and renamed into place, so a crash never leaves half a chec
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -68,7 +69,9 @@ def fit_sft(policy: "MaskedDiffusionLM", pairs: Sequence[tuple[str, str]], epoch
             batch_size: int, lr: float, gen_length: int | None = None,
             max_prompt_len: int | None = None, seed: int = 0, grad_clip: float | None = 1.0,
             weight_decay: float = 0.0, progress: bool = False, steps: int | None = None,
-            warmup_steps: int = 0, lr_schedule: str = "constant", min_lr_ratio: float = 0.0
+            warmup_steps: int = 0, lr_schedule: str = "constant", min_lr_ratio: float = 0.0,
+            state: dict | None = None, checkpoint_every: int = 0,
+            on_checkpoint: Callable[[dict], None] | None = None, max_seconds: float = 0.0
             ) -> list[float]:
     """Masked-diffusion SFT on (instruction, gold answer text) pairs with AdamW on the
     trainable parameters (all, or the LoRA adapters).
@@ -78,10 +81,17 @@ def fit_sft(policy: "MaskedDiffusionLM", pairs: Sequence[tuple[str, str]], epoch
     ``lr_multiplier(lr_schedule, total steps, warmup_steps, min_lr_ratio)``.
     gen_length: the completion region (answers are padded with [EOS] up to it; generate with the
     same value); default: the longest answer + 1. Returns the loss of every optimiser step
-    (NaN where a non-finite loss or gradient skipped the update). Leaves the model in eval mode.
+    (NaN where a non-finite loss or gradient skipped the update), a resumed run's earlier steps
+    included. Leaves the model in eval mode.
+
+    Resuming: ``on_checkpoint(state)`` is called every ``checkpoint_every`` steps (0: never), when
+    ``max_seconds`` (> 0) of this call have passed (then the call returns early) and at the end;
+    ``state`` (tensors and plain values: the optimiser, the schedule, the random generator, the
+    pass's order and place in it, the losses) passed back as ``state=`` with the same pairs and
+    settings continues the run exactly where it stopped.
     """
     from flowrl_ray.models.masked_diffusion import sft_loss
-    from flowrl_ray.optim import lr_multiplier, minibatches, optimizer_step   # as in the RL updates
+    from flowrl_ray.optim import lr_multiplier, optimizer_step   # as in the RL updates
 
     if not pairs:
         raise ValueError("fit_sft needs at least one (prompt, answer) pair")
@@ -102,33 +112,62 @@ def fit_sft(policy: "MaskedDiffusionLM", pairs: Sequence[tuple[str, str]], epoch
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lr_multiplier(lr_schedule, total, warmup_steps, min_lr_ratio))
-    gen = torch.Generator().manual_seed(seed)
-    losses, skipped, start = [], 0, time.perf_counter()
+    gen = torch.Generator().manual_seed(seed)              # pass order and masks, one stream
+    losses: list[float] = []
+    perm, pos = torch.zeros(0, dtype=torch.long), n       # the pass under way, batches taken from it
+    if state is not None:
+        if len(state["perm"]) != n:
+            raise ValueError(f"the saved SFT state orders {len(state['perm'])} pairs, these are {n}")
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        gen.set_state(state["generator"])
+        perm, pos, losses = state["perm"], int(state["position"]), list(state["losses"])
+
+    def snapshot() -> dict:
+        return {"optimizer": copy.deepcopy(opt.state_dict()), "scheduler": sched.state_dict(), "generator": gen.get_state(),
+                "perm": perm.clone(), "position": pos, "losses": list(losses), "step": len(losses)}
+
+    skipped, start, first = 0, time.perf_counter(), len(losses)
     policy.model.train()
     try:
         while len(losses) < total:
-            for idx in minibatches(n, batch_size, gen, ids.device):
-                if len(losses) == total:
-                    break
-                keep = pmask[idx].any(dim=0)                                  # drop all-pad columns
-                loss = sft_loss(policy.model, ids[idx][:, keep], pmask[idx][:, keep], ans[idx],
-                                amask[idx], policy.mask_token_id, gen)
-                _, ok = optimizer_step(loss, opt, grad_clip)       # a non-finite one: skipped
-                skipped += not ok
-                losses.append(loss.item() if ok else float("nan"))
-                sched.step()
-                done = len(losses)
-                if progress and (done % steps_per_epoch == 0 or done == total):
-                    elapsed = time.perf_counter() - start
-                    recent = [v for v in losses[-steps_per_epoch:] if math.isfinite(v)]
-                    mean = sum(recent) / len(recent) if recent else float("nan")
-                    eta = elapsed / done * (total - done)
-                    print(f"[sft] step {done}/{total} (epoch {done / steps_per_epoch:.1f}) loss "
-                          f"{mean:.4f} lr {sched.get_last_lr()[0]:.2e} skipped {skipped} "
-                          f"({elapsed:.1f}s, eta {eta:.1f}s)", flush=True)
+            if pos >= n:                       # a new pass: one randperm, as optim.minibatches draws it
+                perm, pos = torch.randperm(n, generator=gen), 0
+            idx = perm[pos:pos + batch_size].to(ids.device)
+            pos += batch_size
+            keep = pmask[idx].any(dim=0)                                      # drop all-pad columns
+            loss = sft_loss(policy.model, ids[idx][:, keep], pmask[idx][:, keep], ans[idx],
+                            amask[idx], policy.mask_token_id, gen)
+            _, ok = optimizer_step(loss, opt, grad_clip)       # a non-finite one: skipped
+            skipped += not ok
+            losses.append(loss.item() if ok else float("nan"))
+            sched.step()
+            done = len(losses)
+            if progress and (done % steps_per_epoch == 0 or done == total or done % 100 == 0):
+                elapsed = time.perf_counter() - start
+                recent = [v for v in losses[-min(steps_per_epoch, 100):] if math.isfinite(v)]
+                mean = sum(recent) / len(recent) if recent else float("nan")
+                eta = elapsed / (done - first) * (total - done)
+                print(f"[sft] step {done}/{total} (epoch {done / steps_per_epoch:.1f}) loss "
+                      f"{mean:.4f} lr {sched.get_last_lr()[0]:.2e} skipped {skipped} "
+                      f"({elapsed:.1f}s, eta {eta:.1f}s)", flush=True)
+            out_of_time = max_seconds > 0 and time.perf_counter() - start >= max_seconds
+            if on_checkpoint is not None and done < total and (
+                    out_of_time or (checkpoint_every > 0 and done % checkpoint_every == 0)):
+                on_checkpoint(snapshot())
+            if out_of_time:
+                break
     finally:
         policy.model.eval()
+    if on_checkpoint is not None and len(losses) == total:
+        on_checkpoint(snapshot())
     return losses
+
+
+#: the training state of an unfinished SFT run, beside the model in its checkpoint directory
+STATE_FILE = "sft_state.pt"
+#: the settings that run was started with: a resume must match them
+SETTINGS_FILE = "sft_run.json"
 
 
 def run(cfg: Config, p: TextSFTPretrainConfig, seed: int, progress: bool = True) -> dict:
@@ -136,23 +175,35 @@ def run(cfg: Config, p: TextSFTPretrainConfig, seed: int, progress: bool = True)
     2,000 steps)."""
     steps = 2000 if p.steps is None and p.epochs is None else p.steps
     return pretrain_text(cfg, out=p.out, epochs=p.epochs, steps=steps, batch_size=p.batch_size, lr=p.lr,
-                         tasks_per_form=p.tasks_per_form, seed=seed, copy_aux=p.copy_aux, progress=progress)
+                         tasks_per_form=p.tasks_per_form, seed=seed, copy_aux=p.copy_aux, progress=progress,
+                         init_from=p.init_from, checkpoint_every=p.checkpoint_every,
+                         max_minutes=p.max_minutes, resume=p.resume)
 
 
 def pretrain_text(cfg: Config, out: str | Path | None = None, epochs: int | None = None,
                   steps: int | None = None, batch_size: int = 32, lr: float = 1e-3,
                   tasks_per_form: int | None = None, warmup_steps: int | None = None,
                   lr_schedule: str = "cosine", min_lr_ratio: float = 0.1, seed: int = 0,
-                  progress: bool = True, device: str | None = None, copy_aux: float = 0.0) -> dict:
+                  progress: bool = True, device: str | None = None, copy_aux: float = 0.0,
+                  init_from: str | Path | None = None, checkpoint_every: int = 0,
+                  max_minutes: float = 0.0, resume: bool = False) -> dict:
     """SFT budget: ``epochs`` passes or ``steps`` optimiser steps (one of them; see ``fit_sft``).
     The learning rate warms up over ``warmup_steps`` (default: 10 % of the steps, at most 200),
     then follows ``lr_schedule`` down to ``min_lr_ratio`` x ``lr``. ``device``: default the GPU
-    when there is one. ``copy_aux``: auxiliary copy pairs per task pair (see :func:`sft_pairs`)."""
+    when there is one. ``copy_aux``: auxiliary copy pairs per task pair (see :func:`sft_pairs`).
+
+    ``init_from``: an SFT checkpoint directory whose weights and tokenizer start the run (the
+    model trained further, with a new optimiser and schedule); none: a new tokenizer and model.
+    ``checkpoint_every`` > 0 writes the checkpoint directory every that many steps, and
+    ``max_minutes`` > 0 stops this invocation at the first step after that many minutes with the
+    checkpoint written; an unfinished run keeps its training state there (``sft_state.pt``,
+    ``sft_run.json``), and ``resume`` continues it exactly (same pairs and settings, else a
+    ``ConfigError`` naming the setting). A finished run's directory holds no training state.
+    """
     from dataclasses import asdict
 
-    from flowrl_ray.models.masked_diffusion import build_masked_lm
+    from flowrl_ray.models.masked_diffusion import build_masked_lm, load_sft_checkpoint
     from flowrl_ray.models.text_tokenizer import train_tokenizer
-    from flowrl_ray.plotting import plot_curves
 
     if (epochs is None) == (steps is None):
         raise ValueError(f"pretrain_text takes either epochs or steps, got epochs={epochs}, steps={steps}")
@@ -165,26 +216,81 @@ def pretrain_text(cfg: Config, out: str | Path | None = None, epochs: int | None
     if warmup_steps is None:
         total = steps if steps is not None else epochs * math.ceil(len(pairs) / batch_size)
         warmup_steps = min(200, total // 10)
+    settings = {"pairs": len(pairs), "steps": steps, "epochs": epochs, "batch_size": batch_size, "lr": lr,
+                "tasks_per_form": tasks_per_form, "copy_aux": copy_aux, "warmup_steps": warmup_steps,
+                "lr_schedule": lr_schedule, "min_lr_ratio": min_lr_ratio, "seed": seed,
+                "init_from": None if init_from is None else str(init_from)}
     model_cfg = asdict(c.model)
-    tokenizer = None
-    if model_cfg["path"] is None and model_cfg["tokenizer_path"] is None:
-        texts = [t for pair in pairs for t in pair]
-        tokenizer = train_tokenizer(texts, model_cfg["vocab_size"])
-    torch.manual_seed(seed)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    lm = build_masked_lm(model_cfg, tokenizer=tokenizer, seed=seed, device=device)
+    state, before_s = None, 0.0
+    if resume and out.is_dir() and not (out / STATE_FILE).is_file():
+        done = sum(1 for _ in (out / "sft_metrics.jsonl").open()) if (out / "sft_metrics.jsonl").is_file() else 0
+        raise ConfigError(f"config key 'pretrain.resume': {out} holds no unfinished run (no {STATE_FILE}; "
+                          f"{done} steps done); train it further with --init-from {out} and another --out")
+    if resume and (out / STATE_FILE).is_file():
+        saved = json.loads((out / SETTINGS_FILE).read_text())
+        for key, value in settings.items():
+            if saved.get(key) != value:
+                raise ConfigError(f"config key 'pretrain.{key}': --resume continues the run in {out}, "
+                                  f"started with {key}={saved.get(key)!r}; got {value!r}")
+        lm = load_sft_checkpoint(out, model_cfg, device=device)
+        state = torch.load(out / STATE_FILE, map_location="cpu", weights_only=True)
+        before_s = float(state.pop("train_s"))
+        if progress:
+            print(f"[sft] resuming {out} at step {state['step']}", flush=True)
+    elif init_from is not None:
+        lm = load_sft_checkpoint(init_from, model_cfg, device=device, sft_key="pretrain.init_from")
+    else:
+        tokenizer = None
+        if model_cfg["path"] is None and model_cfg["tokenizer_path"] is None:
+            texts = [t for pair in pairs for t in pair]
+            tokenizer = train_tokenizer(texts, model_cfg["vocab_size"])
+        torch.manual_seed(seed)
+        lm = build_masked_lm(model_cfg, tokenizer=tokenizer, seed=seed, device=device)
     t0 = time.perf_counter()
+
+    def elapsed() -> float:
+        return before_s + time.perf_counter() - t0
+
+    def write(fit_state: dict) -> None:
+        finished = fit_state["step"] == total_steps
+        extra = {} if finished else {STATE_FILE: {**fit_state, "train_s": elapsed()},
+                                     SETTINGS_FILE: settings}
+        _write_checkpoint(lm, out, fit_state["losses"], extra)
+
+    total_steps = steps if steps is not None else epochs * math.ceil(len(pairs) / batch_size)
     losses = fit_sft(lm, pairs, epochs=epochs, steps=steps, batch_size=batch_size, lr=lr,
                      gen_length=c.gen_length, max_prompt_len=c.max_prompt_len, seed=seed,
                      warmup_steps=warmup_steps, lr_schedule=lr_schedule, min_lr_ratio=min_lr_ratio,
-                     progress=progress)
-    train_s = time.perf_counter() - t0
+                     progress=progress, state=state, checkpoint_every=checkpoint_every, on_checkpoint=write,
+                     max_seconds=60 * max_minutes)
+    finite = [v for v in losses if v == v]
+    params = sum(p.numel() for p in lm.model.parameters())
+    return {"out": str(out), "pairs": len(pairs), "epochs": round(len(losses) * batch_size / len(pairs), 2),
+            "steps": len(losses), "finished": len(losses) == total_steps,
+            "first_loss": finite[0] if finite else None, "final_loss": finite[-1] if finite else None,
+            "train_s": round(elapsed(), 1), "parameters": params, "device": str(lm.device),
+            "loss_plot": str(out / "sft_loss.png")}
+
+
+def _write_checkpoint(lm: "MaskedDiffusionLM", out: Path, losses: list[float], extra: dict) -> None:
+    """The checkpoint directory ``out``, replaced whole (written next to it, then renamed): the
+    model and tokenizer, the loss of every step (``sft_metrics.jsonl``, ``sft_loss.png``) and
+    ``extra`` files ({name: a state dict for torch.save, or a JSON-able mapping})."""
+    from flowrl_ray.plotting import plot_curves
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         lm.save(tmp)
         metrics = [{"step": i + 1, "loss": v} for i, v in enumerate(losses)]
         (tmp / "sft_metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+        plot_curves({"sft": [(list(range(1, len(losses) + 1)), losses)]}, tmp / "sft_loss.png",
+                    "optimiser step", "masked-diffusion SFT loss", "SFT on the forms train split")
+        for name, value in extra.items():
+            if name.endswith(".json"):
+                (tmp / name).write_text(json.dumps(value, indent=1))
+            else:
+                torch.save(value, tmp / name)
         if out.exists():
             old = out.with_name(out.name + ".old")
             shutil.rmtree(old, ignore_errors=True)
@@ -195,12 +301,3 @@ def pretrain_text(cfg: Config, out: str | Path | None = None, epochs: int | None
             os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    finite = [v for v in losses if v == v]
-    plot = plot_curves({"sft": [(list(range(1, len(losses) + 1)), losses)]}, out / "sft_loss.png",
-                       "optimiser step", "masked-diffusion SFT loss", "SFT on the forms train split")
-    params = sum(p.numel() for p in lm.model.parameters())
-    return {"out": str(out), "pairs": len(pairs), "epochs": round(len(losses) * batch_size / len(pairs), 2),
-            "steps": len(losses),
-            "first_loss": finite[0] if finite else None, "final_loss": finite[-1] if finite else None,
-            "train_s": round(train_s, 1), "parameters": params, "device": str(lm.device),
-            "loss_plot": str(plot)}

@@ -72,9 +72,9 @@ def test_cli_flags_and_overrides_set_the_section_the_entry_point_runs(tmp_path, 
 
 def test_a_flag_the_method_does_not_take_is_refused_naming_what_it_takes(monkeypatch, capsys):
     monkeypatch.setattr(pretraining, "pretrain", lambda cfg, progress: pytest.fail("ran"))
-    assert main(["pretrain", str(REPO / "configs/flow_grpo/forms_small.yaml"), "--resume"]) == 2
+    assert main(["pretrain", str(REPO / "configs/flow_grpo/forms_small.yaml"), "--curve-every", "5"]) == 2
     err = capsys.readouterr().err
-    assert "--resume: flow_grpo's pretraining (text_sft) has no such setting; it takes --out, --steps" in err
+    assert "--curve-every: flow_grpo's pretraining (text_sft) has no such setting; it takes --out, --steps" in err
     assert main(["pretrain", str(REPO / "configs/fpopp/lift_state_quickstart.yaml"), "--copy-aux", "1"]) == 2
     assert "--copy-aux: fpopp's pretraining (flow_bc)" in capsys.readouterr().err
     assert main(["pretrain", str(REPO / "configs/ppo/pendulum.yaml")]) == 2

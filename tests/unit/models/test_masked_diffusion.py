@@ -305,6 +305,40 @@ def test_sft_step_budget_follows_warmup_then_cosine(tok_dir, monkeypatch):
         fit_sft(policy, PAIRS, epochs=None, batch_size=2, lr=1e-3)
 
 
+def test_sft_resumed_from_a_checkpoint_state_ends_where_the_uninterrupted_run_ends(tok_dir):
+    """fit_sft stopped after 3 of 7 steps (mid-pass: 3 pairs, batch 2) and continued from the state
+    its checkpoint callback received, in a new model holding the step-3 weights, takes the same
+    steps: the same losses and, bit for bit, the same final weights as one run of 7 steps."""
+    import copy
+    kw = dict(epochs=None, steps=7, batch_size=2, lr=1e-2, gen_length=12, warmup_steps=2,
+              lr_schedule="cosine", min_lr_ratio=0.1, seed=3)
+    whole = md.build_masked_lm({**TINY, "tokenizer_path": tok_dir}, seed=1)
+    full = fit_sft(whole, PAIRS, **kw)
+
+    first = md.build_masked_lm({**TINY, "tokenizer_path": tok_dir}, seed=1)
+    saved = []
+    fit_sft(first, PAIRS, **kw, checkpoint_every=3,
+            on_checkpoint=lambda st: saved.append((st, copy.deepcopy(first.model.state_dict()))))
+    (state, weights), final = saved[0], saved[-1][0]
+    assert state["step"] == 3 and state["position"] == 2 and final["step"] == 7   # mid-pass, and at the end
+    second = md.build_masked_lm({**TINY, "tokenizer_path": tok_dir}, seed=5)      # other initial weights
+    second.model.load_state_dict(weights)
+    resumed = fit_sft(second, PAIRS, **kw, state=state)
+    assert resumed == full
+    for (name, a), b in zip(whole.model.state_dict().items(), second.model.state_dict().values()):
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match="orders 3 pairs, these are 2"):
+        fit_sft(second, PAIRS[:2], **kw, state=state)
+
+
+def test_sft_stops_after_max_seconds_with_its_state_handed_over(tok_dir):
+    policy = md.build_masked_lm({**TINY, "tokenizer_path": tok_dir}, seed=1)
+    saved = []
+    losses = fit_sft(policy, PAIRS, epochs=None, steps=50, batch_size=1, lr=1e-3, gen_length=12,
+                     max_seconds=1e-9, on_checkpoint=saved.append)
+    assert len(losses) == 1 and [s["step"] for s in saved] == [1]
+
+
 # --------------------------------------------------------------------------- HF, LoRA, 4-bit
 
 def _logits(lm, ids, mask):
