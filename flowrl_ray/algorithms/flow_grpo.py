@@ -174,7 +174,7 @@ class FlowGRPO(GroupAlgorithm):
 
     def __init__(self, cfg: Config, spec: EnvSpec, device: torch.device):
         super().__init__(cfg, spec, device)
-        from flowrl_ray.envs.forms import FormCatalog, FormsSettings, load_tasks
+        from flowrl_ray.envs.forms import FormCatalog, FormsSettings, evaluation_tasks, load_tasks
         self.c: FlowGRPOConfig = cfg.algo
         from flowrl_ray.models.masked_diffusion import KLReference
         self.lm = load_policy_lm(cfg, device)                          # theta (trainable)
@@ -190,8 +190,7 @@ class FlowGRPO(GroupAlgorithm):
                                                                         catalog=self.catalog)
         heldout = load_tasks("heldout", seed=forms.task_seed, catalog=self.catalog)
         # eval.episodes tasks spread evenly over the held-out values and the held-out forms
-        pick = np.linspace(0, len(heldout) - 1, min(cfg.eval.episodes, len(heldout))).round().astype(int)
-        self.eval_tasks = [heldout[i] for i in pick]
+        self.eval_tasks = evaluation_tasks(cfg.eval.episodes, seed=forms.task_seed, catalog=self.catalog)
         for name, tasks in (("training", self.train_tasks), ("held-out", heldout)):
             warn_if_cut(self.lm, tasks, self.catalog, self.c.max_prompt_len, self.c.gen_length, name)
         self.generator = torch.Generator().manual_seed(cfg.seed)       # prompts and sampling

@@ -34,12 +34,13 @@ from flowrl_ray.envs.forms.scorer import FormsScorer, FormsSettings
 from flowrl_ray.envs.forms.server import FormServer, render_form, validate_submission
 from flowrl_ray.envs.forms.snapshots import compose_snapshot, save_snapshots
 from flowrl_ray.envs.forms.spec import FormCatalog, FormSpec, FormSpecError, FieldSpec, load_form_spec
-from flowrl_ray.envs.forms.tasks import SPLITS, FormTask, gold_actions, make_task, prompt_text, task_from_id
+from flowrl_ray.envs.forms.tasks import (SPLITS, FormTask, evaluation_tasks, gold_actions, make_task, prompt_text,
+                                         task_from_id)
 from flowrl_ray.envs.forms.tasks import load_tasks as _load_tasks
 
 __all__ = ["Action", "BrowserPool", "BrowserUnavailable", "EpisodeResult", "FieldSpec", "FormCatalog", "FormServer",
            "FormSpec", "FormSpecError", "FormTask", "FormsScorer", "FormsSettings", "ParsedScript", "RewardWeights",
-           "SPLITS", "find_chromium", "format_action", "gold_actions", "load_form_spec", "prompt_text", "load_tasks", "make_scorer",
+           "SPLITS", "evaluation_tasks", "find_chromium", "format_action", "gold_actions", "load_form_spec", "prompt_text", "load_tasks", "make_scorer",
            "make_task", "normalize_value", "parse_actions", "render_form", "save_snapshots", "score_episode", "spec",
            "task_from_id", "validate_submission", "compose_snapshot"]
 

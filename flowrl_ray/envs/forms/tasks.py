@@ -441,6 +441,16 @@ def load_tasks(split: str, forms_dir: str | Path | None = None, seed: int = 0, p
     return tasks
 
 
+def evaluation_tasks(n: int, seed: int = 0, catalog: FormCatalog | None = None) -> list[FormTask]:
+    """The ``n`` evaluation tasks every policy is compared on: spread evenly (``linspace`` over
+    the index, rounded) over the held-out split (held-out values on the training forms, then the
+    held-out forms), at most the whole split. The same ``n`` and seed always give the same tasks."""
+    import numpy as np
+    heldout = load_tasks("heldout", seed=seed, catalog=catalog)
+    pick = np.linspace(0, len(heldout) - 1, min(n, len(heldout))).round().astype(int)
+    return [heldout[i] for i in pick]
+
+
 def prompt_text(task: FormTask, catalog: FormCatalog) -> str:
     """What the model reads: the page it is on (the form's labels, types, options and button,
     as a browser agent sees them) and the instruction. The answer is the action script."""
