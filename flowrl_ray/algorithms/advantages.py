@@ -83,16 +83,19 @@ def group_advantages(rewards: torch.Tensor, group_size: int, adv_clip_max: float
     group only, and an invalid member (a crashed or timed-out episode, whose reward says nothing
     about the sample) gets A = 0; the caller also leaves it out of the loss. A group whose valid
     rewards are all equal (or that has fewer than two valid members) gets zeros. Returns [N].
+
+    Rewards [N, C] (several outcomes per sample, e.g. one per scored line of a script) are
+    normalised column by column, each within its group: returns [N, C].
     """
-    if rewards.ndim != 1 or rewards.numel() % group_size:
-        raise ValueError(f"rewards must be [N] with N a multiple of group_size={group_size}, "
+    if rewards.ndim not in (1, 2) or rewards.shape[0] % group_size:
+        raise ValueError(f"rewards must be [N] or [N, C] with N a multiple of group_size={group_size}, "
                          f"got shape {tuple(rewards.shape)}")
-    group_index = torch.arange(rewards.numel(), device=rewards.device) // group_size
+    group_index = torch.arange(rewards.shape[0], device=rewards.device) // group_size
     if valid is None:
         adv = group_normalize(rewards, group_index, eps)
     else:
         valid = torch.as_tensor(valid, device=rewards.device).bool()
-        if valid.shape != rewards.shape:
+        if valid.shape != rewards.shape[:1]:
             raise ValueError(f"valid must be [N] like rewards, got {tuple(valid.shape)} for {tuple(rewards.shape)}")
         adv = torch.zeros_like(rewards)
         if valid.any():

@@ -52,6 +52,7 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from flowrl_ray.algorithms.advantages import group_advantages
 from flowrl_ray.algorithms.base import GroupAlgorithm
@@ -62,7 +63,8 @@ from flowrl_ray.config import Config, ConfigError, TextSFTPretrainConfig, check
 from flowrl_ray.envs import EnvSpec
 from flowrl_ray.models.masked_diffusion import MaskedLMConfig
 
-__all__ = ["group_advantages", "k3_kl", "kl_penalty", "FlowGRPO", "FlowGRPOConfig"]
+__all__ = ["group_advantages", "k3_kl", "kl_penalty", "line_advantages", "token_lines", "FlowGRPO",
+           "FlowGRPOConfig"]
 KL_ESTIMATORS = ("step", "token")
 
 
@@ -92,6 +94,55 @@ class FlowGRPOConfig:
     generation_temperature: float = field(default=0.7, metadata=check(ge=0))
     gen_length: int = field(default=96, metadata=check(gt=0))         # completion tokens
     max_prompt_len: int = field(default=192, metadata=check(gt=0))
+    advantage: str = "sequence"                # sequence: one group advantage per rollout (the
+    #                                          spec's); line: each scored line's own (line_advantages)
+    ratio: str = "step"                        # step: one ratio per unmasking step (the spec's);
+    #                                          token: one per unmasked token, each clipped (line needs it)
+    step_minibatches: int = field(default=1, metadata=check(gt=0))  # each minibatch's steps split
+    #                                          into this many random parts per epoch, one optimiser step each
+    advantage_shuffle: bool = False            # the no-signal control: outcomes permuted within each group
+    eval_sampled: bool = False                 # evaluation also samples at generation_temperature
+    #                                          (eval/sampled/*, the same noise for every policy)
+
+
+#: the seed of the noise of sampled evaluations (eval_sampled): every policy sees the same draws
+EVAL_NOISE_SEED = 20_251_128
+ADVANTAGES = ("sequence", "line")
+RATIOS = ("step", "token")
+
+
+def line_advantages(seq_adv: torch.Tensor, slot_right: torch.Tensor, token_slot: torch.Tensor,
+                    group_size: int, adv_clip_max: float | None, valid: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+    """Per-token advantages from line-level outcomes (``advantage: line``).
+
+    seq_adv [N] (the rollouts' group advantages), slot_right [N, C] float (1 where rollout n's
+    script writes slot c's gold action: a scored line, :mod:`flowrl_ray.envs.forms.credit`),
+    token_slot [N, Lg] long (the slot of the line each completion token lies on, -1: none),
+    groups of ``group_size`` consecutive rows (one task each, so column c is the same slot in a
+    group) -> [N, Lg] float:
+
+        A_nc = clip((y_nc - mean_g y_c) / (std_g y_c + 1e-8), +-adv_clip_max)   per slot, as GRPO per rollout
+        A_nj = A_{n, slot(j)}   on a line that addresses a slot
+             = seq_adv_n        elsewhere (lines that address none, newlines, the [EOS] padding)
+
+    A slot every valid member of a group writes right (or wrong) gets 0: no contrast, no credit.
+    """
+    slot_adv = group_advantages(slot_right, group_size, adv_clip_max, valid=valid)   # [N, C]
+    on_slot = token_slot >= 0
+    per_token = slot_adv.gather(1, token_slot.clamp(min=0)) if slot_adv.shape[1] else torch.zeros_like(
+        token_slot, dtype=slot_adv.dtype)
+    return torch.where(on_slot, per_token, seq_adv[:, None].to(slot_adv.dtype))
+
+
+def token_lines(completion: torch.Tensor, newlines: torch.Tensor, stop: torch.Tensor) -> torch.Tensor:
+    """The line of each completion token: completion [N, Lg] long token ids, newlines [V] long
+    (how many ``"\n"`` each token id decodes to), stop [V] bool (ids that end the text: [EOS],
+    [PAD]) -> [N, Lg] long, the number of newlines before the token (its 0-based line in
+    ``text.split("\n")``), -1 from the first stop token on (not part of the decoded text)."""
+    before = newlines[completion].cumsum(-1) - newlines[completion]          # newlines before j
+    ended = stop[completion].long().cumsum(-1) > 0
+    return torch.where(ended, torch.full_like(before, -1), before)
 
 
 def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
@@ -163,6 +214,17 @@ class FlowGRPO(GroupAlgorithm):
         if cfg.runtime.num_learners > c.prompts_per_iteration:
             raise ConfigError(f"config key 'runtime.num_learners': {cfg.runtime.num_learners} ranks share "
                               f"algo.prompts_per_iteration={c.prompts_per_iteration} groups (a group is never split)")
+        if c.advantage not in ADVANTAGES:
+            raise ConfigError(f"config key 'algo.advantage': {c.advantage!r} is not one of {', '.join(ADVANTAGES)}")
+        if c.ratio not in RATIOS:
+            raise ConfigError(f"config key 'algo.ratio': {c.ratio!r} is not one of {', '.join(RATIOS)}")
+        if c.advantage == "line" and c.ratio != "token":
+            raise ConfigError("config key 'algo.ratio': advantage 'line' gives the tokens of one unmasking "
+                              "step different advantages, so each token needs its own ratio: set ratio: token")
+        if c.step_minibatches > math.ceil(c.timestep_fraction * c.num_generation_steps):
+            raise ConfigError(f"config key 'algo.step_minibatches': {c.step_minibatches} parts of each "
+                              f"minibatch's {math.ceil(c.timestep_fraction * c.num_generation_steps)} steps "
+                              f"(algo.timestep_fraction x algo.num_generation_steps)")
         if c.num_generation_steps > c.gen_length:
             raise ConfigError(f"config key 'algo.num_generation_steps': {c.num_generation_steps} steps "
                               f"for {c.gen_length} tokens (algo.gen_length)")
@@ -197,6 +259,15 @@ class FlowGRPO(GroupAlgorithm):
         # minibatch partition and order, step subsets: apart from sampling, so that changing
         # epochs / timestep_fraction leaves the generated episodes as they were
         self.update_generator = torch.Generator().manual_seed(cfg.seed + 1)
+        # what a token id decodes to, for the line of each token (advantage: line)
+        tok = self.lm.tokenizer
+        vocab = self.lm.model.get_input_embeddings().weight.shape[0]
+        self._newlines = torch.tensor([tok.decode([i], skip_special_tokens=True).count("\n")
+                                       for i in range(vocab)])                        # [V]
+        self._stop = torch.zeros(vocab, dtype=torch.bool)                             # [V] ends the text
+        for i in (self.lm.eos_token_id, self.lm.pad_token_id):
+            if i is not None:
+                self._stop[i] = True
         self.pending: dict = {}
         self.iteration = 0
         self.skipped_updates = 0
@@ -213,8 +284,10 @@ class FlowGRPO(GroupAlgorithm):
         """Sample this iteration's groups ("train") or the evaluation set ("eval"). In a learner
         group (training) every rank draws the same P prompts and samples the whole groups
         g = rank, rank + R, ... of them, with its own stream drawn from the shared generator;
-        chunk ids are the rows' places in the whole batch [P * G]. Evaluation is one rank's."""
-        from flowrl_ray.models.masked_diffusion import generate_with_trajectory
+        chunk ids are the rows' places in the whole batch [P * G]. Evaluation is one rank's:
+        greedy, and with ``eval_sampled`` the same tasks again at ``generation_temperature``
+        (rows n..2n-1) with noise from a fixed seed, the same for every policy."""
+        from flowrl_ray.models.masked_diffusion import generate, generate_with_trajectory
         from flowrl_ray.envs.forms import prompt_text
         c = self.c
         rank, ranks = world() if mode == "train" else (0, 1)
@@ -228,15 +301,30 @@ class FlowGRPO(GroupAlgorithm):
             generator = torch.Generator().manual_seed(seed + rank)
         prompt_ids, prompt_mask = self.lm.encode_prompts([prompt_text(t, self.catalog) for t in rows],
                                                           c.max_prompt_len)
-        temperature = 0.0 if mode == "eval" else c.generation_temperature
+        ids, mask = prompt_ids.to(self.device), prompt_mask.to(self.device)
         self.lm.model.eval()
-        sequences, traj = generate_with_trajectory(
-            self.lm.model, prompt_ids.to(self.device), prompt_mask.to(self.device), c.gen_length,
-            c.num_generation_steps, temperature, self.lm.mask_token_id, generator, sampler=c.sampler)
-        texts = self.lm.decode(sequences, prompt_ids.shape[1])
+        sampled = [False] * len(rows)
+        if mode == "eval":
+            sequences = generate(self.lm.model, ids, mask, c.gen_length, c.num_generation_steps, 0.0,
+                                 self.lm.mask_token_id, None, sampler=c.sampler)
+            texts, traj = self.lm.decode(sequences, prompt_ids.shape[1]), None
+            if c.eval_sampled:
+                noise = torch.Generator().manual_seed(EVAL_NOISE_SEED)
+                sequences = generate(self.lm.model, ids, mask, c.gen_length, c.num_generation_steps,
+                                     c.generation_temperature, self.lm.mask_token_id, noise, sampler=c.sampler)
+                texts += self.lm.decode(sequences, prompt_ids.shape[1])
+                rows, sampled = rows + rows, sampled + [True] * len(rows)
+        else:
+            sequences, traj = generate_with_trajectory(
+                self.lm.model, ids, mask, c.gen_length, c.num_generation_steps, c.generation_temperature,
+                self.lm.mask_token_id, generator, sampler=c.sampler)
+            texts = self.lm.decode(sequences, prompt_ids.shape[1])
         batch_rows = (groups[:, None] * group + torch.arange(group)).flatten()   # [P_r*G] places in the batch
-        self.pending = {"mode": mode, "trajectory": traj, "n": len(tasks) * group, "rows": batch_rows,
-                        "texts": texts, "splits": [t.split for t in rows]}
+        if mode == "eval":
+            batch_rows = torch.arange(len(rows))
+        self.pending = {"mode": mode, "trajectory": traj, "n": len(tasks) * group * (1 + any(sampled)),
+                        "rows": batch_rows, "texts": texts, "tasks": rows, "splits": [t.split for t in rows],
+                        "sampled": sampled}
         return [{"ids": batch_rows[part].numpy(), "task_ids": [rows[i].task_id for i in part],
                  "texts": [texts[i] for i in part]}
                 for part in np.array_split(np.arange(len(rows)), num_chunks) if len(part)]
@@ -260,19 +348,72 @@ class FlowGRPO(GroupAlgorithm):
         return out
 
     def prepare(self, batches: list[Batch]) -> dict:
+        """Advantages of the scored batch: the rollouts' group advantages [N] (the whole batch:
+        every group is whole on its rank) and, for ``advantage: line``, per completion token of
+        this rank's rows [B_r, Lg] (:func:`line_advantages`). ``advantage_shuffle``: first the
+        outcomes (reward and scored lines) are permuted among the valid members of each group,
+        so every rollout keeps its tokens but is credited with a peer's outcome."""
+        c = self.c
         scores = self._rewards(batches)
-        adv = group_advantages(scores["rewards"], self.c.group_size, self.c.adv_clip_max,
-                               valid=scores["valid"])                                   # [P*G]
+        rewards, valid, rows = scores["rewards"], scores["valid"], self.pending["rows"]
+        slot_right = token_slot = None
+        if c.advantage == "line":
+            slot_right, token_slot = self._line_outcomes()                    # [B_r, C], [B_r, Lg]
+        if c.advantage_shuffle:
+            perm = self._within_group_permutation(valid)                       # [N] batch rows
+            rewards = rewards[perm]
+            if slot_right is not None:
+                place = torch.full((len(rewards),), -1, dtype=torch.long)
+                place[rows] = torch.arange(len(rows))
+                slot_right = slot_right[place[perm[rows]]]                     # a peer's, same group
+        adv = group_advantages(rewards, c.group_size, c.adv_clip_max, valid=valid)           # [P*G]
+        token_adv = None
+        if slot_right is not None:
+            token_adv = line_advantages(adv[rows], slot_right, token_slot, c.group_size, c.adv_clip_max,
+                                        valid=valid[rows]).to(self.device)
         # the whole batch's advantages and scores (every group is whole on its rank); the
         # trajectory is this rank's rows (``rows``: their places in the batch)
         return {"trajectory": self.pending["trajectory"], "advantages": adv.to(self.device),
-                "rows": self.pending["rows"], **scores}
+                "token_advantages": token_adv, "rows": rows, **scores}
+
+    def _line_outcomes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's rows' scored lines (:mod:`flowrl_ray.envs.forms.credit`): slot_right
+        [B_r, C] float (1: the script writes slot c's gold action; C: the most slots of a task)
+        and token_slot [B_r, Lg] long (the slot of each completion token's line, -1: none)."""
+        from flowrl_ray.envs.forms.credit import gold_slots, line_outcomes
+        traj, tasks, texts = self.pending["trajectory"], self.pending["tasks"], self.pending["texts"]
+        completion = traj["tokens"][-1][:, traj["prompt_len"]:].cpu()                   # [B_r, Lg]
+        lines = token_lines(completion, self._newlines, self._stop)                     # [B_r, Lg]
+        keys = [[s.key for s in gold_slots(t, self.catalog)] for t in tasks]
+        slot_right = torch.zeros(len(tasks), max(map(len, keys)))
+        token_slot = torch.full_like(completion, -1)
+        for k, (task, text) in enumerate(zip(tasks, texts)):
+            column = {key: i for i, key in enumerate(keys[k])}
+            outcomes = line_outcomes(task, text, self.catalog)
+            line_slot = torch.tensor([column[o.slot] if o.slot else -1 for o in outcomes])   # per line
+            for o in outcomes:
+                if o.right:
+                    slot_right[k, column[o.slot]] = 1.0
+            on = lines[k] >= 0
+            token_slot[k, on] = line_slot[lines[k, on]]
+        return slot_right, token_slot
+
+    def _within_group_permutation(self, valid: torch.Tensor) -> torch.Tensor:
+        """A random permutation [N] of the batch rows that moves each valid row to another valid
+        row of its group (invalid rows stay), drawn from ``update_generator``."""
+        perm = torch.arange(len(valid))
+        for start in range(0, len(valid), self.c.group_size):
+            members = torch.arange(start, start + self.c.group_size)[valid[start:start + self.c.group_size]]
+            perm[members] = members[torch.randperm(len(members), generator=self.update_generator)]
+        return perm
 
     # ------------------------------------------------------------------ update
     def _update_plan(self, groups: int, steps: int) -> tuple[list[torch.Tensor], list[list[tuple[int, list[int]]]]]:
         """The update's random draws, all from ``update_generator``: the minibatches (whole groups,
-        a random partition) and, per epoch, the minibatch order with each minibatch's K steps.
-        -> (rows of each minibatch [G * minibatch_groups] long, per epoch [(minibatch, steps)])."""
+        a random partition), each minibatch's K steps (drawn once, kept by every epoch) and, per
+        epoch, the minibatch order with each minibatch's K steps split at random into
+        ``step_minibatches`` parts. -> (rows of each minibatch [G * minibatch_groups] long, per
+        epoch [(minibatch, steps of one optimiser step)])."""
         c, g = self.c, self.update_generator
         per = c.minibatch_groups or groups
         if groups % per:
@@ -284,9 +425,18 @@ class FlowGRPO(GroupAlgorithm):
         # each minibatch's K steps are drawn once per update and kept by every epoch: the
         # reference and old log-probs of a step are then computed once (the first epoch's own
         # forward pass gives the old ones), so the whole update costs K/S of the full one
-        picked = [sorted(torch.randperm(steps, generator=g)[:k].tolist()) for _ in minibatches]
-        epochs = [[(int(m), picked[int(m)]) for m in torch.randperm(len(minibatches), generator=g)]
-                  for _ in range(c.epochs)]
+        picked = [torch.randperm(steps, generator=g)[:k] for _ in minibatches]
+        parts = min(c.step_minibatches, k)
+        epochs = []
+        for _ in range(c.epochs):
+            plan = []
+            for m in torch.randperm(len(minibatches), generator=g).tolist():
+                if parts == 1:                 # (no draw: the plan of an update without parts)
+                    plan.append((m, sorted(picked[m].tolist())))
+                    continue
+                shuffled = picked[m][torch.randperm(k, generator=g)]
+                plan += [(m, sorted(part.tolist())) for part in shuffled.tensor_split(parts)]
+            epochs.append(plan)
         return minibatches, epochs
 
     def _token_log_probs(self, model: torch.nn.Module, traj: dict, s: int, rows: torch.Tensor) -> torch.Tensor:
@@ -298,15 +448,35 @@ class FlowGRPO(GroupAlgorithm):
             return step_token_log_probs64(model, traj["states"][s][rows], traj["attention_mask"][rows],
                                           traj["unmasked"][s][rows], traj["tokens"][s][rows], temp)
 
-    def _step_log_prob(self, model: torch.nn.Module, traj: dict, s: int, rows: torch.Tensor) -> torch.Tensor:
-        """log pi(step s) of ``rows`` under ``model`` (float64 [len(rows)]), dropout off."""
-        return self._token_log_probs(model, traj, s, rows).sum(-1)
-
     @torch.no_grad()
     def _reference_log_probs(self, traj: dict, s: int, rows: torch.Tensor) -> torch.Tensor:
         """The KL reference's :meth:`_token_log_probs` (float64 [len(rows), L])."""
         with self.reference.model() as ref:
             return self._token_log_probs(ref, traj, s, rows)
+
+    def _surrogate(self, token_logp: torch.Tensor, old: torch.Tensor, on: torch.Tensor, adv: torch.Tensor,
+                   token_adv: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The clipped surrogate of one step for a minibatch's rows, to minimise, per row [mb]:
+
+            ratio: step    rho = exp(sum_j logp_j - sum_j old_j),  pg = -min(rho A, clip(rho) A)
+            ratio: token   rho_j = exp(logp_j - old_j),  pg = -sum_{j in U_s} min(rho_j A_j, clip(rho_j) A_j)
+
+        token_logp, old [mb, L] float64 (0 off the step's positions ``on`` [mb, L]); adv [mb]
+        (the rollouts'); token_adv [mb, L] or None (then A_j = A of the row). At rho = 1 both
+        have the gradient sum_j A_j grad logp_j. -> (pg [mb], the ratios [mb] or [mb, L] (1 off
+        the step), k3 of old -> new per row [mb], clipped ratios per row [mb]: the fraction)."""
+        c = self.c
+        if c.ratio == "step":
+            log_ratio = token_logp.sum(-1) - old.sum(-1)                                # [mb]
+            ratio = torch.exp(log_ratio)
+            pg = -ppo_clip_objective(ratio, adv, c.clip)
+            return pg, ratio, k3(log_ratio), ((ratio - 1).abs() > c.clip).double()
+        a = token_adv if token_adv is not None else adv[:, None].expand_as(token_logp)
+        log_ratio = torch.where(on, token_logp - old, 0.0)                              # [mb, L]
+        ratio = torch.exp(log_ratio)
+        pg = -(ppo_clip_objective(ratio, a, c.clip) * on).sum(-1)
+        clipped = (((ratio - 1).abs() > c.clip) & on).double().sum(-1) / on.sum(-1).clamp(min=1)
+        return pg, ratio, (k3(log_ratio) * on).sum(-1), clipped
 
     def update(self, p: dict) -> dict[str, float]:
         c, traj = self.c, p["trajectory"]
@@ -315,6 +485,9 @@ class FlowGRPO(GroupAlgorithm):
         valid = p.get("valid", torch.ones(batch, dtype=torch.bool)).to(adv.device)
         unmasked = traj["unmasked"]                                            # [S, B_r, L] this rank's rows
         steps = unmasked.shape[0]
+        token_adv = p.get("token_advantages")                                  # [B_r, Lg] or None
+        if token_adv is not None:                                             # at the sequence's places
+            token_adv = F.pad(token_adv.double(), (unmasked.shape[2] - token_adv.shape[1], 0))   # [B_r, L]
         plan_rows, epochs = self._update_plan(batch // c.group_size, steps)   # minibatches of batch rows
         # In a learner group each rank takes its rows of every minibatch (all of them on one
         # learner): ``minibatches`` are its trajectory's rows, ``owned`` the batch rows they are.
@@ -328,20 +501,20 @@ class FlowGRPO(GroupAlgorithm):
                                          for r, o in zip(minibatches, owned)]))            # [n_mb, S]
         model = self.lm.model
         model.train()
-        # Old log-probs of every (minibatch, step) the update uses, computed before any step on
-        # exactly the rows the loss will see (so rho = 1 holds to the last bit). The first
-        # minibatch of the first epoch comes before any step: its own forward pass gives them.
+        # Old log-probs (per token) of every (minibatch, step) the update uses, computed before
+        # any step on exactly the rows the loss will see (so rho = 1 holds to the last bit). The
+        # first optimiser step of the first epoch comes before any step: its own forward pass gives them.
         first_mb, first_steps = epochs[0][0]
         old: dict[tuple[int, int], torch.Tensor] = {}
         ref: dict[tuple[int, int], torch.Tensor] = {}         # the frozen reference per token [mb, L]: on first use
         with torch.no_grad():
             for key in sorted({(m, s) for plan in epochs for m, ss in plan for s in ss}):
                 if (key[0] != first_mb or key[1] not in first_steps) and len(minibatches[key[0]]):
-                    old[key] = self._step_log_prob(model, traj, key[1], minibatches[key[0]])
+                    old[key] = self._token_log_probs(model, traj, key[1], minibatches[key[0]])
         sampler_gap = 0.0                  # |recomputed - sampler's| old log-prob: numerics only
         ratios: list[torch.Tensor] = []
         stats: dict[str, list[float]] = {}
-        acc = Accumulator([self.opt], c.max_grad_norm)            # one optimiser step per minibatch
+        acc = Accumulator([self.opt], c.max_grad_norm)            # one optimiser step per plan entry
         acc.zero_grad()
         for plan in epochs:
             for mb, picked in plan:
@@ -353,39 +526,36 @@ class FlowGRPO(GroupAlgorithm):
                         continue
                     if not len(rows):                          # a rank without rows here: its share is 0
                         continue
-                    weight = (unmasked[s][rows].any(-1) & keep).double()      # valid rows that unmasked at s
-                    weight = weight / counts[mb, s] / len(picked)             # mean over rows, 1/K over steps
+                    on = unmasked[s][rows]                                            # [mb, L] this step's tokens
+                    weight = (on.any(-1) & keep).double()                             # valid rows that unmasked at s
+                    weight = weight / counts[mb, s] / len(picked)                     # mean over rows and steps
                     if c.kl_coeff > 0 and (mb, s) not in ref:              # before the graph is built:
                         ref[mb, s] = self._reference_log_probs(traj, s, rows)  # (adapters switch)
                     token_logp = self._token_log_probs(model, traj, s, rows)  # [mb, L] with gradients
-                    logp = token_logp.sum(-1)                                  # [mb] log pi(step s)
                     if (mb, s) not in old:                                     # no step taken yet
-                        old[mb, s] = logp.detach()
+                        old[mb, s] = token_logp.detach()
                     if plan is epochs[0]:
-                        gap = (old[mb, s] - traj["logp"][s][rows].double()).abs()[unmasked[s][rows].any(-1)]
+                        gap = (old[mb, s].sum(-1) - traj["logp"][s][rows].double()).abs()[on.any(-1)]
                         sampler_gap = max(sampler_gap, float(gap.max()) if gap.numel() else 0.0)
-                    log_ratio = logp - old[mb, s]
-                    ratio = torch.exp(log_ratio)
-                    pg = -ppo_clip_objective(ratio, a, c.clip)
+                    pg, ratio, approx, clipped = self._surrogate(
+                        token_logp, old[mb, s], on, a, None if token_adv is None else token_adv[rows])
                     kl = (kl_penalty(token_logp, ref[mb, s], c.kl_estimator) if c.kl_coeff > 0
-                          else torch.zeros_like(logp))
+                          else torch.zeros_like(pg))
                     loss = ((pg + c.kl_coeff * kl) * weight).sum()
                     if not acc.backward(loss):                  # non-finite: the step is skipped
                         break
                     total += float(loss.detach())
                     with torch.no_grad():
                         w = weight * len(picked)
-                        r = ratio.detach()[w > 0]
-                        ratios.append(r)
-                        for k, v in {"pg_loss": (pg * w).sum(), "kl": (kl * w).sum(),
-                                     "approx_kl": (k3(log_ratio) * w).sum(),
-                                     "clipfrac": (((ratio - 1).abs() > c.clip).double() * w).sum()}.items():
+                        ratios.append(ratio.detach()[on & (w > 0)[:, None]] if ratio.ndim == 2 else ratio.detach()[w > 0])
+                        for k, v in {"pg_loss": (pg * w).sum(), "kl": (kl * w).sum(), "approx_kl": (approx * w).sum(),
+                                     "clipfrac": (clipped * w).sum()}.items():
                             stats.setdefault(k, []).append(float(v))
                 finite_loss = acc.finite
                 if not finite_loss:
                     with torch.no_grad():          # still before any step: the old log-probs it left out
                         for key in [(mb, t) for t in picked if (mb, t) not in old and plan is epochs[0]]:
-                            old[key] = self._step_log_prob(model, traj, key[1], rows)
+                            old[key] = self._token_log_probs(model, traj, key[1], rows)
                 (norm,), stepped = acc.step()                                   # one optimiser: one norm
                 self.skipped_updates += not stepped
                 if stepped:
@@ -412,6 +582,9 @@ class FlowGRPO(GroupAlgorithm):
                     "flow_grpo/optimizer_steps": float(sum(len(e) for e in epochs)),
                     "flow_grpo/sampler_logp_gap": sampler_gap,
                     "flow_grpo/skipped_updates": float(self.skipped_updates)})
+        if token_adv is not None:
+            on_any = unmasked.any(0)                                          # [B_r, L] completion tokens
+            out["flow_grpo/token_advantage_abs_mean"] = float(token_adv[on_any].abs().mean())
         return out
 
     @staticmethod
@@ -461,16 +634,21 @@ class FlowGRPO(GroupAlgorithm):
         """Greedy generations on held-out tasks: overall and per held-out kind (new values on
         training forms, forms never seen in training)."""
         s = self._rewards(batches)
-        out = {"eval/return_mean": float(s["rewards"].mean()), "eval/episodes": len(s["rewards"]),
+        sampled = torch.as_tensor(self.pending.get("sampled", [False] * len(s["rewards"])))
+        greedy = ~sampled
+        out = {"eval/return_mean": float(s["rewards"][greedy].mean()), "eval/episodes": int(greedy.sum()),
                "eval/invalid_episodes": float((~s["valid"]).sum())}       # crashed / timed out: scored 0
         splits = np.array(self.pending["splits"])
-        for kind in ("", *sorted(set(splits))):
-            rows = torch.as_tensor(splits == kind) if kind else torch.ones(len(splits), dtype=torch.bool)
-            tag = f"eval/{kind}/" if kind else "eval/"
-            for k in ("task_completion", "field_accuracy", "execution_completeness"):
-                out[tag + k] = float(s[k][rows].mean())
-            if kind:
-                out[tag + "return_mean"] = float(s["rewards"][rows].mean())
+        for prefix, part in (("eval/", greedy), ("eval/sampled/", sampled)):
+            if not part.any():
+                continue
+            for kind in ("", *sorted(set(splits))):
+                rows = part & (torch.as_tensor(splits == kind) if kind else True)
+                tag = f"{prefix}{kind}/" if kind else prefix
+                for k in ("task_completion", "field_accuracy", "execution_completeness"):
+                    out[tag + k] = float(s[k][rows].mean())
+                if kind or prefix != "eval/":
+                    out[tag + "return_mean"] = float(s["rewards"][rows].mean())
         return out
 
     # ------------------------------------------------------------------ state

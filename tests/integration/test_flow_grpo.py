@@ -187,3 +187,70 @@ def test_the_kl_estimator_setting_reaches_the_update(sft_dir):
         weights[estimator] = {k: v.clone() for k, v in algo.lm.model.state_dict().items()}
     assert logged["step"] > 0 and logged["token"] > 0 and logged["step"] != pytest.approx(logged["token"])
     assert any(not torch.equal(weights["step"][k], weights["token"][k]) for k in weights["step"])
+
+
+def test_token_ratios_are_one_at_the_start_and_each_step_part_is_an_optimiser_step(sft_dir):
+    algo = _algorithm(sft_dir, ratio="token", epochs=2, timestep_fraction=1.0, step_minibatches=3,
+                      minibatch_groups=1)                   # 2 minibatches x 3 parts x 2 epochs
+    chunks = algo.generate(1, "train")
+    for g in algo.opt.param_groups:                         # lr 0: every ratio is a start-of-update one
+        g["lr"] = 0.0
+    metrics = algo.update(algo.prepare(_scored(algo, chunks, [1.0, 0.0, 0.3, 0.0])))
+    assert metrics["flow_grpo/optimizer_steps"] == 12 and metrics["flow_grpo/steps_per_minibatch"] == 2
+    assert metrics["flow_grpo/ratio_min"] == 1.0 == metrics["flow_grpo/ratio_max"]      # to the last bit
+    assert metrics["flow_grpo/clipfrac"] == 0.0 and metrics["approx_kl"] == 0.0
+    # the parts of an epoch are a random partition of the minibatch's steps, drawn again per epoch
+    _, epochs = algo._update_plan(groups=2, steps=6)
+    for plan in epochs:
+        for m in (0, 1):
+            parts = [steps for mb, steps in plan if mb == m]
+            assert len(parts) == 3 and sorted(s for p in parts for s in p) == list(range(6))
+
+
+def test_token_and_step_ratios_give_the_same_first_gradient(sft_dir, monkeypatch):
+    """At rho = 1 both surrogates have the gradient sum_j A grad log p_j (sequence advantages):
+    the first optimiser step of the two sees the same gradient."""
+    from flowrl_ray.optim import Accumulator
+    grads = {}
+    step = Accumulator.step
+
+    def recording(self):
+        grads.setdefault(mode, [p.grad.clone() for p in self.optimizers[0].param_groups[0]["params"]
+                                if p.grad is not None])
+        return step(self)
+
+    monkeypatch.setattr(Accumulator, "step", recording)
+    for mode in ("step", "token"):
+        algo = _algorithm(sft_dir, ratio=mode, epochs=1, kl_coeff=0.0)
+        chunks = algo.generate(1, "train")
+        algo.update(algo.prepare(_scored(algo, chunks, [1.0, 0.0, 0.2, 0.6])))
+    assert len(grads["step"]) == len(grads["token"]) > 0
+    for a, b in zip(grads["step"], grads["token"]):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+    assert any(a.abs().max() > 0 for a in grads["step"])
+
+
+def test_a_line_update_raises_the_tokens_of_lines_credited_up_and_lowers_the_others(sft_dir):
+    """advantage: line, token advantages set by hand (+1 on the first half of row 0's completion,
+    -1 on row 1's, 0 elsewhere): after an update the credited tokens' log-probs at their unmasking
+    steps move with the sign of their advantage."""
+    algo = _algorithm(sft_dir, advantage="line", ratio="token", lr=3e-3, epochs=1, kl_coeff=0.0)
+    chunks = algo.generate(1, "train")
+    traj = algo.pending["trajectory"]
+    p = algo.prepare(_scored(algo, chunks, [0.5, 0.5, 0.5, 0.5]))        # tied: every advantage 0
+    assert torch.equal(p["token_advantages"], torch.zeros_like(p["token_advantages"]))
+    half = algo.c.gen_length // 2
+    p["token_advantages"][0, :half] = 1.0
+    p["token_advantages"][1, :half] = -1.0
+
+    def token_logps():
+        algo.lm.model.eval()
+        with torch.no_grad():
+            out = torch.zeros(4, traj["unmasked"].shape[2], dtype=torch.float64)
+            for s in range(traj["unmasked"].shape[0]):
+                out += algo._token_log_probs(algo.lm.model, traj, s, torch.arange(4))
+        return out[:, traj["prompt_len"]:]                                  # [4, Lg] each token once
+    before = token_logps()
+    algo.update(p)
+    change = token_logps() - before
+    assert change[0, :half].mean() > 0 and change[1, :half].mean() < 0

@@ -232,3 +232,116 @@ def test_minibatch_and_fraction_mistakes_name_the_key(sft_dir):
                       ({"epochs": 0}, "epochs")):
         with pytest.raises(ConfigError, match=key):
             config_from_dict(_config(None, sft_dir, **algo))
+
+
+# --------------------------------------------------------------------------- line-level credit
+
+def test_line_advantages_by_hand_on_a_toy():
+    from flowrl_ray.algorithms.flow_grpo import line_advantages
+    # one group of 4, two slots: slot 0 written right by rollout 0 only, slot 1 by all four
+    slot_right = torch.tensor([[1.0, 1.0], [0.0, 1.0], [0.0, 1.0], [0.0, 1.0]])
+    seq_adv = torch.tensor([0.9, -0.3, -0.3, -0.3])
+    token_slot = torch.tensor([[0, 0, -1, 1, -1], [1, -1, 0, 0, -1], [-1] * 5, [0] * 5])
+    adv = line_advantages(seq_adv, slot_right, token_slot, group_size=4, adv_clip_max=5.0)
+    up, down = 0.75 / math.sqrt(0.1875), -0.25 / math.sqrt(0.1875)          # (y - 1/4) / std, 1.732 / -0.577
+    expected = torch.tensor([[up, up, 0.9, 0.0, 0.9],                         # slot 1: no contrast, no credit
+                             [0.0, -0.3, down, down, -0.3],
+                             [-0.3] * 5,                                      # no line addresses a slot
+                             [down] * 5])
+    assert torch.allclose(adv, expected, atol=1e-6)
+    # rollout 3 crashed: left out of the slot statistics, and its tokens get A = 0
+    valid = torch.tensor([True, True, True, False])
+    adv = line_advantages(seq_adv, slot_right, token_slot, 4, 5.0, valid=valid)
+    up, down = (2 / 3) / math.sqrt(2 / 9), -(1 / 3) / math.sqrt(2 / 9)       # 1.414 / -0.707
+    assert adv[0, 0] == pytest.approx(up, abs=1e-6) and adv[1, 2] == pytest.approx(down, abs=1e-6)
+    assert torch.equal(adv[3], torch.zeros(5))
+    # the advantage clip applies per slot
+    assert line_advantages(seq_adv, slot_right, token_slot, 4, 1.0)[0, 0] == pytest.approx(1.0)
+
+
+def test_token_lines_count_the_newlines_before_each_token_and_stop_at_eos():
+    from flowrl_ray.algorithms.flow_grpo import token_lines
+    newlines = torch.tensor([0, 0, 1, 0, 0, 0])             # id 2 is "\n"
+    stop = torch.tensor([True, False, False, True, False, False])     # [PAD] = 0, [EOS] = 3
+    completion = torch.tensor([[5, 2, 5, 5, 2, 5, 3, 5],
+                               [2, 2, 4, 0, 4, 4, 4, 4]])
+    assert token_lines(completion, newlines, stop).tolist() == [[0, 0, 1, 1, 1, 2, -1, -1],
+                                                               [0, 1, 2, -1, -1, -1, -1, -1]]
+
+
+def test_a_scored_batch_credits_each_tokens_line(sft_dir):
+    """prepare() with advantage: line on a batch whose scripts are set by hand: the tokens of a
+    line get its slot's group advantage, the rest (and the [EOS] padding) the rollout's."""
+    from flowrl_ray.envs.forms import gold_actions
+    from flowrl_ray.envs.forms.credit import gold_slots
+    algo = _algorithm(sft_dir, advantage="line", ratio="token")
+    algo.generate(1, "train")
+    pending, lm = algo.pending, algo.lm
+    task = pending["tasks"][0]                                       # group 0: rows 0, 1 (G = 2)
+    gold = gold_actions(task, algo.catalog).split("\n")
+    wrong_first = "\n".join(['fill "nothing" "x"'] + gold[1:])        # line 0 addresses no slot
+    texts = [gold_actions(task, algo.catalog), wrong_first] + pending["texts"][2:]
+    lp = pending["trajectory"]["prompt_len"]
+    for k in (0, 1):                                                  # the final tokens spell the texts
+        ids = lm.encode_answers([texts[k]], algo.c.gen_length)[0]
+        pending["trajectory"]["tokens"][-1][k, lp:] = ids
+    pending["texts"] = texts
+    from flowrl_ray.batch import Batch, BatchMeta
+    import numpy as np
+    r = np.array([1.0, 0.5, 0.2, 0.2], np.float32)
+    data = {"ids": np.arange(4), "rewards": r, "task_completion": r, "field_accuracy": r,
+            "execution_completeness": r, "unparseable_lines": np.zeros(4)}
+    p = algo.prepare([Batch(data, BatchMeta(policy_version=0, worker_id=0, env_steps=4))])
+    adv, tok = p["advantages"], p["token_advantages"]
+    assert tok.shape == (4, algo.c.gen_length) and adv[0] == pytest.approx(1.0) and adv[1] == pytest.approx(-1.0)
+    first_line = len(lm.tokenizer(gold[0] + "\n", add_special_tokens=False)["input_ids"])
+    n0 = len(lm.tokenizer(texts[0], add_special_tokens=False)["input_ids"])
+    # slot 0 ("fill" of the first field): right in row 0 only -> +1 / -1; every other slot: tied -> 0
+    assert torch.equal(tok[0, :first_line], torch.ones(first_line))
+    assert (tok[0, first_line:n0] == 0).all()
+    assert (tok[0, n0:] == adv[0]).all()                              # [EOS] padding: the rollout's own
+    other = len(lm.tokenizer('fill "nothing" "x"\n', add_special_tokens=False)["input_ids"])
+    assert (tok[1, :other] == adv[1]).all() and (tok[1, other:other + 3] == 0).all()   # no slot, then tied slots
+    assert len(gold_slots(task, algo.catalog)) == len(gold)
+
+
+def test_the_no_signal_control_permutes_outcomes_within_groups(sft_dir):
+    from flowrl_ray.batch import Batch, BatchMeta
+    import numpy as np
+    algo = _algorithm(sft_dir, prompts_per_iteration=2, group_size=4, advantage_shuffle=True)
+    valid = torch.tensor([True, True, False, True, True, True, True, True])
+    perm = algo._within_group_permutation(valid)
+    assert sorted(perm.tolist()) == list(range(8)) and perm[2] == 2           # a permutation; invalid stays
+    assert set(perm[:4].tolist()) == {0, 1, 2, 3} and set(perm[4:].tolist()) == {4, 5, 6, 7}
+    seen = {tuple(algo._within_group_permutation(valid).tolist()) for _ in range(30)}
+    assert len(seen) > 1                                                      # drawn, not fixed
+    algo.generate(1, "train")
+    r = np.array([1.0, 0.0, 0.0, 0.0, 0.2, 0.4, 0.6, 0.8], np.float32)
+    data = {"ids": np.arange(8), "rewards": r, "task_completion": r, "field_accuracy": r,
+            "execution_completeness": r, "unparseable_lines": np.zeros(8)}
+    g = algo.update_generator.get_state()
+    p = algo.prepare([Batch(data, BatchMeta(policy_version=0, worker_id=0, env_steps=8))])
+    algo.update_generator.set_state(g)
+    perm = algo._within_group_permutation(torch.ones(8, dtype=torch.bool))
+    assert torch.allclose(p["advantages"], group_advantages(torch.tensor(r)[perm], 4, 5.0))
+    assert torch.equal(p["rewards"], torch.tensor(r))                       # the metrics keep the real ones
+
+
+def test_sampled_evaluation_uses_the_same_noise_for_every_policy(sft_dir):
+    from flowrl_ray.batch import Batch, BatchMeta
+    import numpy as np
+    algo = _algorithm(sft_dir, eval_sampled=True, generation_temperature=1.5)
+    chunks = algo.generate(1, "eval")
+    n = algo.cfg.eval.episodes
+    ids, texts = chunks[0]["ids"], chunks[0]["texts"]
+    assert len(ids) == 2 * n and algo.pending["sampled"] == [False] * n + [True] * n
+    assert chunks[0]["task_ids"][:n] == chunks[0]["task_ids"][n:]                   # the same tasks
+    torch.manual_seed(123)                                   # the global stream does not matter
+    assert algo.generate(1, "eval")[0]["texts"] == texts                          # a fixed seed's noise
+    fa = np.array([1.0, 0.0, 0.25, 0.25], np.float32)
+    data = {"ids": ids, "rewards": fa, "task_completion": fa, "field_accuracy": fa,
+            "execution_completeness": fa, "unparseable_lines": np.zeros(4)}
+    m = algo.eval_metrics([Batch(data, BatchMeta(policy_version=0, worker_id=0, env_steps=4))])
+    assert m["eval/field_accuracy"] == 0.5 and m["eval/sampled/field_accuracy"] == 0.25
+    assert m["eval/episodes"] == 2 and m["eval/sampled/return_mean"] == 0.25
+    assert m["eval/return_mean"] == 0.5
