@@ -280,18 +280,19 @@ class FlowGRPO(GroupAlgorithm):
         return [self.train_tasks[i] for i in idx.tolist()]
 
     @torch.no_grad()
-    def generate(self, num_chunks: int, mode: str = "train") -> list[dict]:
+    def generate(self, num_chunks: int, mode: str = "train", tasks: list | None = None) -> list[dict]:
         """Sample this iteration's groups ("train") or the evaluation set ("eval"). In a learner
         group (training) every rank draws the same P prompts and samples the whole groups
         g = rank, rank + R, ... of them, with its own stream drawn from the shared generator;
         chunk ids are the rows' places in the whole batch [P * G]. Evaluation is one rank's:
         greedy, and with ``eval_sampled`` the same tasks again at ``generation_temperature``
-        (rows n..2n-1) with noise from a fixed seed, the same for every policy."""
+        (rows n..2n-1) with noise from a fixed seed, the same for every policy. ``tasks``: these
+        prompts instead of the drawn ones (diagnostics)."""
         from flowrl_ray.models.masked_diffusion import generate, generate_with_trajectory
         from flowrl_ray.envs.forms import prompt_text
         c = self.c
         rank, ranks = world() if mode == "train" else (0, 1)
-        tasks = self._draw_tasks(mode)
+        tasks = self._draw_tasks(mode) if tasks is None else list(tasks)
         group = 1 if mode == "eval" else c.group_size
         groups = torch.arange(rank, len(tasks), ranks)                         # [P_r] this rank's groups
         rows = [tasks[g] for g in groups.tolist() for _ in range(group)]      # [P_r*G], groups consecutive
@@ -586,6 +587,36 @@ class FlowGRPO(GroupAlgorithm):
             on_any = unmasked.any(0)                                          # [B_r, L] completion tokens
             out["flow_grpo/token_advantage_abs_mean"] = float(token_adv[on_any].abs().mean())
         return out
+
+    def policy_gradient(self, p: dict, steps: list[int] | None = None) -> torch.Tensor:
+        """The gradient of the update's surrogate at the weights that generated (every ratio 1,
+        no KL: its gradient is 0 at the reference) over all of this rank's valid rows and the
+        given unmasking ``steps`` (default all), as one flat float64 vector over the trainable
+        parameters: the direction the update's first step follows before clipping and Adam.
+        Diagnostics (two disjoint batches' agreement); the weights are left as they were."""
+        traj, c = p["trajectory"], self.c
+        rows = torch.arange(traj["unmasked"].shape[1])
+        adv = p["advantages"].double()[p["rows"]]
+        keep = p["valid"][p["rows"]].to(adv.device) if "valid" in p else torch.ones(len(rows), dtype=torch.bool)
+        token_adv = p.get("token_advantages")
+        if token_adv is not None:
+            token_adv = F.pad(token_adv.double(), (traj["unmasked"].shape[2] - token_adv.shape[1], 0))
+        steps = list(range(traj["unmasked"].shape[0])) if steps is None else steps
+        params = [q for q in self.lm.model.parameters() if q.requires_grad]
+        total = [torch.zeros_like(q, dtype=torch.float64) for q in params]
+        self.lm.model.train()
+        for s in steps:
+            on = traj["unmasked"][s]
+            weight = (on.any(-1) & keep).double()
+            if not weight.any():
+                continue
+            token_logp = self._token_log_probs(self.lm.model, traj, s, rows)
+            pg, *_ = self._surrogate(token_logp, token_logp.detach(), on, adv, token_adv)
+            loss = (pg * weight / weight.sum() / len(steps)).sum()
+            for t, g in zip(total, torch.autograd.grad(loss, params, allow_unused=True)):
+                if g is not None:
+                    t += g.double()
+        return torch.cat([t.flatten() for t in total])
 
     @staticmethod
     def _reduce_stats(stats: dict, entries: int, minibatch_steps: int, sampler_gap: float,

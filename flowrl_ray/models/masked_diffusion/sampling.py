@@ -34,17 +34,35 @@ def full_attention_bias(attention_mask: torch.Tensor, dtype: torch.dtype) -> tor
     return bias.expand(b, 1, l, l)
 
 
+def _takes_logits_to_keep(model: nn.Module) -> bool:
+    """The model's forward computes logits only where asked (transformers' ``logits_to_keep``:
+    hidden states sliced before the output layer); remote-code models may not."""
+    import inspect
+    return "logits_to_keep" in inspect.signature(_base_model(model).forward).parameters
+
+
 def masked_lm_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                     start: int = 0) -> torch.Tensor:
-    """Float32 logits [B, L - start, V] of positions ``start..L-1``; the mask token's logit is
-    -inf (never proposed). input_ids [B, L] long, attention_mask [B, L] bool."""
+                     start: int = 0, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """Float32 logits [B, L - start, V] of positions ``start..L-1``, or with ``keep`` (bool
+    [B, L]) the logits of the kept positions only, [keep.sum(), V] in row-major order; the mask
+    token's logit is -inf (never proposed). input_ids [B, L] long, attention_mask [B, L] bool.
+    Models that take ``logits_to_keep`` (transformers' Llama and most others) apply their
+    output layer to those positions alone; others compute every position's and slice."""
     if _wants_full_mask(model):
         dtype = model.get_input_embeddings().weight.dtype
         am = full_attention_bias(attention_mask, dtype if dtype.is_floating_point else torch.float32)
     else:
         am = attention_mask.long()
-    out = model(input_ids=input_ids, attention_mask=am)
-    raw = (out.logits if hasattr(out, "logits") else out[0])[:, start:]   # [B, L - start, V]
+    kwargs = {}
+    sliced = _takes_logits_to_keep(model)
+    if sliced and keep is not None:
+        kwargs["logits_to_keep"] = keep.bool()
+    elif sliced and start > 0:
+        kwargs["logits_to_keep"] = input_ids.shape[1] - start
+    out = model(input_ids=input_ids, attention_mask=am, **kwargs)
+    raw = out.logits if hasattr(out, "logits") else out[0]
+    if not sliced:                                                   # every position's: slice here
+        raw = raw[keep.bool()] if keep is not None else raw[:, start:]
     # a fresh float32 tensor (never the model's own output), so the in-place fill below is safe
     logits = raw.float() if raw.dtype != torch.float32 else raw.clone()
     mask_id = getattr(_base_model(model).config, "mask_token_id", None)
@@ -122,17 +140,21 @@ def _sample(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tenso
     states, unmasked, tokens, logps = [], [], [], []
 
     def step(k: int | None) -> None:
-        logits = masked_lm_logits(model, x, attn, start=lp)                  # [B, Lg, V]
+        # candidates at the still-masked positions only (the others keep their tokens)
+        logits = masked_lm_logits(model, x, attn, keep=F.pad(masked, (lp, 0)))   # [n, V], n = masked.sum()
         if temperature > 0:
-            cand = (logits / temperature + _gumbel(logits.shape, generator, device)).argmax(-1)
+            drawn = (logits / temperature + _gumbel(logits.shape, generator, device)).argmax(-1)
         else:
-            cand = logits.argmax(-1)                                          # [B, Lg]
-        cand_logp = _token_log_probs(logits, cand, temperature)               # [B, Lg]
+            drawn = logits.argmax(-1)                                         # [n]
+        drawn_logp = _token_log_probs(logits[:, None], drawn[:, None], temperature)[:, 0]   # [n]
+        cand = torch.full_like(masked, mask_token_id, dtype=torch.long).masked_scatter(masked, drawn)  # [B, Lg]
+        cand_logp = torch.zeros(masked.shape, device=device).masked_scatter(masked, drawn_logp)      # [B, Lg]
         if k is None:                                                         # final fill
             new = masked.clone()
         else:
             if sampler == "confidence_topk":                  # untempered p(a_i), no noise
-                score = _token_log_probs(logits, cand, 0.0)
+                score = torch.zeros(masked.shape, device=device).masked_scatter(
+                    masked, _token_log_probs(logits[:, None], drawn[:, None], 0.0)[:, 0])
             elif temperature > 0:
                 score = cand_logp + _gumbel(cand_logp.shape, generator, device)
             else:
@@ -232,12 +254,14 @@ def step_token_log_probs64(model: nn.Module, state: torch.Tensor, attention_mask
     """The terms of :func:`step_log_prob`, one per position: ``log softmax(logits(state) / tau)_i
     [tokens_i]`` where ``unmasked_i``, 0 elsewhere -> [B, L] float64 (computed in float32).
     Their sum over L is the step's log-prob; a per-token KL reads them one by one."""
-    cols = unmasked.any(dim=0).nonzero()
-    start = int(cols[0, 0]) if cols.numel() else state.shape[1] - 1
-    logits = masked_lm_logits(model, state, attention_mask, start=start)     # [B, L - start, V]
-    lp = _token_log_probs(logits, tokens[:, start:], temperature).double()    # [B, L - start]
-    lp = torch.where(unmasked[:, start:], lp, 0.0)
-    return F.pad(lp, (start, 0))                                              # [B, L]
+    unmasked = unmasked.bool()
+    keep = unmasked                  # logits of the step's tokens alone; none: the last column's
+    if not unmasked.any():           # (zeros that still hang on the graph, as every step's do)
+        keep = F.pad(torch.ones_like(unmasked[:, -1:]), (unmasked.shape[1] - 1, 0))
+    logits = masked_lm_logits(model, state, attention_mask, keep=keep)        # [n, V]
+    lp = _token_log_probs(logits[:, None], tokens[keep][:, None], temperature)[:, 0]   # [n]
+    lp = torch.where(unmasked[keep], lp, 0.0).double()
+    return torch.zeros(state.shape, dtype=torch.float64, device=state.device).masked_scatter(keep, lp)
 
 
 def step_log_prob64(model: nn.Module, state: torch.Tensor, attention_mask: torch.Tensor,

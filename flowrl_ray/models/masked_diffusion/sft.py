@@ -35,7 +35,7 @@ def sft_loss(model: nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tens
     noisy = torch.where(masked, torch.full_like(answer_ids, mask_token_id), answer_ids)  # [B, La]
     x = torch.cat([prompt_ids, noisy], dim=1)                                           # [B, L]
     attn = torch.cat([prompt_mask.bool(), answer_mask], dim=1)                          # [B, L]
-    logits = masked_lm_logits(model, x, attn, start=lp)                                 # [B, La, V]
-    nll = F.cross_entropy(logits[masked], answer_ids[masked], reduction="none")        # [M]
+    logits = masked_lm_logits(model, x, attn, keep=F.pad(masked, (lp, 0)))             # [M, V] masked only
+    nll = F.cross_entropy(logits, answer_ids[masked], reduction="none")                 # [M]
     weight = 1.0 / (t[:, None] * answer_mask.sum(-1, keepdim=True).clamp(min=1))        # [B, 1]
     return (nll * weight.expand_as(masked)[masked]).sum() / b
