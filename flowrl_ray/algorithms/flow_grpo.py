@@ -46,6 +46,7 @@ over a step's tokens in float64: every ratio is exactly 1 before the first optim
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -290,7 +291,7 @@ class FlowGRPO(GroupAlgorithm):
         prompts instead of the drawn ones (diagnostics)."""
         from flowrl_ray.models.masked_diffusion import generate, generate_with_trajectory
         from flowrl_ray.envs.forms import prompt_text
-        c = self.c
+        c, t0 = self.c, time.perf_counter()
         rank, ranks = world() if mode == "train" else (0, 1)
         tasks = self._draw_tasks(mode) if tasks is None else list(tasks)
         group = 1 if mode == "eval" else c.group_size
@@ -325,7 +326,7 @@ class FlowGRPO(GroupAlgorithm):
             batch_rows = torch.arange(len(rows))
         self.pending = {"mode": mode, "trajectory": traj, "n": len(tasks) * group * (1 + any(sampled)),
                         "rows": batch_rows, "texts": texts, "tasks": rows, "splits": [t.split for t in rows],
-                        "sampled": sampled}
+                        "sampled": sampled, "generate_s": time.perf_counter() - t0}
         return [{"ids": batch_rows[part].numpy(), "task_ids": [rows[i].task_id for i in part],
                  "texts": [texts[i] for i in part]}
                 for part in np.array_split(np.arange(len(rows)), num_chunks) if len(part)]
@@ -375,7 +376,7 @@ class FlowGRPO(GroupAlgorithm):
         # the whole batch's advantages and scores (every group is whole on its rank); the
         # trajectory is this rank's rows (``rows``: their places in the batch)
         return {"trajectory": self.pending["trajectory"], "advantages": adv.to(self.device),
-                "token_advantages": token_adv, "rows": rows, **scores}
+                "token_advantages": token_adv, "rows": rows, "generate_s": self.pending["generate_s"], **scores}
 
     def _line_outcomes(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's rows' scored lines (:mod:`flowrl_ray.envs.forms.credit`): slot_right
@@ -480,7 +481,7 @@ class FlowGRPO(GroupAlgorithm):
         return pg, ratio, (k3(log_ratio) * on).sum(-1), clipped
 
     def update(self, p: dict) -> dict[str, float]:
-        c, traj = self.c, p["trajectory"]
+        c, traj, t0 = self.c, p["trajectory"], time.perf_counter()
         adv = p["advantages"].double()                                        # [B] the whole batch
         batch, ranks = adv.shape[0], world()[1]
         valid = p.get("valid", torch.ones(batch, dtype=torch.bool)).to(adv.device)
@@ -512,6 +513,7 @@ class FlowGRPO(GroupAlgorithm):
             for key in sorted({(m, s) for plan in epochs for m, ss in plan for s in ss}):
                 if (key[0] != first_mb or key[1] not in first_steps) and len(minibatches[key[0]]):
                     old[key] = self._token_log_probs(model, traj, key[1], minibatches[key[0]])
+        old_s, reference_s = time.perf_counter() - t0, 0.0
         sampler_gap = 0.0                  # |recomputed - sampler's| old log-prob: numerics only
         ratios: list[torch.Tensor] = []
         stats: dict[str, list[float]] = {}
@@ -531,7 +533,9 @@ class FlowGRPO(GroupAlgorithm):
                     weight = (on.any(-1) & keep).double()                             # valid rows that unmasked at s
                     weight = weight / counts[mb, s] / len(picked)                     # mean over rows and steps
                     if c.kl_coeff > 0 and (mb, s) not in ref:              # before the graph is built:
+                        t_ref = time.perf_counter()
                         ref[mb, s] = self._reference_log_probs(traj, s, rows)  # (adapters switch)
+                        reference_s += time.perf_counter() - t_ref
                     token_logp = self._token_log_probs(model, traj, s, rows)  # [mb, L] with gradients
                     if (mb, s) not in old:                                     # no step taken yet
                         old[mb, s] = token_logp.detach()
@@ -582,7 +586,11 @@ class FlowGRPO(GroupAlgorithm):
                     "flow_grpo/steps": float(steps), "flow_grpo/steps_per_minibatch": float(len(epochs[0][0][1])),
                     "flow_grpo/optimizer_steps": float(sum(len(e) for e in epochs)),
                     "flow_grpo/sampler_logp_gap": sampler_gap,
-                    "flow_grpo/skipped_updates": float(self.skipped_updates)})
+                    "flow_grpo/skipped_updates": float(self.skipped_updates),
+                    # where an iteration's learner time goes (the scoring is the rest of sample_time_s)
+                    "flow_grpo/generate_s": float(p.get("generate_s", float("nan"))),
+                    "flow_grpo/update_s": time.perf_counter() - t0, "flow_grpo/update_old_logp_s": old_s,
+                    "flow_grpo/update_reference_s": reference_s})
         if token_adv is not None:
             on_any = unmasked.any(0)                                          # [B_r, L] completion tokens
             out["flow_grpo/token_advantage_abs_mean"] = float(token_adv[on_any].abs().mean())
