@@ -28,7 +28,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS_DIR, command_line, git_revision, machine_info, md_table, write_json  # noqa: E402
+from _common import (RESULTS_DIR, command_line, git_revision, machine_info, md_table,  # noqa: E402
+                     write_json, write_results)
 
 CONFIG = "configs/flow_grpo/forms_small.yaml"
 VARIANTS = (("sequence", False), ("sequence", True), ("line", False), ("line", True))
@@ -54,16 +55,6 @@ def cosine(a, b) -> float:
     return float(torch.dot(a, b) / (a.norm() * b.norm()).clamp(min=1e-300))
 
 
-def mean_ci(values: list[float], n_boot: int, seed: int = 0) -> dict:
-    """Mean with a 95 % percentile-bootstrap interval over the values."""
-    import numpy as np
-
-    from flowrl_ray.stats import paired_bootstrap_gain
-    x = np.asarray(values, dtype=float)
-    r = paired_bootstrap_gain(x[None], np.zeros_like(x), n_boot=n_boot, level=0.95)
-    return {"mean": float(r["gain"]), "ci_low": float(r["ci_low"]), "ci_high": float(r["ci_high"]), "n": len(x)}
-
-
 def main(argv=None) -> dict:
     import numpy as np
     import torch
@@ -71,6 +62,7 @@ def main(argv=None) -> dict:
     from flowrl_ray.algorithms.flow_grpo import FlowGRPO
     from flowrl_ray.config import load_config
     from flowrl_ray.envs import env_family
+    from flowrl_ray.stats import mean_interval
 
     args = parse_args(argv)
     if args.batches < 2:
@@ -108,15 +100,14 @@ def main(argv=None) -> dict:
     pairs = list(itertools.combinations(range(args.batches), 2))
     for name, gs in grads.items():
         cos = [cosine(gs[i], gs[j]) for i, j in pairs]
-        results["variants"][name] = {"cosine": mean_ci(cos, args.n_boot), "pair_cosines": cos,
+        results["variants"][name] = {"cosine": mean_interval(cos, args.n_boot), "pair_cosines": cos,
                                      "norm_mean": float(np.mean([float(g.norm()) for g in gs]))}
-    results["sequence_vs_line"] = mean_ci([cosine(a, b) for a, b in zip(grads["sequence"], grads["line"])],
+    results["sequence_vs_line"] = mean_interval([cosine(a, b) for a, b in zip(grads["sequence"], grads["line"])],
                                           args.n_boot)
     rows = [[name, f"{v['cosine']['mean']:+.4f} [{v['cosine']['ci_low']:+.4f}, {v['cosine']['ci_high']:+.4f}]",
              f"{v['norm_mean']:.3g}"] for name, v in results["variants"].items()]
     svl = results["sequence_vs_line"]
-    body = (f"# Flow-GRPO: do disjoint batches' gradients agree at the base?\n\n`{results['command']}`\n\n"
-            f"Checkpoint `{cfg.algo.sft_checkpoint}`; {args.batches} disjoint batches of {args.prompts} training "
+    body = (f"Checkpoint `{cfg.algo.sft_checkpoint}`; {args.batches} disjoint batches of {args.prompts} training "
             f"prompts x {cfg.algo.group_size} rollouts (temperature {cfg.algo.generation_temperature}, sampler "
             f"{cfg.algo.sampler}), scored in Chromium; gradients over {len(steps)} of "
             f"{cfg.algo.num_generation_steps} unmasking steps; {len(pairs)} pairs; {results['seconds']:.0f} s.\n\n"
@@ -124,11 +115,9 @@ def main(argv=None) -> dict:
             + f"\n\nCosine between the sequence and the line gradient of the same batch: {svl['mean']:+.3f} "
               f"[{svl['ci_low']:+.3f}, {svl['ci_high']:+.3f}].\n\nBatch rewards: "
             + ", ".join(f"{s['reward_mean']:.3f}" for s in batch_stats) + ".\n")
-    out = Path(args.results_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.output}.md").write_text(body)
-    write_json(out / f"{args.output}.json", results)
-    print(body, flush=True)
+    write_results(args.output, "Flow-GRPO: do disjoint batches' gradients agree at the base?", body,
+                  results_dir=Path(args.results_dir))
+    write_json(Path(args.results_dir) / f"{args.output}.json", results)
     return results
 
 

@@ -68,36 +68,17 @@ def is_free_text(f) -> bool:
 def score_task(task, form, completion: str, catalog) -> list[tuple[str, bool, bool]]:
     """(row, right, free text) for every gold action of ``task`` (one per field value, then the click)."""
     from flowrl_ray.envs.forms.actions import format_action, parse_actions
-    from flowrl_ray.envs.forms.tasks import format_value
+    from flowrl_ray.envs.forms.tasks import gold_action_list
     written = {str(a) for a in parse_actions(completion).actions}
-    gold_line = lambda line: str(parse_actions(line).actions[0])
-    out = []
-    for f in form.fields:
-        if f.name not in task.ground_truth_fields:
-            continue
-        value = task.ground_truth_fields[f.name]
-        if f.is_group:
-            lines = [format_action("check", o) for o in value]
-        elif f.type == "checkbox":
-            lines = [format_action("check" if value else "uncheck", f.label)]
-        elif f.type in ("select", "radio"):
-            lines = [format_action("select", f.label, value)]
-        else:
-            lines = [format_action("fill", f.label, format_value(f, value))]
-        for line in lines:
-            out.append((field_kind(f), gold_line(line) in written, is_free_text(f)))
-    out.append(("click", gold_line(format_action("click", form.submit)) in written, False))
-    return out
+    return [(field_kind(f) if f is not None else "click", format_action(verb, *args) in written,
+             f is not None and is_free_text(f))
+            for f, verb, args in gold_action_list(task, catalog)]
 
 
 def interval(outcomes: list[float], n_boot: int) -> dict:
     """Mean of 0/1 outcomes with its 95 % percentile-bootstrap interval."""
-    import numpy as np
-
-    from flowrl_ray.stats import paired_bootstrap_gain
-    x = np.asarray(outcomes, dtype=float)
-    r = paired_bootstrap_gain(x[None], np.zeros_like(x), n_boot=n_boot, level=0.95)
-    return {"mean": float(r["gain"]), "ci_low": float(r["ci_low"]), "ci_high": float(r["ci_high"]), "n": len(x)}
+    from flowrl_ray.stats import mean_interval
+    return mean_interval(outcomes, n_boot=n_boot, level=0.95)
 
 
 def summarize(scored: list[list[tuple[str, bool, bool]]], n_boot: int) -> dict:

@@ -78,6 +78,15 @@ def paired_bootstrap_gain(policy, base, n_boot: int = 10_000, level: float = 0.9
             "n_boot": int(n_boot), "seeds": int(p.shape[0]), "episodes": int(e)}
 
 
+def mean_interval(values, n_boot: int = 10_000, level: float = 0.95, seed: int = 0) -> dict:
+    """The mean of ``values`` [N] with its percentile-bootstrap interval over the values (the
+    gain of :func:`paired_bootstrap_gain` against a base of zeros) ->
+    {"mean", "ci_low", "ci_high", "n"}."""
+    x = np.asarray(values, dtype=np.float64)
+    r = paired_bootstrap_gain(x[None], np.zeros_like(x), n_boot=n_boot, level=level, seed=seed)
+    return {"mean": r["gain"], "ci_low": r["ci_low"], "ci_high": r["ci_high"], "n": int(x.shape[0])}
+
+
 def state_share(outcomes) -> float:
     """The share of the outcome variance that lies between initial states: the one-way
     random-effects intra-class correlation ICC(1).

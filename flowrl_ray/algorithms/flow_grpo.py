@@ -100,7 +100,8 @@ class FlowGRPOConfig:
     ratio: str = "step"                        # step: one ratio per unmasking step (the spec's);
     #                                          token: one per unmasked token, each clipped (line needs it)
     step_minibatches: int = field(default=1, metadata=check(gt=0))  # each minibatch's steps split
-    #                                          into this many random parts per epoch, one optimiser step each
+    #                                          into this many random parts per epoch (at most one per step),
+    #                                          one optimiser step each
     advantage_shuffle: bool = False            # the no-signal control: outcomes permuted within each group
     eval_sampled: bool = False                 # evaluation also samples at generation_temperature
     #                                          (eval/sampled/*, the same noise for every policy)
@@ -222,10 +223,6 @@ class FlowGRPO(GroupAlgorithm):
         if c.advantage == "line" and c.ratio != "token":
             raise ConfigError("config key 'algo.ratio': advantage 'line' gives the tokens of one unmasking "
                               "step different advantages, so each token needs its own ratio: set ratio: token")
-        if c.step_minibatches > math.ceil(c.timestep_fraction * c.num_generation_steps):
-            raise ConfigError(f"config key 'algo.step_minibatches': {c.step_minibatches} parts of each "
-                              f"minibatch's {math.ceil(c.timestep_fraction * c.num_generation_steps)} steps "
-                              f"(algo.timestep_fraction x algo.num_generation_steps)")
         if c.num_generation_steps > c.gen_length:
             raise ConfigError(f"config key 'algo.num_generation_steps': {c.num_generation_steps} steps "
                               f"for {c.gen_length} tokens (algo.gen_length)")

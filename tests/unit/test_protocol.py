@@ -409,3 +409,12 @@ def test_write_json_is_the_one_results_writer_and_replaces_a_file_whole(tmp_path
         write_json(path, {"b": 2})
     assert path.read_text() == before                             # the previous results, whole
     assert [p.name for p in path.parent.iterdir()] == ["r.json"]  # and no temporary file
+
+
+def test_mean_interval_is_the_gain_over_a_base_of_zeros():
+    from flowrl_ray.stats import mean_interval, paired_bootstrap_gain
+    assert mean_interval([1.0, 1.0, 1.0]) == {"mean": 1.0, "ci_low": 1.0, "ci_high": 1.0, "n": 3}
+    x = [0.0, 1.0, 0.25, 0.5]
+    r, g = mean_interval(x, n_boot=500), paired_bootstrap_gain([x], [0.0] * 4, n_boot=500)
+    assert (r["mean"], r["ci_low"], r["ci_high"]) == (g["gain"], g["ci_low"], g["ci_high"]) and r["mean"] == 0.4375
+    assert 0.0 <= r["ci_low"] < r["mean"] < r["ci_high"] <= 1.0

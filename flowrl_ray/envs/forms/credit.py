@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from flowrl_ray.envs.forms.actions import parse_actions
 from flowrl_ray.envs.forms.reward import normalize_value
 from flowrl_ray.envs.forms.spec import FormCatalog, normalize_label
-from flowrl_ray.envs.forms.tasks import FormTask, format_value
+from flowrl_ray.envs.forms.tasks import FormTask, gold_action_list
 
 SUBMIT = "submit"
 
@@ -54,21 +54,14 @@ class LineOutcome:
 def gold_slots(task: FormTask, catalog: FormCatalog) -> list[GoldSlot]:
     """The task's slots in the order of :func:`gold_actions`' lines (the form's field order,
     then the submit click)."""
-    form = catalog[task.form_id]
     slots = []
-    for f in form.fields:
-        if f.name not in task.ground_truth_fields:
-            continue
-        value = task.ground_truth_fields[f.name]
-        if f.is_group:
-            slots.extend(GoldSlot("option:" + normalize_label(o), "check") for o in value)
-        elif f.type == "checkbox":
-            slots.append(GoldSlot("field:" + normalize_label(f.label), "check" if value else "uncheck"))
-        elif f.type in ("select", "radio"):
-            slots.append(GoldSlot("field:" + normalize_label(f.label), "select", f, value))
+    for f, verb, args in gold_action_list(task, catalog):
+        if f is None:
+            slots.append(GoldSlot(SUBMIT, verb, value=normalize_label(args[0])))
+        elif f.is_group:
+            slots.append(GoldSlot("option:" + normalize_label(args[0]), verb))
         else:
-            slots.append(GoldSlot("field:" + normalize_label(f.label), "fill", f, format_value(f, value)))
-    slots.append(GoldSlot(SUBMIT, "click", value=normalize_label(form.submit)))
+            slots.append(GoldSlot("field:" + normalize_label(args[0]), verb, f, args[1] if len(args) > 1 else None))
     return slots
 
 

@@ -463,23 +463,29 @@ def prompt_text(task: FormTask, catalog: FormCatalog) -> str:
             f"Task: {task.instruction}\nActions:\n")
 
 
-def gold_actions(task: FormTask, catalog: FormCatalog | None = None) -> str:
-    """The action script that solves ``task``: one action per gold field in the form's order,
-    then a click on the submit button. ``catalog`` defaults to the shipped forms."""
+def gold_action_list(task: FormTask, catalog: FormCatalog | None = None) -> list[tuple[FieldSpec | None, str, tuple]]:
+    """The actions that solve ``task`` as (field, verb, arguments): one per gold field in the
+    form's order (a checkbox group: one ``check`` per ticked option), then the submit click
+    (field None). ``catalog`` defaults to the shipped forms."""
     catalog = catalog if catalog is not None else FormCatalog.load()
     form = catalog[task.form_id]
-    lines = []
+    actions = []
     for f in form.fields:
         if f.name not in task.ground_truth_fields:
             continue
         value = task.ground_truth_fields[f.name]
         if f.is_group:
-            lines.extend(format_action("check", o) for o in value)
+            actions.extend((f, "check", (o,)) for o in value)
         elif f.type == "checkbox":
-            lines.append(format_action("check" if value else "uncheck", f.label))
+            actions.append((f, "check" if value else "uncheck", (f.label,)))
         elif f.type in ("select", "radio"):
-            lines.append(format_action("select", f.label, value))
+            actions.append((f, "select", (f.label, value)))
         else:
-            lines.append(format_action("fill", f.label, format_value(f, value)))
-    lines.append(format_action("click", form.submit))
-    return "\n".join(lines)
+            actions.append((f, "fill", (f.label, format_value(f, value))))
+    actions.append((None, "click", (form.submit,)))
+    return actions
+
+
+def gold_actions(task: FormTask, catalog: FormCatalog | None = None) -> str:
+    """The action script that solves ``task`` (:func:`gold_action_list`, one action per line)."""
+    return "\n".join(format_action(verb, *args) for _, verb, args in gold_action_list(task, catalog))
