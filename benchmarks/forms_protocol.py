@@ -82,14 +82,23 @@ def evaluate_policy(run_dir: Path, tasks: int, label: str, base: bool = False) -
     finally:
         scorer.close()
     s = algo._rewards(batches)
-    out = {"task_ids": [t.task_id for t in algo.eval_tasks[:tasks]],
-           "kinds": list(algo.pending["splits"]), "invalid": int((~s["valid"]).sum()),
-           "seconds": round(time.perf_counter() - t0, 1)}
+    pending = algo.pending               # with algo.eval_sampled the same tasks again, sampled: "sampled/<kind>"
+    out = {"task_ids": [t.task_id for t in pending["tasks"]],
+           "kinds": [("sampled/" if sampled else "") + kind for kind, sampled in
+                     zip(pending["splits"], pending.get("sampled", [False] * len(pending["splits"])))],
+           "invalid": int((~s["valid"]).sum()), "seconds": round(time.perf_counter() - t0, 1)}
     for k in METRICS:
         out[k] = [float(x) for x in s[k]]
-    log(f"evaluated {label}: field accuracy {sum(out['field_accuracy']) / len(out['field_accuracy']):.3f}, "
-        f"{out['invalid']} invalid, {out['seconds']:.0f} s")
+    greedy = greedy_part(out)
+    log(f"evaluated {label}: field accuracy {sum(greedy['field_accuracy']) / len(greedy['field_accuracy']):.3f} "
+        f"(greedy), {out['invalid']} invalid, {out['seconds']:.0f} s")
     return out
+
+
+def greedy_part(outcomes: dict) -> dict:
+    """The greedy rows of :func:`evaluate_policy`'s outcomes (without the sampled ones)."""
+    keep = [not k.startswith("sampled/") for k in outcomes["kinds"]]
+    return {**outcomes, **{k: [v for v, g in zip(outcomes[k], keep) if g] for k in ("task_ids", "kinds", *METRICS)}}
 
 
 def evaluate_reference(model: str, run_dir: Path, tasks: int, base: dict) -> dict:
@@ -103,7 +112,7 @@ def evaluate_reference(model: str, run_dir: Path, tasks: int, base: dict) -> dic
     settings = FormsSettings.from_env_cfg(load_config(Path(run_dir) / "config.yaml").env)
     catalog = settings.catalog()
     chosen = evaluation_tasks(tasks, seed=settings.task_seed, catalog=catalog)
-    if [t.task_id for t in chosen] != base["task_ids"]:
+    if [t.task_id for t in chosen] != greedy_part(base)["task_ids"]:
         raise UsageError(f"--reference-model: the evaluation tasks of {run_dir} differ from the base's")
     r = evaluate_fewshot(load_packaged_lm(model), chosen, catalog, settings=settings)
     out = {"task_ids": r["task_ids"], "kinds": r["kinds"], "invalid": r["invalid"],
@@ -115,23 +124,30 @@ def evaluate_reference(model: str, run_dir: Path, tasks: int, base: dict) -> dic
 
 
 def summarise(base: dict, runs: list[dict], n_boot: int) -> dict:
-    """Per task kind and metric: base, per seed, mean and the paired gain with its CI."""
+    """Per task kind and metric: base, per seed, mean and the paired gain with its CI; greedy
+    rows under the kinds' names, sampled ones (``algo.eval_sampled``) under ``sampled/<kind>``.
+    Runs with greedy rows alone (a few-shot reference) are compared with the base's greedy rows."""
     import numpy as np
 
     from flowrl_ray.stats import paired_bootstrap_gain
-    kinds = np.array(base["kinds"])
+    if any(len(r["outcomes"][METRICS[0]]) != len(base[METRICS[0]]) for r in runs):
+        base = greedy_part(base)
+    kinds = [str(k) for k in base["kinds"]]
+    sampled = np.array([k.startswith("sampled/") for k in kinds])
+    plain = np.array([k.removeprefix("sampled/") for k in kinds])
     out = {}
-    for kind in KINDS:
-        rows = np.ones(len(kinds), bool) if kind == "all" else kinds == kind
-        if not rows.any():
-            continue
-        out[kind] = {"tasks": int(rows.sum())}
-        for m in METRICS:
-            b = np.asarray(base[m])[rows]
-            per_seed = [np.asarray(r["outcomes"][m])[rows] for r in runs]
-            out[kind][m] = {"base": float(b.mean()), "per_seed": [float(x.mean()) for x in per_seed],
-                            "mean": float(np.mean([x.mean() for x in per_seed])),
-                            "gain": paired_bootstrap_gain(per_seed, b, n_boot=n_boot, level=LEVEL)}
+    for prefix, part in (("", ~sampled), ("sampled/", sampled)):
+        for kind in KINDS:
+            rows = part & (True if kind == "all" else plain == kind)
+            if not rows.any():
+                continue
+            out[prefix + kind] = {"tasks": int(rows.sum())}
+            for m in METRICS:
+                b = np.asarray(base[m])[rows]
+                per_seed = [np.asarray(r["outcomes"][m])[rows] for r in runs]
+                out[prefix + kind][m] = {"base": float(b.mean()), "per_seed": [float(x.mean()) for x in per_seed],
+                                         "mean": float(np.mean([x.mean() for x in per_seed])),
+                                         "gain": paired_bootstrap_gain(per_seed, b, n_boot=n_boot, level=LEVEL)}
     return out
 
 

@@ -230,6 +230,25 @@ def test_forms_protocol_summary_splits_the_task_kinds_by_hand():
     forms = s["heldout_forms"]["field_accuracy"]
     assert forms["base"] == 0.5 and forms["gain"]["gain"] == pytest.approx(0.0)     # 0.5 - 0.5, 0.5 - 0.5
     assert s["all"]["task_completion"]["gain"]["gain"] == pytest.approx((0.25 + -0.25) / 2)
+    assert not any(k.startswith("sampled/") for k in s)
+
+
+def test_forms_protocol_reports_sampled_evaluations_apart_and_pairs_a_greedy_reference():
+    import forms_protocol as fp
+    kinds = ["heldout_values", "heldout_forms", "sampled/heldout_values", "sampled/heldout_forms"]
+    base = {"task_ids": ["a", "b", "a", "b"], "kinds": kinds, "field_accuracy": [0.5, 0.0, 0.25, 0.0],
+            "task_completion": [0, 0, 0, 0], "rewards": [0.2, 0.0, 0.1, 0.0]}
+    run = {"outcomes": {"field_accuracy": [1.0, 0.0, 0.75, 0.5], "task_completion": [1, 0, 0, 0],
+                        "rewards": [0.8, 0.0, 0.5, 0.2]}}
+    s = fp.summarise(base, [run], n_boot=200)
+    assert s["all"]["tasks"] == 2 == s["sampled/all"]["tasks"] and s["sampled/heldout_forms"]["tasks"] == 1
+    assert s["all"]["field_accuracy"]["gain"]["gain"] == pytest.approx(0.25)           # (0.5 + 0) / 2
+    assert s["sampled/all"]["field_accuracy"]["gain"]["gain"] == pytest.approx(0.5)    # (0.5 + 0.5) / 2
+    assert fp.greedy_part(base)["task_ids"] == ["a", "b"]
+    reference = {"outcomes": {"field_accuracy": [0.0, 1.0], "task_completion": [0, 1], "rewards": [0.0, 1.0]}}
+    r = fp.summarise(base, [reference], n_boot=200)              # greedy rows alone: against the base's greedy
+    assert set(r) == {"all", "heldout_values", "heldout_forms"}
+    assert r["all"]["field_accuracy"]["gain"]["gain"] == pytest.approx(0.25)            # (-0.5 + 1) / 2
 
 
 def test_forms_protocol_checks_its_flags_as_the_robot_protocol_does(tmp_path, capsys):
