@@ -437,3 +437,18 @@ def test_mean_interval_is_the_gain_over_a_base_of_zeros():
     r, g = mean_interval(x, n_boot=500), paired_bootstrap_gain([x], [0.0] * 4, n_boot=500)
     assert (r["mean"], r["ci_low"], r["ci_high"]) == (g["gain"], g["ci_low"], g["ci_high"]) and r["mean"] == 0.4375
     assert 0.0 <= r["ci_low"] < r["mean"] < r["ci_high"] <= 1.0
+
+
+def test_flow_grpo_iteration_parts_by_hand():
+    import flow_grpo_iteration_time as it
+    rows = [{"iteration": 0, "time_s": 0.0, "eval/return_mean": 0.3},
+            {"iteration": 1, "time_s": 50.0, "sample_time_s": 20.0, "flow_grpo/generate_s": 15.0,
+             "flow_grpo/update_s": 28.0, "flow_grpo/update_old_logp_s": 2.0, "flow_grpo/update_reference_s": 3.0},
+            {"iteration": 2, "time_s": 90.0, "sample_time_s": 22.0, "flow_grpo/generate_s": 16.0,
+             "flow_grpo/update_s": 17.0, "flow_grpo/update_old_logp_s": 1.0, "flow_grpo/update_reference_s": 2.0},
+            {"iteration": 3, "time_s": 200.0, "sample_time_s": 22.0, "flow_grpo/generate_s": 16.0,
+             "flow_grpo/update_s": 17.0, "flow_grpo/update_old_logp_s": 1.0, "flow_grpo/update_reference_s": 2.0,
+             "eval/return_mean": 0.4}]
+    parts = it.iteration_parts(rows, skip=1)           # iteration 1 skipped, iteration 3 has an evaluation
+    assert parts == [{"generate": 16.0, "scoring": 6.0, "update": 17.0, "update: old log-probs": 1.0,
+                      "update: KL reference": 2.0, "update: gradient passes": 14.0, "other": 1.0, "iteration": 40.0}]
