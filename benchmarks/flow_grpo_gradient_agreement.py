@@ -41,6 +41,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batches", type=int, default=6, help="disjoint batches (>= 2)")
     p.add_argument("--prompts", type=int, default=2, help="prompts per batch (x the group size)")
     p.add_argument("--steps", type=int, default=16, help="unmasking steps per gradient, spread evenly")
+    p.add_argument("--same-prompts", action="store_true",
+                   help="batches 2i and 2i+1 share their prompts (independent samples of the same tasks): "
+                        "their cosine is reported apart from the pairs of different prompts")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--n-boot", type=int, default=10_000)
@@ -73,6 +76,10 @@ def main(argv=None) -> dict:
     algo = FlowGRPO(cfg, family.spec(cfg.env), torch.device("cpu"))
     rng = np.random.default_rng(args.seed)
     picks = rng.choice(len(algo.train_tasks), size=args.batches * args.prompts, replace=False)
+    if args.same_prompts:                                # batch 2i+1 takes batch 2i's prompts
+        picks = picks.reshape(args.batches, args.prompts)
+        picks[1::2] = picks[0::2][:len(picks[1::2])]
+        picks = picks.reshape(-1)
     steps = sorted({int(round(x)) for x in np.linspace(0, algo.c.num_generation_steps - 1, args.steps)})
     scorer = family.make_scorer(cfg.env, cfg.seed, 0)
     grads: dict[str, list] = {f"{a}{' shuffled' if sh else ''}": [] for a, sh in VARIANTS}
@@ -98,20 +105,27 @@ def main(argv=None) -> dict:
     results = {"command": command_line(), "args": vars(args), "machine": machine_info(), "git": git_revision(),
                "steps": steps, "batches": batch_stats, "seconds": round(time.perf_counter() - t0, 1), "variants": {}}
     pairs = list(itertools.combinations(range(args.batches), 2))
+    same = [(i, j) for i, j in pairs if args.same_prompts and i % 2 == 0 and j == i + 1]
+    pairs = [pair for pair in pairs if pair not in same]            # different prompts
     for name, gs in grads.items():
         cos = [cosine(gs[i], gs[j]) for i, j in pairs]
         results["variants"][name] = {"cosine": mean_interval(cos, args.n_boot), "pair_cosines": cos,
                                      "norm_mean": float(np.mean([float(g.norm()) for g in gs]))}
+        if same:
+            results["variants"][name]["same_prompts"] = mean_interval([cosine(gs[i], gs[j]) for i, j in same],
+                                                                      args.n_boot)
     results["sequence_vs_line"] = mean_interval([cosine(a, b) for a, b in zip(grads["sequence"], grads["line"])],
                                           args.n_boot)
-    rows = [[name, f"{v['cosine']['mean']:+.4f} [{v['cosine']['ci_low']:+.4f}, {v['cosine']['ci_high']:+.4f}]",
-             f"{v['norm_mean']:.3g}"] for name, v in results["variants"].items()]
+    ci = lambda c: f"{c['mean']:+.4f} [{c['ci_low']:+.4f}, {c['ci_high']:+.4f}] (n={c['n']})"   # noqa: E731
+    rows = [[name, ci(v["cosine"]), ci(v["same_prompts"]) if same else "-", f"{v['norm_mean']:.3g}"]
+            for name, v in results["variants"].items()]
     svl = results["sequence_vs_line"]
     body = (f"Checkpoint `{cfg.algo.sft_checkpoint}`; {args.batches} disjoint batches of {args.prompts} training "
             f"prompts x {cfg.algo.group_size} rollouts (temperature {cfg.algo.generation_temperature}, sampler "
             f"{cfg.algo.sampler}), scored in Chromium; gradients over {len(steps)} of "
-            f"{cfg.algo.num_generation_steps} unmasking steps; {len(pairs)} pairs; {results['seconds']:.0f} s.\n\n"
-            + md_table(["advantages", "cosine between batches (mean [95 % CI over pairs])", "gradient norm"], rows)
+            f"{cfg.algo.num_generation_steps} unmasking steps; {len(pairs)} pairs of different prompts, {len(same)} of the same; {results['seconds']:.0f} s.\n\n"
+            + md_table(["advantages", "cosine, different prompts (mean [95 % CI over pairs])",
+                        "cosine, the same prompts", "gradient norm"], rows)
             + f"\n\nCosine between the sequence and the line gradient of the same batch: {svl['mean']:+.3f} "
               f"[{svl['ci_low']:+.3f}, {svl['ci_high']:+.3f}].\n\nBatch rewards: "
             + ", ".join(f"{s['reward_mean']:.3f}" for s in batch_stats) + ".\n")
