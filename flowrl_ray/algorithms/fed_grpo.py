@@ -54,8 +54,8 @@ from flowrl_ray.algorithms.losses import ppo_clip_objective
 from flowrl_ray.batch import Batch
 from flowrl_ray.config import Config, ConfigError, EDMPretrainConfig, check
 from flowrl_ray.envs import EnvSpec
-from flowrl_ray.models.edm import (EDM, EDMModelConfig, NodeDistribution, check_base_model, load_base_model,
-                                   reference_kl, step_log_prob, to_numpy_molecules)
+from flowrl_ray.models.edm import (EDM, EDMModelConfig, NodeDistribution, check_base_model, check_model_config,
+                                   load_base_model, reference_kl, step_log_prob, to_numpy_molecules)
 
 __all__ = ["fed_advantages", "pbrs_returns", "fed_advantages_pbrs", "schedule_steps", "delta_traces",
            "fed_advantages_delta", "FEDGRPO", "FEDGRPOConfig"]
@@ -239,6 +239,7 @@ class FEDGRPO(GroupAlgorithm):
         if cfg.runtime.num_learners > c.sample_group_size:
             raise ConfigError(f"config key 'runtime.num_learners': {cfg.runtime.num_learners} ranks share "
                               f"algo.sample_group_size={c.sample_group_size} groups (a group is never split)")
+        check_model_config(c.model)
         if c.shared_prefix_steps >= c.model.diffusion_steps:
             raise ConfigError(f"config key 'algo.shared_prefix_steps': {c.shared_prefix_steps} leaves no "
                               f"branched step of algo.model.diffusion_steps={c.model.diffusion_steps}")

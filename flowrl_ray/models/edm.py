@@ -1,8 +1,13 @@
 """Equivariant diffusion model (EDM, Hoogeboom et al. 2022) for QM9-style molecules, as a policy.
 
 State and data (EDM's notation): a molecule of n real atoms among N padded slots is
-``z = [z_x, z_h]`` ``[B, N, D]`` with D = 3 + K: positions x in Å (EDM's norm_values[0] = 1) and
-the one-hot atom type divided by ``atom_type_scale`` (norm_values[1] = 4; no charges channel).
+``z = [z_x, z_h]`` ``[B, N, D]`` with D = 3 + K (+ 1 with ``include_charges``): positions x in Å
+(EDM's norm_values[0] = 1), the one-hot atom type divided by ``atom_type_scale`` (norm_values[1] =
+4) and, with EDM's charges channel, the atom's charge divided by ``charge_scale`` (norm_values[2] =
+10). In EDM's QM9 the charge is the atomic number, so it is a function of the type
+(``atom_charges[type]``: H 1, C 6, N 7, O 8, F 9); the network denoises and predicts it like every
+other channel, and decoding reads the type from the one-hot part only (EDM rounds the charge
+channel for its output files; its stability and validity checks, like ours, use the types).
 x lives in the zero centre-of-mass (CoM) subspace of the real atoms; padding is exactly 0.
 
 Schedule (``polynomial_2`` with clipping and precision s), for t = 0..T:
@@ -26,14 +31,14 @@ Reverse step p(z_s | z_t), s = t - 1 (EDM's ``sample_p_zs_given_zt``, ``sigma_an
     z_s   = mu + sigma * eps'          (eps' with its x part projected to zero CoM)
 
 Final decode p(x, h | z_0) (``sample_p_xh_given_z0``), returned as its mean for x:
-``x = (z0_x - sigma_0 eps_hat_x(z0, 0)) / alpha_0``, ``h = argmax z0_h`` (the argmax of the
-unscaled one-hot; scaling does not change it). The predicted clean state at step t is
+``x = (z0_x - sigma_0 eps_hat_x(z0, 0)) / alpha_0``, ``type = argmax z0_h[:K]`` (the argmax of the
+unscaled one-hot; scaling does not change it; the charge channel is not read). The predicted clean state at step t is
 ``(z_t - sigma_t eps_hat) / alpha_t`` (``x0_predictions``; t = 0 gives exactly ``decode``).
 
 Transition log-density (what PPO/GRPO ratios are made of), over the real nodes only, with the x
 part a Gaussian on the 3(n-1)-dimensional zero-CoM subspace (EDM's ``subspace_dimensionality``):
 
-    log p(z_s | z_t) = -||z_s - mu||^2 / (2 sigma^2) - d (log sigma + log(2 pi)/2),   d = 3(n-1) + nK
+    log p(z_s | z_t) = -||z_s - mu||^2 / (2 sigma^2) - d (log sigma + log(2 pi)/2),   d = 3(n-1) + n(D-3)
 
 KL between two such transitions with the same sigma (policy vs reference):
 ``||mu - mu_ref||^2 / (2 sigma^2)`` summed over the real dims (:func:`reference_kl`).
@@ -61,9 +66,9 @@ from flowrl_ray.config import ConfigError, check
 from flowrl_ray.models.egnn import EGNNDynamics, remove_mean
 from flowrl_ray.optim import ema_update, optimizer_step
 
-__all__ = ["EDMModelConfig", "remove_mean", "NoiseSchedule", "NodeDistribution", "SampleResult",
+__all__ = ["EDMModelConfig", "check_model_config", "remove_mean", "NoiseSchedule", "NodeDistribution", "SampleResult",
            "EDM", "transition_log_prob", "step_log_prob", "reference_kl", "fit_edm", "load_base_model",
-           "check_base_model", "to_numpy_molecules"]
+           "check_base_model", "model_of_base", "to_numpy_molecules"]
 
 
 @dataclass
@@ -82,6 +87,20 @@ class EDMModelConfig:
     coords_range: float = field(default=15.0, metadata=check(gt=0))
     norm_constant: float = field(default=1.0, metadata=check(ge=0))
     aggregation_factor: float = field(default=1.0, metadata=check(gt=0))  # EDM normalization_factor
+    inv_sublayers: int = field(default=1, metadata=check(gt=0))         # invariant GCLs per block (QM9: 1)
+    sin_embedding: bool = False                                         # distances as sin/cos features
+    include_charges: bool = False                                       # EDM's charges channel (QM9: true)
+    charge_scale: float = field(default=10.0, metadata=check(gt=0))     # norm_values[2]
+    atom_charges: list = field(default_factory=lambda: [1, 6, 7, 8, 9])  # charge of each type: H C N O F's Z
+
+
+def check_model_config(cfg: EDMModelConfig, prefix: str = "algo.model.") -> None:
+    """Constraints between ``algo.model`` keys; ConfigError naming the key."""
+    charges = cfg.atom_charges
+    if cfg.include_charges and (len(charges) != cfg.num_atom_types or not all(
+            isinstance(c, (int, float)) and not isinstance(c, bool) and math.isfinite(c) for c in charges)):
+        raise ConfigError(f"config key '{prefix}atom_charges': the charges channel needs one number per atom type "
+                          f"({prefix}num_atom_types={cfg.num_atom_types}), got {charges!r}")
 
 
 class NoiseSchedule:
@@ -149,13 +168,15 @@ def _masked(z: Tensor, node_mask: Tensor) -> Tensor:
 class EDM(nn.Module):
     def __init__(self, cfg: EDMModelConfig):
         super().__init__()
+        check_model_config(cfg)
         self.cfg = cfg
         self.schedule = NoiseSchedule(cfg.diffusion_steps, cfg.schedule_power, cfg.noise_precision)
-        self.dynamics = EGNNDynamics(cfg.num_atom_types, cfg.hidden_size, cfg.num_layers, cfg.attention,
-                                     cfg.tanh, cfg.coords_range, cfg.norm_constant, cfg.aggregation_factor)
+        self.dynamics = EGNNDynamics(self.D - 3, cfg.hidden_size, cfg.num_layers, cfg.attention,
+                                     cfg.tanh, cfg.coords_range, cfg.norm_constant, cfg.aggregation_factor,
+                                     cfg.inv_sublayers, cfg.sin_embedding)
 
     T = property(lambda self: self.cfg.diffusion_steps)
-    D = property(lambda self: 3 + self.cfg.num_atom_types)
+    D = property(lambda self: 3 + self.cfg.num_atom_types + int(self.cfg.include_charges))
     device = property(lambda self: next(self.parameters()).device)
     dtype = property(lambda self: next(self.parameters()).dtype)
 
@@ -166,9 +187,15 @@ class EDM(nn.Module):
         return _masked(eps.to(node_mask.device), node_mask)
 
     def encode(self, positions: Tensor, atom_types: Tensor, node_mask: Tensor) -> Tensor:
-        """Data -> ``[x, h]`` ``[B, N, D]`` (x centred, h = one-hot / atom_type_scale)."""
-        h = F.one_hot(atom_types.long().clamp(min=0), self.cfg.num_atom_types).to(self.dtype)
-        return _masked(torch.cat([positions.to(self.dtype), h / self.cfg.atom_type_scale], -1), node_mask)
+        """Data -> ``[x, h]`` ``[B, N, D]`` (x centred, h = one-hot / atom_type_scale, then with the
+        charges channel the type's charge / charge_scale)."""
+        types = atom_types.long().clamp(min=0)                                          # [B, N]
+        parts = [positions.to(self.dtype), F.one_hot(types, self.cfg.num_atom_types).to(self.dtype)
+                 / self.cfg.atom_type_scale]
+        if self.cfg.include_charges:
+            charges = torch.tensor(self.cfg.atom_charges, dtype=self.dtype, device=types.device)
+            parts.append(charges[types][..., None] / self.cfg.charge_scale)             # [B, N, 1]
+        return _masked(torch.cat(parts, -1), node_mask)
 
     def training_loss(self, positions, atom_types, node_mask, generator=None) -> Tensor:
         m = node_mask.to(torch.bool)
@@ -207,10 +234,12 @@ class EDM(nn.Module):
         return mu, sigma
 
     def _types(self, h: Tensor, x: Tensor, node_mask: Tensor) -> Tensor:
-        """argmax type, -1 on padding and on every node of a molecule with non-finite x or h."""
+        """argmax of the one-hot part of h ``[B, N, D-3]`` (not the charge), -1 on padding and on
+        every node of a molecule with non-finite x or h."""
         bad = ~(torch.isfinite(x).flatten(1).all(1) & torch.isfinite(h).flatten(1).all(1))   # [B]
         keep = node_mask & ~bad[:, None]
-        return torch.where(keep, h.argmax(-1), torch.full_like(keep, -1, dtype=torch.long))
+        types = h[..., :self.cfg.num_atom_types].argmax(-1)
+        return torch.where(keep, types, torch.full_like(keep, -1, dtype=torch.long))
 
     def _predicted_clean(self, z_t: Tensor, eps: Tensor, t: int, node_mask: Tensor):
         z0 = (z_t - self.schedule.sigma(t) * eps) / self.schedule.alpha(t)
@@ -286,7 +315,7 @@ def transition_log_prob(z_prev: Tensor, mu: Tensor, sigma, node_mask: Tensor) ->
 
     The x difference is projected to zero CoM (a no-op for states from :meth:`EDM.sample`) and its
     squared norm equals that of its coordinates in any orthonormal basis of the subspace; the
-    normaliser counts d = 3(n-1) + nK dimensions: ``-d (log sigma + 0.5 log 2 pi)``.
+    normaliser counts d = 3(n-1) + n(D-3) dimensions: ``-d (log sigma + 0.5 log 2 pi)``.
     ``sigma``: a float or a tensor ``[B]``."""
     m = node_mask.to(torch.bool)
     diff = _masked(z_prev - mu, m)
@@ -394,12 +423,21 @@ def check_base_model(cfg, path: str | Path | None = None) -> None:
     path = cfg.algo.base_model if path is None else path
     if path is None:
         return
-    saved = load_base_model(path)["model_config"]
+    # a key newer than the checkpoint: its default, which keeps the behaviour from before the key
+    saved = {**asdict(EDMModelConfig()), **load_base_model(path)["model_config"]}
     mine = asdict(cfg.algo.model)
     for key, value in saved.items():
         if key in mine and mine[key] != value:
             raise ConfigError(f"config key 'algo.model.{key}': {mine[key]!r} does not match the base "
                               f"model's {value!r} ({path})")
+
+
+def model_of_base(ckpt: dict) -> EDM:
+    """The EDM of a base checkpoint (:func:`load_base_model`'s dict) with its own architecture and
+    weights, on the CPU in float32 (a checkpoint from before a key of EDMModelConfig: its default)."""
+    model = EDM(EDMModelConfig(**ckpt["model_config"]))
+    model.load_state_dict(ckpt["state_dict"])
+    return model
 
 
 def to_numpy_molecules(positions: torch.Tensor, atom_types: torch.Tensor,

@@ -20,7 +20,10 @@ attribute), ``e_ij = [d_ij, d0_ij]``:
                        * tanh(phi_x(h_i, h_j, e_ij)) * coords_range / Z
 
 Z = ``normalization_factor`` (sum aggregation), c = ``norm_constant``. EDM hands every block the
-full ``coords_range`` (its ``coords_range / n_layers`` is computed but unused); so do we. The last
+full ``coords_range`` (its ``coords_range / n_layers`` is computed but unused); so do we. With
+``sin_embedding`` (EDM's option of that name) each of d and d0 enters as sin and cos of the distance
+``sqrt(d + 1e-8)`` at the frequencies ``2 pi 4^k / 15``, k = 0..5 (a wavelength of 15 Å down to
+15/1024 Å), so ``e_ij`` has 24 channels instead of 2; the embedding has no parameters. The last
 linear of phi_x has no bias and a tiny init (xavier, gain 1e-3) so the network starts near the
 identity on x. Because the updates depend on x only through differences and distances, x_out is
 E(n)-equivariant (rotations, reflections, translations) and h_out invariant.
@@ -32,14 +35,17 @@ matmuls, and without autograd the pair activations are applied in place (on CPU,
 fresh ``[B, N, N, H]`` buffer costs more than the op). Memory: a few ``4 B N^2 H`` bytes per
 block without grad (55 MB each at B = 64, N = 29, H = 256); with grad, ~8 such per block are kept.
 
-:class:`EGNNDynamics` is EDM's ``EGNN_dynamics_QM9``: node features are the noisy one-hot
-``z_h [B, N, K]`` concatenated with the diffusion time ``t/T``; it returns
-``(eps_x, eps_h)`` concatenated as ``[B, N, 3 + K]`` with ``eps_x = x_out - x_in`` projected to
+:class:`EGNNDynamics` is EDM's ``EGNN_dynamics_QM9``: node features are the noisy
+``z_h [B, N, F]`` (the one-hot atom type, and with EDM's charges channel the charge: F = K or K + 1)
+concatenated with the diffusion time ``t/T``; it returns
+``(eps_x, eps_h)`` concatenated as ``[B, N, 3 + F]`` with ``eps_x = x_out - x_in`` projected to
 zero centre of mass over the real nodes and the time channel sliced off ``eps_h``. Non-finite
 outputs are not reset (EDM zeroes the whole batch): they flow per molecule, to be gated downstream.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import Tensor, nn
@@ -87,6 +93,21 @@ def silu(x: Tensor) -> Tensor:
 def aggregate(w: Tensor, v: Tensor) -> Tensor:
     """``sum_j w_ij v_ij``: w ``[B, N, N]``, v ``[B, N, N, F]`` -> ``[B, N, F]`` (a batched matmul)."""
     return (w.unsqueeze(2) @ v).squeeze(2)
+
+
+#: sin_embedding's frequencies (rad/Å): 2 pi 4^k / 15 for k = 0..5, i.e. int(log_4(2000)) + 1 of them
+DISTANCE_FREQUENCIES = tuple(2 * math.pi * 4 ** k / 15.0 for k in range(int(math.log(2000, 4)) + 1))
+
+
+def distance_features(radial: Tensor, sin_embedding: bool) -> Tensor:
+    """Edge features of squared distances ``radial [B, N, N, 1]``: the squared distance itself, or
+    with ``sin_embedding`` ``[sin(w_k r), cos(w_k r)]`` of ``r = sqrt(radial + 1e-8)`` at
+    :data:`DISTANCE_FREQUENCIES` -> ``[B, N, N, 12]`` (constant features: no gradient flows through)."""
+    if not sin_embedding:
+        return radial
+    w = torch.tensor(DISTANCE_FREQUENCIES, dtype=radial.dtype, device=radial.device)
+    angle = torch.sqrt(radial + 1e-8) * w                                      # [B, N, N, 6]
+    return torch.cat([angle.sin(), angle.cos()], dim=-1).detach()
 
 
 def coord_differences(x: Tensor, norm_constant: float) -> tuple[Tensor, Tensor]:
@@ -140,16 +161,19 @@ class EquivariantUpdate(nn.Module):
 
 class EquivariantBlock(nn.Module):
     def __init__(self, hidden: int, inv_sublayers: int, attention: bool, tanh: bool,
-                 coords_range: float, norm_constant: float, normalization_factor: float):
+                 coords_range: float, norm_constant: float, normalization_factor: float,
+                 sin_embedding: bool = False):
         super().__init__()
-        self.gcls = nn.ModuleList(GCL(hidden, 2, attention, normalization_factor)
+        edge_dim = 2 * (2 * len(DISTANCE_FREQUENCIES) if sin_embedding else 1)
+        self.gcls = nn.ModuleList(GCL(hidden, edge_dim, attention, normalization_factor)
                                   for _ in range(inv_sublayers))
-        self.update = EquivariantUpdate(hidden, 2, tanh, coords_range, normalization_factor)
-        self.norm_constant = norm_constant
+        self.update = EquivariantUpdate(hidden, edge_dim, tanh, coords_range, normalization_factor)
+        self.norm_constant, self.sin_embedding = norm_constant, sin_embedding
 
     def forward(self, h, x, d0, edge_mask, node_mask):
+        """``d0 [B, N, N, E/2]``: the input distances' features (:func:`distance_features`)."""
         radial, diff = coord_differences(x, self.norm_constant)
-        e = torch.cat([radial, d0], dim=-1)                                    # [B, N, N, 2]
+        e = torch.cat([distance_features(radial, self.sin_embedding), d0], dim=-1)   # [B, N, N, E]
         for gcl in self.gcls:
             h = gcl(h, e, edge_mask, node_mask)
         x = self.update(h, x, diff, e, edge_mask, node_mask)
@@ -162,18 +186,19 @@ class EGNN(nn.Module):
     def __init__(self, in_nf: int, out_nf: int, hidden: int = 64, num_layers: int = 4,
                  attention: bool = True, tanh: bool = True, coords_range: float = 15.0,
                  norm_constant: float = 1.0, normalization_factor: float = 1.0,
-                 inv_sublayers: int = 1):
+                 inv_sublayers: int = 1, sin_embedding: bool = False):
         super().__init__()
         self.embedding = nn.Linear(in_nf, hidden)
         self.blocks = nn.ModuleList(
             EquivariantBlock(hidden, inv_sublayers, attention, tanh, coords_range, norm_constant,
-                             normalization_factor) for _ in range(num_layers))
+                             normalization_factor, sin_embedding) for _ in range(num_layers))
         self.embedding_out = nn.Linear(hidden, out_nf)
+        self.sin_embedding = sin_embedding
 
     def forward(self, h: Tensor, x: Tensor, node_mask: Tensor) -> tuple[Tensor, Tensor]:
         mask = node_mask.to(h.dtype)
         edge_mask = edge_mask_of(node_mask, h.dtype)
-        d0, _ = coord_differences(x, 1.0)                                      # initial d_ij^2
+        d0 = distance_features(coord_differences(x, 1.0)[0], self.sin_embedding)   # the input d_ij^2
         h = self.embedding(h)
         for block in self.blocks:
             h, x = block(h, x, d0, edge_mask, mask)
@@ -181,19 +206,19 @@ class EGNN(nn.Module):
 
 
 class EGNNDynamics(nn.Module):
-    """EDM's noise predictor: ``(z_t [B, N, 3+K], t [B] in [0, 1], node_mask) -> eps [B, N, 3+K]``.
+    """EDM's noise predictor: ``(z_t [B, N, 3+F], t [B] in [0, 1], node_mask) -> eps [B, N, 3+F]``.
 
-    Input node features are ``[z_h, t]`` (K + 1), the output h has K + 1 channels of which the
+    Input node features are ``[z_h, t]`` (F + 1), the output h has F + 1 channels of which the
     time channel is dropped (as in EDM). Padding inputs are ignored (selected away, not multiplied)."""
 
-    def __init__(self, num_atom_types: int, hidden: int = 64, num_layers: int = 4,
+    def __init__(self, node_features: int, hidden: int = 64, num_layers: int = 4,
                  attention: bool = True, tanh: bool = True, coords_range: float = 15.0,
                  norm_constant: float = 1.0, normalization_factor: float = 1.0,
-                 inv_sublayers: int = 1):
+                 inv_sublayers: int = 1, sin_embedding: bool = False):
         super().__init__()
-        self.num_atom_types = num_atom_types
-        self.egnn = EGNN(num_atom_types + 1, num_atom_types + 1, hidden, num_layers, attention, tanh,
-                         coords_range, norm_constant, normalization_factor, inv_sublayers)
+        self.node_features = node_features
+        self.egnn = EGNN(node_features + 1, node_features + 1, hidden, num_layers, attention, tanh,
+                         coords_range, norm_constant, normalization_factor, inv_sublayers, sin_embedding)
 
     def forward(self, z: Tensor, t: Tensor, node_mask: Tensor) -> Tensor:
         B, N, _ = z.shape

@@ -279,3 +279,49 @@ def test_pair_linear_is_the_concatenated_linear():
     g_ref = torch.autograd.grad(ref.pow(2).sum(), [h, e, lin.weight])
     g_got = torch.autograd.grad(got.pow(2).sum(), [h, e, lin.weight])
     assert all(torch.allclose(a, b, atol=1e-10) for a, b in zip(g_ref, g_got))
+
+
+def test_charges_channel_encodes_the_types_charge_and_decoding_ignores_it():
+    """EDM's QM9 node features: one-hot / 4 and the atomic number / 10; the type decodes from the
+    one-hot part alone, and the state's extra channel counts in the transition's dimension."""
+    model = EDM(tiny(include_charges=True)).double()
+    assert model.D == 3 + 5 + 1 and model.dynamics.egnn.embedding.in_features == 5 + 1 + 1
+    mask = torch.tensor([[1, 1, 1, 0, 0, 0, 0]], dtype=torch.bool)
+    pos = torch.randn(1, 7, 3, dtype=torch.float64)
+    types = torch.tensor([[1, 0, 4, -1, -1, -1, -1]])
+    xh = model.encode(pos, types, mask)
+    assert torch.allclose(xh[0, :3, 3:8], torch.eye(5, dtype=torch.float64)[[1, 0, 4]] / 4)
+    assert xh[0, :3, 8].tolist() == [0.6, 0.1, 0.9] and (xh[0, 3:] == 0).all()      # C 6, H 1, F 9
+    assert torch.allclose(xh[0, :3, :3].sum(0), torch.zeros(3, dtype=torch.float64), atol=1e-12)
+    z0 = xh.clone()
+    z0[0, :3, 8] = 5.0                                   # a charge channel above every one-hot entry
+    assert model.decode(z0, mask)[1][0, :3].tolist() == [1, 0, 4]
+    mu = torch.zeros_like(xh)
+    assert math.isclose(float(transition_log_prob(mu, mu, 1.0, mask)), -(3 * 2 + 3 * 6) * 0.5 * math.log(2 * math.pi))
+    assert torch.isfinite(model.training_loss(pos, types, mask, torch.Generator().manual_seed(0))).all()
+    res = EDM(tiny(include_charges=True, diffusion_steps=4)).sample(torch.tensor([3, 5]), torch.Generator().manual_seed(0))
+    assert res.trajectory["z"].shape[-1] == 9 and ((res.atom_types[res.node_mask] >= 0)
+                                                   & (res.atom_types[res.node_mask] < 5)).all()
+
+
+def test_new_model_keys_keep_old_checkpoints_and_name_their_mistakes(tmp_path):
+    from flowrl_ray.models.edm import check_base_model, check_model_config
+    with pytest.raises(ConfigError, match=r"algo\.model\.atom_charges"):
+        check_model_config(tiny(include_charges=True, atom_charges=[1, 6]))
+    with pytest.raises(ConfigError, match=r"algo\.model\.atom_charges"):
+        EDM(tiny(include_charges=True, atom_charges=[1, 6, 7, 8, "F"]))
+    model = EDM(tiny())
+    old_keys = {"num_layers", "hidden_size", "diffusion_steps", "noise_precision", "schedule_power", "max_atoms",
+                "num_atom_types", "atom_type_scale", "attention", "tanh", "coords_range", "norm_constant",
+                "aggregation_factor"}                    # a checkpoint written before the charges channel
+    path = tmp_path / "old.pt"
+    torch.save({"state_dict": model.state_dict(), "node_histogram": np.eye(8)[3],
+                "model_config": {k: v for k, v in dataclasses.asdict(model.cfg).items() if k in old_keys}}, path)
+
+    class Cfg:                                           # the two keys check_base_model reads
+        class algo:
+            base_model, model = str(path), tiny()
+    check_base_model(Cfg)                                # defaults: the old behaviour
+    Cfg.algo.model = tiny(include_charges=True)
+    with pytest.raises(ConfigError, match=r"algo\.model\.include_charges"):
+        check_base_model(Cfg)
