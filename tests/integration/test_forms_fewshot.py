@@ -80,3 +80,32 @@ def test_forms_protocol_evaluates_the_reference_model_on_the_bases_tasks(tiny_gg
     assert s["all"]["field_accuracy"]["gain"]["gain"] == pytest.approx(sum(ref["field_accuracy"]) / 2 - 0.5)
     with pytest.raises(fp.UsageError, match="differ from the base's"):         # other tasks than the base's
         fp.evaluate_reference(name, run, 2, {**base, "task_ids": base["task_ids"][::-1]})
+
+
+@pytest.mark.slow
+def test_forms_protocol_evaluates_the_committed_base_with_and_without_sampled_rows(tmp_path):
+    """The protocol's evaluation of the committed SFT base on 2 tasks in Chromium: the config's
+    eval_sampled adds the same tasks again under sampled/<kind>; --greedy-only leaves them out,
+    and the greedy rows are the same either way (greedy decoding is deterministic)."""
+    import sys
+
+    import yaml
+
+    from conftest import REPO
+    from flowrl_ray.config import read_yaml
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import forms_protocol as fp
+
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = read_yaml(REPO / "configs/flow_grpo/forms_small.yaml")
+    cfg["algo"]["sft_checkpoint"] = str(REPO / cfg["algo"]["sft_checkpoint"])
+    cfg["algo"]["num_generation_steps"] = 8                          # the test's time; the rows are the point
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    both = fp.evaluate_policy(run, 2, "base", base=True)
+    greedy = fp.evaluate_policy(run, 2, "base", base=True, sampled=False)
+    assert both["kinds"] == ["heldout_values", "heldout_forms", "sampled/heldout_values", "sampled/heldout_forms"]
+    assert greedy["kinds"] == ["heldout_values", "heldout_forms"]
+    assert greedy["task_ids"] == both["task_ids"][:2] == both["task_ids"][2:]
+    for k in ("task_ids", "kinds", *fp.METRICS):
+        assert fp.greedy_part(both)[k] == greedy[k], k
