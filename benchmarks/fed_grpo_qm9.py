@@ -5,6 +5,8 @@ Run from the repository root:
     .venv/bin/python benchmarks/fed_grpo_qm9.py                            # base (made if missing) + one run
     .venv/bin/python benchmarks/fed_grpo_qm9.py --iterations 20 --eval-molecules 256
     .venv/bin/python benchmarks/fed_grpo_qm9.py --runs runs/fed-grpo-qm9-small   # a finished run
+    .venv/bin/python benchmarks/fed_grpo_qm9.py --bases pretrained/edm_qm9_small.pt \
+        pretrained/qm9_small_edm.pt pretrained/qm9_mid_edm.pt --eval-molecules 512 --output edm_import_qm9_small
 
 Steps: the base EDM (`flowrl-ray pretrain configs/fed_grpo/qm9_small.yaml`, made if missing), one
 `flowrl-ray train` run of the config for `--iterations` iterations, then the base model and the
@@ -13,6 +15,13 @@ initial noise and reverse-step noise: a paired comparison) in this process, scor
 GFN2-xTB scorer the run used: formation energy per atom, RMS force, atom and molecule
 stability, RDKit validity and uniqueness (ELIGN's claim: lower energies and forces with
 stability kept). Results: ``benchmarks/results/fed_grpo_qm9.{md,json}``. No assertion is made.
+
+``--bases CKPT ...`` measures base checkpoints instead, no training: each (a `flowrl-ray pretrain`
+or `flowrl-ray import-edm` output, with its own architecture) samples ``--eval-molecules``
+molecules with the same atom counts when the histograms agree (seed ``--seed``), reported with
+EDM's sample metrics (atom stability over all atoms, molecule stability, RDKit validity,
+uniqueness among the valid) and the config's scorer (formation energy, RMS force, outcomes);
+results: ``benchmarks/results/<--output>.{md,json}``.
 """
 
 from __future__ import annotations
@@ -66,11 +75,69 @@ def models(cfg, run_dir: Path):
     return base, tuned, base_ckpt["node_histogram"], state["trainer"]["iteration"]
 
 
+#: (key, label, cell): fractions as percentages, energy and force as numbers
+BASE_METRICS = [("atom_stability", "atom stability (EDM: stable atoms / atoms)", "{:.1%}"),
+                ("molecule_stability", "molecule stability", "{:.1%}"), ("validity", "RDKit validity", "{:.1%}"),
+                ("uniqueness", "uniqueness (among the valid)", "{:.1%}"),
+                ("valid_and_unique", "valid and unique", "{:.1%}"),
+                ("energy_per_atom_eV", "formation energy (eV/atom, scored)", "{:.3f}"),
+                ("rms_force_eV_per_A", "RMS force (eV/Å, scored)", "{:.2f}")]
+
+
+def measure_bases(cfg, paths: list[str], molecules: int, seed: int, output: str) -> None:
+    """``--bases``: each checkpoint's own EDM samples ``molecules`` molecules (seed ``seed``), EDM's
+    metrics and the scorer's; results ``benchmarks/results/<output>.{json,md}``."""
+    import numpy as np
+    import torch
+    from flowrl_ray.envs.molecules.chemistry import molecule_metrics
+    from flowrl_ray.models.edm import load_base_model, model_of_base
+    from flowrl_ray.pretrain.edm_qm9 import sample_molecules
+    torch.set_num_threads(cfg.runtime.torch_threads)
+    rows, histograms = [], []
+    for path in paths:
+        ckpt = load_base_model(path)
+        model = model_of_base(ckpt)
+        histograms.append(np.asarray(ckpt["node_histogram"], dtype=np.float64))
+        start = time.perf_counter()
+        mols = sample_molecules(model, histograms[-1], molecules, seed=seed)
+        sample_s = time.perf_counter() - start
+        row = {"base": path, "source": ckpt.get("source"), "model": ckpt["model_config"],
+               "parameters": sum(v.numel() for v in ckpt["state_dict"].values()), "molecules": molecules,
+               "sample_s": round(sample_s, 1), **molecule_metrics(mols)}
+        scored = score(cfg, mols)
+        row.update({k: v for k, v in scored.items() if k in ("energy_per_atom_eV", "rms_force_eV_per_A")
+                    or k.startswith("reason/")})
+        row["score_s"] = round(time.perf_counter() - start - sample_s, 1)
+        print(f"[bench] {path}: {json.dumps({k: v for k, v in row.items() if k != 'model'})}", flush=True)
+        rows.append(row)
+    same_counts = all(np.array_equal(h, histograms[0]) for h in histograms)
+    write_json(RESULTS_DIR / f"{output}.json", {"config": cfg.name, "seed": seed, "git": git_revision(),
+                                                "same_atom_counts": same_counts, "bases": rows})
+    arch = [f"{r['model']['num_layers']} x {r['model']['hidden_size']}, T = {r['model']['diffusion_steps']}"
+            f"{', charges' if r['model'].get('include_charges') else ''}" for r in rows]
+    body = [f"{molecules} molecules per base (sampling seed {seed}; atom counts "
+            f"{'the same for every base' if same_counts else 'from each base its own histogram'}), EDM's sample "
+            f"metrics, and formation energy and RMS force from the scorer of `{cfg.name}` (GFN2-xTB unless its "
+            f"env.kwargs say otherwise) on the molecules it could score.", "",
+            md_table(["metric"] + [f"`{Path(r['base']).name}`" for r in rows],
+                     [["architecture"] + arch, ["parameters"] + [f"{r['parameters']:,}" for r in rows]]
+                     + [[label] + [None if r.get(k) is None else cell.format(r[k]) for r in rows]
+                        for k, label, cell in BASE_METRICS]
+                     + [["sampling + scoring (s)"] + [f"{r['sample_s']} + {r['score_s']}" for r in rows]]), ""]
+    reasons = sorted({k for r in rows for k in r if k.startswith("reason/")})
+    body += [md_table(["scoring outcome (fraction)"] + [f"`{Path(r['base']).name}`" for r in rows],
+                      [[k[len("reason/"):]] + [f"{r.get(k, 0.0):.1%}" for r in rows] for k in reasons]), ""]
+    write_results(output, "Base EDMs on QM9: samples of each base", "\n".join(body))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default=CONFIG)
     p.add_argument("--iterations", type=int, default=20)
     p.add_argument("--runs", nargs="*", help="compare these finished run directories instead of training")
+    p.add_argument("--bases", nargs="+", metavar="CKPT",
+                   help="measure these base checkpoints instead (no training): EDM's metrics and the config's scorer")
+    p.add_argument("--output", help="results name under benchmarks/results/ (default fed_grpo_qm9; --bases: edm_bases)")
     p.add_argument("--eval-molecules", type=int, default=256)
     p.add_argument("--pretrain-steps", type=int, default=4000)
     p.add_argument("--seed", type=int, default=1234, help="the evaluation's sampling seed")
@@ -80,6 +147,12 @@ def main() -> None:
     from flowrl_ray.config import load_config
     from flowrl_ray.pretrain.edm_qm9 import sample_molecules
     cfg = load_config(args.config, args.overrides)
+    if args.bases:
+        missing = [b for b in args.bases if not Path(b).is_file()]
+        if missing:
+            p.error(f"--bases: no such file {missing[0]}")
+        measure_bases(cfg, args.bases, args.eval_molecules, args.seed, args.output or "edm_bases")
+        return
     if not Path(cfg.algo.base_model).is_file():
         subprocess.run(FLOWRL + ["pretrain", args.config, "--steps", str(args.pretrain_steps), "--lr", "3e-4",
                                  "--eval-samples", "200"], check=True)
@@ -105,7 +178,8 @@ def main() -> None:
         row["train_time_s"] = metrics_rows[-1].get("time_s")
         row["molecules_trained"] = metrics_rows[-1].get("env_steps")
         results.append(row)
-    write_json(RESULTS_DIR / "fed_grpo_qm9.json", {"config": args.config, "overrides": args.overrides,
+    output = args.output or "fed_grpo_qm9"
+    write_json(RESULTS_DIR / f"{output}.json", {"config": args.config, "overrides": args.overrides,
                                                    "git": git_revision(), "results": results})
     body = ["## Before vs after (paired samples: same atom counts and noise)", ""]
     for row in results:
@@ -116,7 +190,7 @@ def main() -> None:
         reasons = sorted({k for m in ("base", "fed_grpo") for k in row[m] if k.startswith("reason/")})
         body += [md_table(["scoring outcome (fraction)", "base EDM", "after FED-GRPO"],
                           [[k[len("reason/"):], row["base"].get(k, 0.0), row["fed_grpo"].get(k, 0.0)] for k in reasons]), ""]
-    write_results("fed_grpo_qm9", "FED-GRPO on QM9: the EDM before and after post-training", "\n".join(body))
+    write_results(output, "FED-GRPO on QM9: the EDM before and after post-training", "\n".join(body))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""`flowrl-ray`: train, eval, tune, compare, serve, plot, demos, pretrain, import-reinflow, forms.
+"""`flowrl-ray`: train, eval, tune, compare, serve, plot, demos, pretrain, import-reinflow, forms, import-edm.
 
 User errors (missing file, bad config, bad run directory) print one line and exit with status 2,
 without a traceback.
@@ -18,7 +18,7 @@ from flowrl_ray.errors import TrainingError, UserError
 
 EXIT_USER_ERROR = 2
 #: env families whose ``<family>.cli`` module adds verbs (``add_verbs(subparsers)``)
-FAMILY_VERBS = ("flowrl_ray.envs.robot", "flowrl_ray.envs.forms")
+FAMILY_VERBS = ("flowrl_ray.envs.robot", "flowrl_ray.envs.forms", "flowrl_ray.envs.molecules")
 
 
 ADDRESS_HELP = ("Ray cluster to use: host:port, ray://host:port, 'auto' (the cluster `ray start` last started "
@@ -593,7 +593,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the Euler steps the overrides suggest (default 4, the release's state-policy fine-tuning)")
     ir.set_defaults(func=cmd_import_reinflow)
 
-    for family in FAMILY_VERBS:           # each env family's own verbs (demos, forms)
+    for family in FAMILY_VERBS:           # each env family's own verbs (demos, forms, import-edm)
         importlib.import_module(f"{family}.cli").add_verbs(sub)
     return p
 

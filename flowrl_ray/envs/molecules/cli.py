@@ -1,0 +1,48 @@
+"""The molecules family's command-line verb: ``flowrl-ray import-edm`` (an EDM checkpoint of the
+original code's format as a base model). :func:`add_verbs` is what ``flowrl_ray.cli`` calls."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+from pathlib import Path
+
+
+def cmd_import_edm(args: argparse.Namespace) -> int:
+    """An EDM run folder (args.pickle + generative_model_ema.npy) -> the checkpoint algo.base_model
+    loads, and the ``algo`` section that uses it."""
+    import torch
+
+    from flowrl_ray.envs.molecules.import_edm import import_edm_checkpoint
+    from flowrl_ray.utils import atomic_write_bytes
+    ckpt = import_edm_checkpoint(args.dir)
+    out = Path(args.out)
+    buf = io.BytesIO()
+    torch.save(ckpt, buf)
+    atomic_write_bytes(out, buf.getvalue())
+    model = ckpt["model_config"]
+    summary = {"out": str(out), "source": ckpt["source"],
+               "parameters": sum(v.numel() for v in ckpt["state_dict"].values()),
+               "algo": {"base_model": str(out), "model": model},
+               "overrides": [f"algo.base_model={out}"] + [f"algo.model.{k}={json.dumps(v, separators=(',', ':'))}"
+                                                          for k, v in model.items()]}
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+def add_verbs(sub) -> None:
+    """Adds ``import-edm`` to the ``flowrl-ray`` subparsers ``sub``."""
+    e = sub.add_parser("import-edm", help="turn an EDM checkpoint (the original code's format) into a base model",
+                       description="Convert the run folder of the original EDM code (E(3) equivariant diffusion, "
+                                   "Hoogeboom et al. 2022; its QM9 model with hydrogens): args.pickle (read by an "
+                                   "unpickler that admits only argparse.Namespace) and generative_model_ema.npy "
+                                   "(generative_model.npy when ema_decay is 0; read with weights_only) into the "
+                                   "checkpoint algo.base_model loads: every parameter mapped onto this package's "
+                                   "EDM, the architecture as algo.model, the atom-count histogram of QM9's train "
+                                   "split. Anything it cannot map is refused with one line naming the key. Prints "
+                                   "a JSON summary with the algo section (base_model and model) and the same as "
+                                   "overrides. See docs/molecules.md.")
+    e.add_argument("dir", help="the EDM run folder, e.g. outputs/edm_qm9")
+    e.add_argument("--out", required=True, help="the checkpoint to write, e.g. pretrained/edm_qm9.pt")
+    e.set_defaults(func=cmd_import_edm)
