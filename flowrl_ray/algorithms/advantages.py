@@ -49,26 +49,38 @@ def normalize(x: torch.Tensor, eps: float = 1e-8, ref: torch.Tensor | None = Non
     return (x - ref.mean()) / (ref.std() + eps)
 
 
-def group_normalize(values: torch.Tensor, group_index: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+def group_normalize(values: torch.Tensor, group_index: torch.Tensor, eps: float = 1e-8,
+                    members: torch.Tensor | None = None) -> torch.Tensor:
     """Normalise ``values [B, ...]`` within the groups named by ``group_index [B]`` (any integer
     labels, in any order), column by column for trailing dims, with the population std:
 
         z_i = (v_i - mean_{g(i)}) / (std_{g(i)} + eps)
 
-    A group whose values are all equal (or a group of one) gets zeros. Vectorised with
-    scatter-adds over the groups. Returns the shape of ``values``."""
+    ``members [B]`` bool (None: every row): the mean and std of a group are taken over its member
+    rows only and applied to all its rows, so a non-member is scored against the members (a group
+    without members uses all its rows). A group whose (member) values are all equal, or a group of
+    one, gets zeros at its members. Vectorised with scatter-adds over the groups. Returns the
+    shape of ``values``."""
     if group_index.ndim != 1 or group_index.shape[0] != values.shape[0]:
         raise ValueError(f"group_index must be [B] with B = values.shape[0]; got {tuple(group_index.shape)} "
                          f"for values {tuple(values.shape)}")
     _, inverse = torch.unique(group_index, return_inverse=True)                  # [B] in 0..G-1
     num_groups = int(inverse.max()) + 1 if inverse.numel() else 0
     flat = values.reshape(values.shape[0], -1)                                     # [B, C]
+    weight = torch.ones_like(flat[:, 0])                                           # [B] 1 at the rows counted
+    if members is not None:
+        members = torch.as_tensor(members, device=flat.device).bool()
+        if members.shape != group_index.shape:
+            raise ValueError(f"members must be [B] like group_index, got {tuple(members.shape)}")
+        has = torch.zeros(num_groups, dtype=flat.dtype, device=flat.device).index_add_(
+            0, inverse, members.to(flat.dtype)) > 0                                 # [G]
+        weight = torch.where(has[inverse], members.to(flat.dtype), weight)
     counts = torch.zeros(num_groups, dtype=flat.dtype, device=flat.device).index_add_(
-        0, inverse, torch.ones_like(flat[:, 0]))[:, None]                          # [G, 1]
+        0, inverse, weight)[:, None]                                               # [G, 1]
     mean = torch.zeros(num_groups, flat.shape[1], dtype=flat.dtype, device=flat.device).index_add_(
-        0, inverse, flat) / counts                                                  # [G, C]
+        0, inverse, flat * weight[:, None]) / counts                                # [G, C]
     centred = flat - mean[inverse]
-    var = torch.zeros_like(mean).index_add_(0, inverse, centred.pow(2)) / counts
+    var = torch.zeros_like(mean).index_add_(0, inverse, centred.pow(2) * weight[:, None]) / counts
     return (centred / (var.sqrt()[inverse] + eps)).reshape(values.shape)
 
 

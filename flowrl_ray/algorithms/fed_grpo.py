@@ -15,6 +15,11 @@ gradients over its reverse-diffusion transitions, rewarded by a force field.
     prepare:             scalar mode
                              a_F = (r_F - mean_g) / (std_g + 1e-8),  a_E, a_S likewise (population std),
                              A   = clip(w_F a_F + w_E a_E + w_S a_S, +-adv_clip_max)   (the same A for all t)
+                         where mean_g, std_g of force and energy are the group's RDKit-valid
+                         members' (normalize_over: valid) and an invalid member's penalty reward is
+                         scored against them (a_F, a_E clipped to +-adv_clip_max first); the
+                         summed baseline (advantage_mode: summed) is A = clip(groupnorm(w_F r_F +
+                         w_E r_E + w_S r_S))
                          pbrs_return_to_go mode (ELIGN Eq. 4)
                              G_t = gamma^t Psi_0 - Psi_t   at the scheduled steps (Psi_t: energy
                              reward of the clean molecule predicted at step t; Psi_0: the final
@@ -58,7 +63,7 @@ from flowrl_ray.models.edm import (EDM, EDMModelConfig, NodeDistribution, check_
                                    load_base_model, reference_kl, step_log_prob, to_numpy_molecules)
 
 __all__ = ["fed_advantages", "pbrs_returns", "fed_advantages_pbrs", "schedule_steps", "delta_traces",
-           "fed_advantages_delta", "FEDGRPO", "FEDGRPOConfig"]
+           "fed_advantages_delta", "summed_advantages", "FEDGRPO", "FEDGRPOConfig"]
 
 
 @dataclass
@@ -97,6 +102,13 @@ class FEDGRPOConfig:
     energy_adv_weight: float = field(default=0.1, metadata=check(ge=0))
     stability_adv_weight: float = field(default=0.0, metadata=check(ge=0))   # w_S: the stability channel
     adv_clip_max: float = field(default=5.0, metadata=check(gt=0))
+    #: "valid": force and energy are normalised over the group's RDKit-valid members, and an
+    #: invalid member keeps its penalty, scored against the valid members (then clipped);
+    #: "group": over every member (an invalid one's penalty counts in the mean and std)
+    normalize_over: Literal["valid", "group"] = "valid"
+    #: "separate": each channel normalised on its own, then mixed (FED-GRPO); "summed": one
+    #: advantage of the summed reward w_F r_F + w_E r_E + w_S r_S (the plain GRPO baseline)
+    advantage_mode: Literal["separate", "summed"] = "separate"
     train_micro_batch_size: int = field(default=4, metadata=check(gt=0))   # rows per backward
     grad_accumulation: int = field(default=1, metadata=check(gt=0))        # micro-batches per optimiser step
     epochs: int = field(default=1, metadata=check(gt=0))                 # passes over a batch
@@ -108,26 +120,55 @@ class FEDGRPOConfig:
 
 def fed_advantages(force_rewards: torch.Tensor, energy_rewards: torch.Tensor, group_index: torch.Tensor,
                    force_weight: float, energy_weight: float, adv_clip_max: float,
-                   stability_rewards: torch.Tensor | None = None, stability_weight: float = 0.0) -> torch.Tensor:
+                   stability_rewards: torch.Tensor | None = None, stability_weight: float = 0.0,
+                   valid: torch.Tensor | None = None) -> torch.Tensor:
     """Scalar-mode FED-GRPO advantages: each signal normalised separately within its group,
     then mixed and clipped. All inputs [B] -> [B]:
 
-        a_F = (r_F - mean_g r_F) / (std_g r_F + 1e-8),   a_E, a_S likewise (population std)
+        a_F = clip((r_F - mean_g r_F) / (std_g r_F + 1e-8), +-adv_clip_max),   a_E likewise
+        a_S = the same for r_S, always over the whole group
         A   = clip(w_F a_F + w_E a_E + w_S a_S, -adv_clip_max, adv_clip_max)
 
-    A group with equal rewards contributes zero for that signal; without stability rewards
-    (or w_S = 0) this is Elign's two-channel advantage."""
-    a = force_weight * group_normalize(force_rewards, group_index) \
-        + energy_weight * group_normalize(energy_rewards, group_index)
+    ``valid`` [B] bool (None: every member): mean_g and std_g of force and energy are the valid
+    members' (``normalize_over: valid``); an invalid member's penalty is scored against them, so
+    it sits below every valid member (at -adv_clip_max when the penalty is far below them). A group
+    with equal rewards contributes zero for that signal; without stability rewards (or w_S = 0)
+    this is Elign's two-channel advantage."""
+    a = force_weight * _channel(force_rewards, group_index, adv_clip_max, valid) \
+        + energy_weight * _channel(energy_rewards, group_index, adv_clip_max, valid)
     return (a + _stability_term(stability_rewards, stability_weight, group_index)).clamp(-adv_clip_max, adv_clip_max)
+
+
+def summed_advantages(force_rewards: torch.Tensor, energy_rewards: torch.Tensor, group_index: torch.Tensor,
+                      force_weight: float, energy_weight: float, adv_clip_max: float,
+                      stability_rewards: torch.Tensor | None = None, stability_weight: float = 0.0,
+                      valid: torch.Tensor | None = None) -> torch.Tensor:
+    """The summed-reward GRPO baseline (``advantage_mode: summed``): one reward, one advantage.
+    All inputs [B] -> [B]:
+
+        r = w_F r_F + w_E r_E + w_S r_S,    A = clip(groupnorm(r), +-adv_clip_max)
+
+    (``valid``: the mean and std are the valid members', as in :func:`fed_advantages`)."""
+    r = force_weight * force_rewards + energy_weight * energy_rewards
+    if stability_rewards is not None and stability_weight:
+        r = r + stability_weight * stability_rewards
+    return _channel(r, group_index, adv_clip_max, valid)
 
 
 def _stability_term(stability_rewards: torch.Tensor | None, weight: float, group_index: torch.Tensor
                     ) -> torch.Tensor:
-    """w_S a_S [B] (zeros without the channel)."""
+    """w_S a_S [B] (zeros without the channel), over the whole group: stability is scored for
+    every molecule, valid or not."""
     if stability_rewards is None or weight == 0:
         return torch.zeros(group_index.shape[0])
     return weight * group_normalize(stability_rewards, group_index)
+
+
+def _channel(rewards: torch.Tensor, group_index: torch.Tensor, adv_clip_max: float,
+             valid: torch.Tensor | None) -> torch.Tensor:
+    """One signal's group-relative advantage [B] or [B, K], over the valid members when given,
+    clipped (an invalid member scored against a valid group of equal rewards is -inf-like)."""
+    return group_normalize(rewards, group_index, members=valid).clamp(-adv_clip_max, adv_clip_max)
 
 
 def pbrs_returns(potentials: torch.Tensor, final_potential: torch.Tensor, steps: torch.Tensor,
@@ -146,16 +187,18 @@ def pbrs_returns(potentials: torch.Tensor, final_potential: torch.Tensor, steps:
 
 def fed_advantages_pbrs(force_rewards: torch.Tensor, energy_returns: torch.Tensor, group_index: torch.Tensor,
                         force_weight: float, energy_weight: float, adv_clip_max: float,
-                        stability_rewards: torch.Tensor | None = None, stability_weight: float = 0.0
-                        ) -> torch.Tensor:
+                        stability_rewards: torch.Tensor | None = None, stability_weight: float = 0.0,
+                        valid: torch.Tensor | None = None) -> torch.Tensor:
     """pbrs_return_to_go mode: force_rewards [B] (terminal), energy_returns [B, K] (G_t),
     stability_rewards [B] (terminal, optional) -> per-transition advantages [B, K]:
 
         a_F   = groupnorm(r_F)                   broadcast over the K steps (a_S likewise)
         a^E_t = groupnorm(G_t)                   per step t, within the group
-        A_t   = clip(w_F a_F + w_E a^E_t + w_S a_S, +-adv_clip_max)"""
-    a_force = group_normalize(force_rewards, group_index)[:, None]                  # [B, 1]
-    a_energy = group_normalize(energy_returns, group_index)                         # [B, K]
+        A_t   = clip(w_F a_F + w_E a^E_t + w_S a_S, +-adv_clip_max)
+
+    (``valid``: force and energy over the valid members, as in :func:`fed_advantages`)"""
+    a_force = _channel(force_rewards, group_index, adv_clip_max, valid)[:, None]    # [B, 1]
+    a_energy = _channel(energy_returns, group_index, adv_clip_max, valid)           # [B, K]
     a_stab = _stability_term(stability_rewards, stability_weight, group_index)[:, None]   # [B, 1]
     return (force_weight * a_force + energy_weight * a_energy + a_stab).clamp(-adv_clip_max, adv_clip_max)
 
@@ -201,8 +244,8 @@ def delta_traces(values: torch.Tensor, final: torch.Tensor, steps: torch.Tensor,
 
 def fed_advantages_delta(force_traces: torch.Tensor, energy_traces: torch.Tensor, group_index: torch.Tensor,
                          force_weight: float, energy_weight: float, adv_clip_max: float, terminal_weight: float,
-                         stability_rewards: torch.Tensor | None = None, stability_weight: float = 0.0
-                         ) -> torch.Tensor:
+                         stability_rewards: torch.Tensor | None = None, stability_weight: float = 0.0,
+                         valid: torch.Tensor | None = None) -> torch.Tensor:
     """delta mode: per-column advantages [B, m] of the scheduled steps from the force and energy
     traces [B, m] (:func:`delta_traces`; a force trace of zeros but its last column is
     terminal-only):
@@ -212,9 +255,10 @@ def fed_advantages_delta(force_traces: torch.Tensor, energy_traces: torch.Tensor
         A_m  *= terminal_weight;   A = clip(A, +-adv_clip_max)
 
     (ELIGN also multiplies the terminal reward by terminal_weight before normalising, which the
-    normalisation cancels.)"""
-    a = force_weight * group_normalize(force_traces, group_index) \
-        + energy_weight * group_normalize(energy_traces, group_index)                 # [B, m]
+    normalisation cancels. ``valid``: force and energy over the valid members, as in
+    :func:`fed_advantages`.)"""
+    a = force_weight * _channel(force_traces, group_index, adv_clip_max, valid) \
+        + energy_weight * _channel(energy_traces, group_index, adv_clip_max, valid)   # [B, m]
     a = a + _stability_term(stability_rewards, stability_weight, group_index)[:, None]
     a[:, -1] = a[:, -1] * terminal_weight
     return a.clamp(-adv_clip_max, adv_clip_max)
@@ -243,6 +287,9 @@ class FEDGRPO(GroupAlgorithm):
         if c.shared_prefix_steps >= c.model.diffusion_steps:
             raise ConfigError(f"config key 'algo.shared_prefix_steps': {c.shared_prefix_steps} leaves no "
                               f"branched step of algo.model.diffusion_steps={c.model.diffusion_steps}")
+        if c.advantage_mode == "summed" and c.shaping.mode != "none":
+            raise ConfigError(f"config key 'algo.advantage_mode': 'summed' is one terminal advantage per "
+                              f"molecule; it does not combine with algo.shaping.mode={c.shaping.mode!r}")
 
     @staticmethod
     def preflight(cfg: Config, spec: EnvSpec) -> None:
@@ -354,6 +401,8 @@ class FEDGRPO(GroupAlgorithm):
         energy = _fill_with_group_mean(s["energy_reward"], self.pending["group_index"])
         stability = _fill_with_group_mean(s["stability_reward"], self.pending["group_index"])
         group_index = self.pending["group_index"]
+        # normalize_over: valid -> force and energy statistics of each group's scored, valid members
+        valid = (scored & (s["valid"] == 1)) if c.normalize_over == "valid" else None
         k = traj["t"].shape[0]
         if c.shaping.mode == "pbrs_return_to_go":
             steps = traj["t"].cpu()
@@ -362,7 +411,7 @@ class FEDGRPO(GroupAlgorithm):
             potentials[:, scheduled] = torch.nan_to_num(s["shaping_energy_reward"])
             returns = pbrs_returns(potentials, energy, steps, scheduled, c.shaping.gamma)
             adv = fed_advantages_pbrs(force, returns, group_index, c.force_adv_weight, c.energy_adv_weight,
-                                      c.adv_clip_max, stability, c.stability_adv_weight)    # [B, K]
+                                      c.adv_clip_max, stability, c.stability_adv_weight, valid)    # [B, K]
         elif c.shaping.mode == "delta":
             steps = traj["t"].cpu()
             sched = torch.as_tensor(self.pending["x0_steps"], dtype=steps.dtype)               # [m], descending
@@ -372,15 +421,16 @@ class FEDGRPO(GroupAlgorithm):
             e_ts = delta_traces(torch.nan_to_num(s["shaping_energy_reward"]), energy, sched, c.shaping.gamma)
             cols = fed_advantages_delta(f_ts, e_ts, group_index, c.force_adv_weight, c.energy_adv_weight,
                                         c.adv_clip_max, c.shaping.terminal_weight,
-                                        stability, c.stability_adv_weight)                    # [B, m]
+                                        stability, c.stability_adv_weight, valid)             # [B, m]
             adv = torch.zeros(len(force), k)
             column = {int(t): j for j, t in enumerate(sched.tolist())}
             for i, t in enumerate(steps.tolist()):                    # unscheduled transitions: 0
                 if int(t) in column:
                     adv[:, i] = cols[:, column[int(t)]]
         else:
-            adv = fed_advantages(force, energy, group_index, c.force_adv_weight, c.energy_adv_weight,
-                                 c.adv_clip_max, stability, c.stability_adv_weight)[:, None].expand(-1, k)  # [B, K]
+            terminal = summed_advantages if c.advantage_mode == "summed" else fed_advantages
+            adv = terminal(force, energy, group_index, c.force_adv_weight, c.energy_adv_weight,
+                           c.adv_clip_max, stability, c.stability_adv_weight, valid)[:, None].expand(-1, k)  # [B, K]
         adv = torch.where(scored[:, None], adv, torch.zeros_like(adv))
         # the whole batch's advantages (every group is whole on its rank); this rank's rows train
         return {"trajectory": traj, "advantages": adv[self.pending["rows"]].to(self.device), "scores": s,

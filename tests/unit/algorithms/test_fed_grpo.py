@@ -11,7 +11,8 @@ import torch
 
 from flowrl_ray.algorithms.advantages import group_normalize
 from flowrl_ray.algorithms.fed_grpo import (FEDGRPO, delta_traces, fed_advantages, fed_advantages_delta,
-                                            fed_advantages_pbrs, pbrs_returns, schedule_steps)
+                                            fed_advantages_pbrs, pbrs_returns, schedule_steps,
+                                            summed_advantages)
 from flowrl_ray.batch import Batch, BatchMeta
 from flowrl_ray.config import ConfigError, config_from_dict
 from flowrl_ray.envs import EnvSpec
@@ -88,6 +89,63 @@ def test_group_normalize_per_column_matches_a_loop():
         assert torch.allclose(out[groups == g], expected, atol=1e-6)
 
 
+def test_group_normalize_over_members_scores_the_others_against_them():
+    values = torch.tensor([1.0, 3.0, -10.0, 4.0, 6.0, 0.0])
+    groups = torch.tensor([0, 0, 0, 1, 1, 1])
+    members = torch.tensor([True, True, False, False, False, False])
+    out = group_normalize(values, groups, members=members)
+    # group 0: mean 2, std 1 over rows 0 and 1; row 2 scored against them: (-10 - 2) / 1
+    assert torch.allclose(out[:3], torch.tensor([-1.0, 1.0, -12.0]), atol=1e-5)
+    # group 1 has no member: its own statistics (mean 10/3, population std 2.494)
+    assert torch.allclose(out[3:], group_normalize(values[3:], groups[3:]), atol=1e-6)
+    with pytest.raises(ValueError, match="members"):
+        group_normalize(values, groups, members=members[:4])
+
+
+def test_fed_advantages_over_valid_members_keep_the_invalid_penalty():
+    # one group of 4: two valid molecules (force -1, -3; energy -0.5, -1.5) and two RDKit-invalid
+    # ones at the penalty floor (-clip - 2 = -7 in both channels)
+    force = torch.tensor([-1.0, -3.0, -7.0, -7.0])
+    energy = torch.tensor([-0.5, -1.5, -7.0, -7.0])
+    groups, valid = torch.zeros(4, dtype=torch.long), torch.tensor([True, True, False, False])
+    adv = fed_advantages(force, energy, groups, 1.0, 0.1, 5.0, valid=valid)
+    # valid: a_F = (1, -1) (mean -2, std 1), a_E = (1, -1) (mean -1, std 0.5) -> 1.1, -1.1;
+    # invalid: a_F = (-7 + 2) / 1 = -5, a_E = (-7 + 1) / 0.5 = -12 -> clip -5; -5 - 0.5 -> clip -5
+    assert torch.allclose(adv, torch.tensor([1.1, -1.1, -5.0, -5.0]), atol=1e-5)
+    # over the whole group instead, the penalty dominates both statistics: the valid pair's
+    # difference in force shrinks from 2 to 0.65 standard units of A
+    plain = fed_advantages(force, energy, groups, 1.0, 0.1, 5.0)
+    assert (plain[0] - plain[1]).item() == pytest.approx(2 / force.std(unbiased=False).item()
+                                                         + 0.1 / energy.std(unbiased=False).item(), rel=1e-4)
+    assert (adv[0] - adv[1]).item() > (plain[0] - plain[1]).item()
+    # one valid member: it gets 0, the invalid ones the floor
+    one = fed_advantages(force, energy, groups, 1.0, 0.1, 5.0, valid=torch.tensor([True, False, False, False]))
+    assert torch.allclose(one, torch.tensor([0.0, -5.0, -5.0, -5.0]), atol=1e-5)
+    # pbrs and delta read the same valid set
+    pbrs = fed_advantages_pbrs(force, energy[:, None].repeat(1, 2), groups, 1.0, 0.1, 5.0, valid=valid)
+    assert torch.allclose(pbrs, adv[:, None].expand(-1, 2), atol=1e-5)
+    delta = fed_advantages_delta(force[:, None], energy[:, None], groups, 1.0, 0.1, 5.0, 1.0, valid=valid)
+    assert torch.allclose(delta[:, 0], adv, atol=1e-5)
+
+
+def test_summed_reward_baseline_is_one_group_normalised_reward():
+    force = torch.tensor([-1.0, -3.0, -2.0, -2.0])
+    energy = torch.tensor([-10.0, 10.0, 0.0, -40.0])
+    groups = torch.tensor([0, 0, 1, 1])
+    adv = summed_advantages(force, energy, groups, 1.0, 0.1, 5.0)
+    # r = F + 0.1 E: group 0 (-2, -2) tied -> 0, 0; group 1 (-2, -6) -> (1, -1)
+    assert torch.allclose(adv, torch.tensor([0.0, 0.0, 1.0, -1.0]), atol=1e-5)
+    # the separate channels disagree here: group 0's force prefers row 0, its energy row 1
+    assert torch.allclose(fed_advantages(force, energy, groups, 1.0, 0.1, 5.0)[:2], torch.tensor([0.9, -0.9]))
+    stab = torch.tensor([0.0, 1.0, 0.0, 0.0])
+    assert torch.allclose(summed_advantages(force, energy, groups, 1.0, 0.1, 5.0, stab, 2.0)[:2],
+                          torch.tensor([-1.0, 1.0]), atol=1e-5)
+    valid = torch.tensor([True, True, True, False])
+    # group 1 with one valid member (r = -2): it gets 0, the invalid one (-6) is scored against it -> clip
+    assert torch.allclose(summed_advantages(force, energy, groups, 1.0, 0.1, 5.0, valid=valid)[2:],
+                          torch.tensor([0.0, -5.0]), atol=1e-5)
+
+
 def test_pbrs_returns_by_hand():
     potentials = torch.tensor([[1.0, 2.0, 3.0]])           # Psi_t at the K = 3 recorded steps
     returns = pbrs_returns(potentials, torch.tensor([5.0]), steps=torch.tensor([3, 2, 1]),
@@ -150,7 +208,7 @@ def _algo(**algo) -> FEDGRPO:
 
 
 def _scored(chunks: list[dict], force: list[float], energy: list[float],
-            stability: list[float] | None = None) -> list[Batch]:
+            stability: list[float] | None = None, valid: list[int] | None = None) -> list[Batch]:
     batches = []
     for chunk in chunks:
         ids = np.asarray(chunk["ids"])
@@ -158,7 +216,8 @@ def _scored(chunks: list[dict], force: list[float], energy: list[float],
         data = {"ids": ids, "force_reward": np.asarray(force, np.float32)[ids],
                 "energy_reward": np.asarray(energy, np.float32)[ids],
                 "energy_eV": np.zeros(k), "formation_energy_per_atom_eV": np.zeros(k), "rms_force": np.ones(k),
-                "stable": np.zeros(k), "stable_atom_fraction": np.zeros(k), "valid": np.zeros(k),
+                "stable": np.zeros(k), "stable_atom_fraction": np.zeros(k),
+                "valid": np.asarray(valid if valid is not None else np.zeros(len(force)), np.float32)[ids],
                 "stability_reward": np.asarray(stability if stability is not None else np.zeros(len(force)),
                                                np.float32)[ids],
                 "force_gated": np.zeros(k), "energy_gated": np.zeros(k), "under_bonded": np.zeros(k),
@@ -169,6 +228,27 @@ def _scored(chunks: list[dict], force: list[float], energy: list[float],
             data["shaping_force_reward"] = np.zeros((k, len(chunk["shaping"][0])), np.float32)
         batches.append(Batch(data, BatchMeta(0, 0, k)))
     return batches
+
+
+def test_prepare_normalises_over_valid_members_and_offers_the_summed_baseline():
+    force, energy = [-1.0, -3.0, -7.0, -2.0, -2.0, -4.0], [-0.5, -1.5, -7.0, 0.0, 0.0, -20.0]
+    valid = [1, 1, 0, 1, 1, 1]
+    algo = _algo()
+    adv = algo.prepare(_scored(algo.generate(2), force, energy, valid=valid))["advantages"]
+    # group 0 as in test_fed_advantages_over_valid_members_keep_the_invalid_penalty
+    assert torch.allclose(adv[:3, 0], torch.tensor([1.1, -1.1, -5.0]), atol=1e-5)
+    assert torch.equal(adv, adv[:, :1].expand_as(adv))                  # one A for every transition
+    algo = _algo(normalize_over="group")
+    plain = algo.prepare(_scored(algo.generate(2), force, energy, valid=valid))["advantages"]
+    assert torch.allclose(plain[:, 0], fed_advantages(torch.tensor(force), torch.tensor(energy),
+                                                      torch.arange(2).repeat_interleave(3), 1.0, 0.1, 5.0))
+    algo = _algo(advantage_mode="summed")
+    summed = algo.prepare(_scored(algo.generate(2), force, energy, valid=valid))["advantages"]
+    # group 1: r = F + 0.1 E = (-2, -2, -6): the tied pair sits above the third
+    expected = summed_advantages(torch.tensor(force), torch.tensor(energy), torch.arange(2).repeat_interleave(3),
+                                 1.0, 0.1, 5.0, valid=torch.tensor(valid).bool())
+    assert torch.allclose(summed[:, 0], expected, atol=1e-6)
+    assert summed[3, 0] == summed[4, 0] and summed[3, 0] > 0 > summed[5, 0]
 
 
 def test_generation_records_branched_transitions_in_groups():
@@ -218,6 +298,10 @@ def test_prepare_mixes_the_stability_channel_with_its_weight():
     ({"algo": {"model": dict(TINY_MODEL), "each_prompt_sample": 1}}, "algo.each_prompt_sample"),
     ({"algo": {"model": dict(TINY_MODEL), "clip_rnage": 0.1}}, "algo.clip_rnage"),
     ({"env": {"family": "molecules", "id": "qm9", "kwargs": {"backend": "dft"}}}, "env.kwargs.backend"),
+    ({"algo": {"model": dict(TINY_MODEL), "advantage_mode": "summed", "shaping": {"mode": "delta"}}},
+     "algo.advantage_mode"),
+    ({"algo": {"model": dict(TINY_MODEL), "advantage_mode": "sum"}}, "algo.advantage_mode"),
+    ({"algo": {"model": dict(TINY_MODEL), "normalize_over": "valid_only"}}, "algo.normalize_over"),
 ])
 def test_config_mistakes_name_the_key(change, key):
     data = {**_config(), **change}
