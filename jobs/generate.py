@@ -140,6 +140,10 @@ JOBS = {
         "scoring", hours=24, eval_cluster="eval_scoring", eval_hours=2, eval_episodes=1000, copy_base=True,
         pretrain="--steps 200000 --checkpoint-every 2000 --curve-every 10000 --resume --eval-samples 1000",
         env_vars={"OMP_NUM_THREADS": "1"}),
+    "fed_grpo/qm9_edm_small": Job(
+        "FED-GRPO on QM9 from a base trained by EDM's own code (5 x 128 EGNN with charges, 200 diffusion steps)",
+        "scoring", hours=24, eval_cluster="eval_scoring", eval_hours=2, eval_episodes=1000, copy_base=True,
+        env_vars={"OMP_NUM_THREADS": "1"}),
     "fed_grpo/qm9_edm": Job(
         "FED-GRPO on QM9 at EDM's full size (9 x 256, 1000 diffusion steps) with ELIGN's QM9 paper settings",
         "scoring", hours=24, eval_cluster="eval_scoring", eval_hours=2, eval_episodes=1000,
@@ -192,13 +196,19 @@ def train_steps(key: str, cfg, job: Job) -> tuple[list[str], list[str], list[str
         lines.append(f"BASE={_storage(cfg.algo.base_model, 'pretrained')}")
         if job.copy_base:
             lines += ['mkdir -p "$(dirname "$BASE")"', f'test -f "$BASE" || cp {cfg.algo.base_model} "$BASE"']
-        lines.append(f'{CLI} pretrain {config} {job.pretrain} --out "$BASE"')
+        if job.pretrain:
+            lines.append(f'{CLI} pretrain {config} {job.pretrain} --out "$BASE"')
         overrides.append("algo.base_model=$BASE")
-        start = (f"the committed base ({cfg.algo.base_model}, with its training state) is copied to {STORAGE} "
-                 "and its pretraining continues" if job.copy_base else
-                 f"the EDM is pretrained on QM9 on {STORAGE} (QM9 comes from the qm9pack package)")
-        header += [f"First run: {start} ({job.pretrain}; a retry continues it and keeps a finished one),",
-                   "then FED-GRPO post-trains it. A retry resumes the run."]
+        if not job.pretrain:
+            header += [f"First run: the committed base ({cfg.algo.base_model}, imported from an EDM run folder",
+                       f"with `flowrl-ray import-edm`) is copied to {STORAGE}, then FED-GRPO post-trains it.",
+                       "A retry resumes the run."]
+        else:
+            start = (f"the committed base ({cfg.algo.base_model}, with its training state) is copied to {STORAGE} "
+                     "and its pretraining continues" if job.copy_base else
+                     f"the EDM is pretrained on QM9 on {STORAGE} (QM9 comes from the qm9pack package)")
+            header += [f"First run: {start} ({job.pretrain}; a retry continues it and keeps a finished one),",
+                       "then FED-GRPO post-trains it. A retry resumes the run."]
     elif family == "forms" and job.pretrain:
         lines += [f"SFT={_storage(cfg.algo.sft_checkpoint, 'pretrained')}",
                   f'[ -d "$SFT" ] || {CLI} pretrain {config} {job.pretrain} --out "$SFT"']
