@@ -356,3 +356,21 @@ def test_the_real_checkpoint_is_equivariant_and_keeps_zero_com(real):
     assert torch.isfinite(res.positions).all() and res.trajectory["z"].shape[-1] == 9
     torch.testing.assert_close(res.positions.sum(1), torch.zeros(2, 3), atol=1e-4, rtol=0)  # zero CoM
     assert ((res.atom_types[res.node_mask] >= 0) & (res.atom_types[res.node_mask] < 5)).all()
+
+
+def test_the_committed_imported_base_fits_its_config_and_is_the_import(monkeypatch):
+    from flowrl_ray.config import load_config
+    repo = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(repo)
+    cfg = load_config("configs/fed_grpo/qm9_edm_small.yaml")
+    check_base_model(cfg)                                    # architecture and file agree, or ConfigError
+    committed = load_base_model(cfg.algo.base_model)
+    assert committed["model_config"]["include_charges"] and committed["source"]["format"] == "edm"
+    hist = np.asarray(committed["node_histogram"])
+    # QM9 with hydrogens: 3 to 29 atoms, most often 19
+    assert hist.shape == (30,) and hist[:3].sum() == 0 and abs(hist.sum() - 1) < 1e-9 and hist.argmax() == 19
+    if (REAL / "generative_model_ema.npy").is_file():        # the same weights as a fresh import
+        fresh = import_edm_checkpoint(REAL)
+        assert fresh["state_dict"].keys() == committed["state_dict"].keys()
+        for k, v in fresh["state_dict"].items():
+            assert torch.equal(v, committed["state_dict"][k]), k
