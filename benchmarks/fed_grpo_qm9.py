@@ -78,6 +78,7 @@ def models(cfg, run_dir: Path):
 #: (key, label, cell): fractions as percentages, energy and force as numbers
 BASE_METRICS = [("atom_stability", "atom stability (EDM: stable atoms / atoms)", "{:.1%}"),
                 ("molecule_stability", "molecule stability", "{:.1%}"), ("validity", "RDKit validity", "{:.1%}"),
+                ("edm_validity", "validity by EDM's own check (its bond table; radicals pass)", "{:.1%}"),
                 ("uniqueness", "uniqueness (among the valid)", "{:.1%}"),
                 ("valid_and_unique", "valid and unique", "{:.1%}"),
                 ("energy_per_atom_eV", "formation energy (eV/atom, scored)", "{:.3f}"),

@@ -130,6 +130,23 @@ def test_molecule_metrics_on_a_hand_list(data):
     assert chem.molecule_metrics([])["num_molecules"] == 0
 
 
+def test_edm_table_validity_passes_radicals_and_refuses_over_bonded_atoms(data):
+    pos, types = data.molecule(0)                                   # methane: C and 4 H
+    assert chem.edm_table_smiles(pos, types) == "C" == chem.canonical_smiles(pos, types)
+    h = np.flatnonzero(types == H)[-1]
+    keep = np.arange(len(types)) != h                                # CH3: the carbon under-bonded
+    assert chem.edm_table_smiles(pos[keep], types[keep]) == "C"      # EDM: an implicit H, valid
+    assert chem.canonical_smiles(pos[keep], types[keep]) is None     # perceived bonds: a radical, invalid
+    extra = pos[types == C][0] + np.array([0.0, 0.0, 1.05])          # a fifth H bonded to the carbon
+    assert chem.edm_table_smiles(np.vstack([pos, extra]), np.r_[types, H]) is None
+    assert chem.edm_table_smiles(np.full((3, 3), np.nan), np.array([C, O, H])) is None
+    m = chem.molecule_metrics([(pos, types), (pos[keep], types[keep])])
+    assert m["edm_validity"] == 1.0 and m["validity"] == 0.5
+    rng = np.random.default_rng(1)                                   # EDM reports 97.7 % on QM9 itself
+    idx = rng.choice(len(data), 300, replace=False)
+    assert np.mean([chem.edm_table_smiles(*data.molecule(int(i))) is not None for i in idx]) > 0.95
+
+
 def test_rdkit_validity_of_qm9_geometries(data):
     rng = np.random.default_rng(1)
     idx = rng.choice(len(data), 300, replace=False)

@@ -259,6 +259,32 @@ def _largest_fragment_smiles(mol) -> str | None:
         return None
 
 
+def edm_table_smiles(positions: np.ndarray, atom_types: np.ndarray) -> str | None:
+    """Validity as EDM's own code computes it (``qm9/rdkit_functions.py``): the graph of EDM's bond
+    table (:func:`bond_orders`, the bonds stability counts), sanitised by RDKit; None when that
+    fails, else the largest fragment's canonical SMILES. More lenient than :func:`canonical_smiles`:
+    RDKit gives an under-bonded atom implicit hydrogens (a radical site passes), so mostly an
+    over-bonded atom makes a molecule invalid. Reported beside the main validity so that figures
+    compare with EDM's papers and scripts."""
+    orders = bond_orders(positions, atom_types)
+    if orders is None:
+        return None
+    try:
+        from rdkit import Chem, rdBase
+        _blocker = rdBase.BlockLogs()  # noqa: F841
+        kinds = {1: Chem.BondType.SINGLE, 2: Chem.BondType.DOUBLE, 3: Chem.BondType.TRIPLE}
+        rw = Chem.RWMol()
+        for t in np.asarray(atom_types, dtype=np.int64):
+            rw.AddAtom(Chem.Atom(ATOMIC_NUMBERS[t]))
+        for i, j in zip(*np.nonzero(np.triu(orders))):
+            rw.AddBond(int(i), int(j), kinds[int(orders[i, j])])
+        mol = rw.GetMol()
+        Chem.SanitizeMol(mol)
+    except Exception:       # RDKit raises many types (its own, ValueError, RuntimeError)
+        return None
+    return _largest_fragment_smiles(mol)
+
+
 def canonical_smiles(positions: np.ndarray, atom_types: np.ndarray) -> str | None:
     """EDM-style validity and identity of one molecule: None when :func:`rdkit_molecule` fails
     (not valid), else the canonical SMILES of its largest fragment (heavy atoms, no stereo).
@@ -276,9 +302,10 @@ def molecule_metrics(molecules: Sequence[tuple[np.ndarray, np.ndarray]]) -> dict
 
     atom_stability: stable atoms / all atoms; molecule_stability: stable molecules / molecules;
     validity: valid / molecules; uniqueness: distinct SMILES / valid (0 when none is valid);
-    valid_and_unique: validity * uniqueness; num_molecules.
+    valid_and_unique: validity * uniqueness; edm_validity: valid by EDM's own check
+    (:func:`edm_table_smiles`) / molecules; num_molecules.
     """
-    stable_atoms = total_atoms = stable_molecules = 0
+    stable_atoms = total_atoms = stable_molecules = edm_valid = 0
     valid: list[str] = []
     for positions, atom_types in molecules:
         mol_stable, n_stable, n = check_stability(positions, atom_types)
@@ -288,6 +315,7 @@ def molecule_metrics(molecules: Sequence[tuple[np.ndarray, np.ndarray]]) -> dict
         smiles = canonical_smiles(positions, atom_types)
         if smiles is not None:
             valid.append(smiles)
+        edm_valid += edm_table_smiles(positions, atom_types) is not None
     count = len(molecules)
     validity = len(valid) / count if count else 0.0
     uniqueness = len(set(valid)) / len(valid) if valid else 0.0
@@ -296,4 +324,5 @@ def molecule_metrics(molecules: Sequence[tuple[np.ndarray, np.ndarray]]) -> dict
             "validity": validity,
             "uniqueness": uniqueness,
             "valid_and_unique": validity * uniqueness,
+            "edm_validity": edm_valid / count if count else 0.0,
             "num_molecules": float(count)}
