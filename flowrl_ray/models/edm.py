@@ -256,7 +256,8 @@ class EDM(nn.Module):
     @torch.no_grad()
     def sample(self, n_atoms: Tensor, generator: Optional[torch.Generator] = None, group_size: int = 1,
                shared_prefix_steps: int = 0, x0_steps: Sequence[int] = ()) -> SampleResult:
-        """Ancestral sampling of B = len(n_atoms) molecules, padded to N = max_atoms.
+        """Ancestral sampling of B = len(n_atoms) molecules, padded to the largest, N = max(n_atoms)
+        (the network's cost grows with N^2 per molecule, so padding to max_atoms would waste it).
 
         Rows come in consecutive groups of ``group_size`` with equal n_atoms. z_T is drawn per
         group (P = B / group_size chains), the first S = ``shared_prefix_steps`` steps run on the
@@ -268,12 +269,12 @@ class EDM(nn.Module):
         """
         T, G, S = self.T, int(group_size), int(shared_prefix_steps)
         n_atoms = torch.as_tensor(n_atoms, dtype=torch.long, device=self.device).reshape(-1)
-        B, N = n_atoms.numel(), self.cfg.max_atoms
+        B, N = n_atoms.numel(), int(n_atoms.max()) if n_atoms.numel() else 0
         if G < 1 or B % G or not 0 <= S <= T:
             raise ValueError(f"need B % group_size == 0 and 0 <= shared_prefix_steps <= T; got B={B}, "
                              f"group_size={G}, shared_prefix_steps={S}, T={T}")
-        if (n_atoms < 1).any() or (n_atoms > N).any() or (n_atoms.view(-1, G) != n_atoms[::G, None]).any():
-            raise ValueError(f"n_atoms must be in 1..max_atoms={N} and equal within each group")
+        if (n_atoms < 1).any() or N > self.cfg.max_atoms or (n_atoms.view(-1, G) != n_atoms[::G, None]).any():
+            raise ValueError(f"n_atoms must be in 1..max_atoms={self.cfg.max_atoms} and equal within each group")
         steps = {int(s) for s in x0_steps}
         if any(not 0 <= s <= T for s in steps):
             raise ValueError(f"x0_steps must lie in 0..{T}, got {sorted(steps)}")

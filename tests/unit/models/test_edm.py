@@ -178,7 +178,7 @@ def sampled():
 
 def test_sample_shapes_groups_and_prefix(sampled):
     model, n_atoms, res = sampled
-    B, N, D, K = 6, 7, model.D, 10 - 4
+    B, N, D, K = 6, 5, model.D, 10 - 4                 # padded to the largest molecule (max_atoms 7)
     tr = res.trajectory
     assert res.positions.shape == (B, N, 3) and res.atom_types.shape == (B, N)
     assert tr["z"].shape == (K + 1, B, N, D) and tr["logp"].shape == (K, B) and tr["sigma"].shape == (K,)
