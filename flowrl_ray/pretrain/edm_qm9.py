@@ -29,16 +29,21 @@ from flowrl_ray.utils import atomic_write_bytes, atomic_write_text, format_durat
 def sample_molecules(model, histogram: np.ndarray, count: int, seed: int = 0,
                      batch_size: int = 64) -> list[tuple[np.ndarray, np.ndarray]]:
     """``count`` molecules from ``model`` (atom counts from ``histogram``), as (positions [n, 3] Å,
-    atom types [n]) pairs."""
+    atom types [n]) pairs, in the order their atom counts were drawn. All counts are drawn first
+    and the molecules are sampled in batches of similar size (sorted by count; a batch is padded
+    to its largest molecule, and the network's cost grows with its square); the same ``seed``
+    gives every model the same counts and noise, so the samples of two models pair up."""
     from flowrl_ray.models.edm import NodeDistribution, to_numpy_molecules
     generator = torch.Generator().manual_seed(seed)
-    nodes = NodeDistribution(histogram)
-    out: list = []
+    n_atoms = NodeDistribution(histogram).sample(count, generator)                  # [count]
+    order = torch.argsort(n_atoms, stable=True)
+    out: list = [None] * count
     model.eval()
-    while len(out) < count:
-        n_atoms = nodes.sample(min(batch_size, count - len(out)), generator)
-        result = model.sample(n_atoms.to(model.device), generator)
-        out += to_numpy_molecules(result.positions, result.atom_types, result.node_mask)
+    for i in range(0, count, batch_size):
+        rows = order[i:i + batch_size]
+        result = model.sample(n_atoms[rows].to(model.device), generator)
+        for r, mol in zip(rows.tolist(), to_numpy_molecules(result.positions, result.atom_types, result.node_mask)):
+            out[r] = mol
     return out
 
 

@@ -325,3 +325,17 @@ def test_new_model_keys_keep_old_checkpoints_and_name_their_mistakes(tmp_path):
     Cfg.algo.model = tiny(include_charges=True)
     with pytest.raises(ConfigError, match=r"algo\.model\.include_charges"):
         check_base_model(Cfg)
+
+
+def test_sample_molecules_batches_by_size_and_keeps_the_drawn_order():
+    from flowrl_ray.models.edm import NodeDistribution
+    from flowrl_ray.pretrain.edm_qm9 import sample_molecules
+    torch.manual_seed(0)
+    model = EDM(tiny(diffusion_steps=4))
+    histogram = np.zeros(8)
+    histogram[[2, 5, 7]] = [0.4, 0.3, 0.3]
+    drawn = NodeDistribution(histogram).sample(9, torch.Generator().manual_seed(3))
+    mols = sample_molecules(model, histogram, 9, seed=3, batch_size=4)
+    assert [len(t) for _, t in mols] == drawn.tolist()          # molecule i has the i-th drawn count
+    again = sample_molecules(model, histogram, 9, seed=3, batch_size=4)
+    assert all(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]) for a, b in zip(mols, again))
