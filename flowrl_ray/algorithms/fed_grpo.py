@@ -382,12 +382,12 @@ class FEDGRPO(GroupAlgorithm):
         out["shaping_energy_reward"] = torch.full((n, k_steps), float("nan"))
         out["shaping_force_reward"] = torch.full((n, k_steps), float("nan"))
         for b in batches:
-            ids = torch.as_tensor(np.asarray(b["ids"]), dtype=torch.long)
+            ids = torch.tensor(np.asarray(b["ids"]), dtype=torch.long)      # a copy: Ray hands read-only arrays
             for k in numeric:
-                out[k][ids] = torch.as_tensor(np.asarray(b[k], dtype=np.float32))
+                out[k][ids] = torch.tensor(np.asarray(b[k], dtype=np.float32))
             if k_steps:
                 for key in ("shaping_energy_reward", "shaping_force_reward"):
-                    out[key][ids] = torch.as_tensor(np.asarray(b[key], dtype=np.float32))
+                    out[key][ids] = torch.tensor(np.asarray(b[key], dtype=np.float32))
             for j, i in enumerate(ids.tolist()):
                 out["smiles"][i], out["reason"][i] = str(b["smiles"][j]), str(b["reason"][j])
         return out
