@@ -49,18 +49,9 @@ def normalize(x: torch.Tensor, eps: float = 1e-8, ref: torch.Tensor | None = Non
     return (x - ref.mean()) / (ref.std() + eps)
 
 
-def group_normalize(values: torch.Tensor, group_index: torch.Tensor, eps: float = 1e-8,
-                    members: torch.Tensor | None = None) -> torch.Tensor:
-    """Normalise ``values [B, ...]`` within the groups named by ``group_index [B]`` (any integer
-    labels, in any order), column by column for trailing dims, with the population std:
-
-        z_i = (v_i - mean_{g(i)}) / (std_{g(i)} + eps)
-
-    ``members [B]`` bool (None: every row): the mean and std of a group are taken over its member
-    rows only and applied to all its rows, so a non-member is scored against the members (a group
-    without members uses all its rows). A group whose (member) values are all equal, or a group of
-    one, gets zeros at its members. Vectorised with scatter-adds over the groups. Returns the
-    shape of ``values``."""
+def _group_moments(values: torch.Tensor, group_index: torch.Tensor, members: torch.Tensor | None):
+    """(values as [B, C], each row's group mean [B, C], its population variance [B, C]) over the
+    member rows of each group (all rows of a group without members)."""
     if group_index.ndim != 1 or group_index.shape[0] != values.shape[0]:
         raise ValueError(f"group_index must be [B] with B = values.shape[0]; got {tuple(group_index.shape)} "
                          f"for values {tuple(values.shape)}")
@@ -81,7 +72,31 @@ def group_normalize(values: torch.Tensor, group_index: torch.Tensor, eps: float 
         0, inverse, flat * weight[:, None]) / counts                                # [G, C]
     centred = flat - mean[inverse]
     var = torch.zeros_like(mean).index_add_(0, inverse, centred.pow(2) * weight[:, None]) / counts
-    return (centred / (var.sqrt()[inverse] + eps)).reshape(values.shape)
+    return flat, mean[inverse], var[inverse]
+
+
+def group_normalize(values: torch.Tensor, group_index: torch.Tensor, eps: float = 1e-8,
+                    members: torch.Tensor | None = None) -> torch.Tensor:
+    """Normalise ``values [B, ...]`` within the groups named by ``group_index [B]`` (any integer
+    labels, in any order), column by column for trailing dims, with the population std:
+
+        z_i = (v_i - mean_{g(i)}) / (std_{g(i)} + eps)
+
+    ``members [B]`` bool (None: every row): the mean and std of a group are taken over its member
+    rows only and applied to all its rows, so a non-member is scored against the members (a group
+    without members uses all its rows). A group whose (member) values are all equal, or a group of
+    one, gets zeros at its members. Vectorised with scatter-adds over the groups. Returns the
+    shape of ``values``."""
+    flat, mean, var = _group_moments(values, group_index, members)
+    return ((flat - mean) / (var.sqrt() + eps)).reshape(values.shape)
+
+
+def group_center(values: torch.Tensor, group_index: torch.Tensor,
+                 members: torch.Tensor | None = None) -> torch.Tensor:
+    """``values [B, ...]`` minus their group's mean (over the ``members`` rows, as in
+    :func:`group_normalize`), column by column: every group's members then sum to zero."""
+    flat, mean, _ = _group_moments(values, group_index, members)
+    return (flat - mean).reshape(values.shape)
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, adv_clip_max: float | None = None,

@@ -51,7 +51,7 @@ from typing import Any, Literal, Optional
 import numpy as np
 import torch
 
-from flowrl_ray.algorithms.advantages import group_normalize
+from flowrl_ray.algorithms.advantages import group_center, group_normalize
 from flowrl_ray.algorithms.base import GroupAlgorithm
 from flowrl_ray.optim import Accumulator, load_scheduler, lr_multiplier, reduce_sum, world
 from flowrl_ray.utils import frozen_copy
@@ -109,6 +109,10 @@ class FEDGRPOConfig:
     #: "separate": each channel normalised on its own, then mixed (FED-GRPO); "summed": one
     #: advantage of the summed reward w_F r_F + w_E r_E + w_S r_S (the plain GRPO baseline)
     advantage_mode: Literal["separate", "summed"] = "separate"
+    #: subtract each group's mean advantage (over its scored members) after mixing, then clip:
+    #: with normalize_over: valid the penalties leave the mean negative (-3 in a group of 8 with
+    #: two valid members), which adds variance and no signal
+    zero_mean_groups: bool = False
     train_micro_batch_size: int = field(default=4, metadata=check(gt=0))   # rows per backward
     grad_accumulation: int = field(default=1, metadata=check(gt=0))        # micro-batches per optimiser step
     epochs: int = field(default=1, metadata=check(gt=0))                 # passes over a batch
@@ -431,6 +435,8 @@ class FEDGRPO(GroupAlgorithm):
             terminal = summed_advantages if c.advantage_mode == "summed" else fed_advantages
             adv = terminal(force, energy, group_index, c.force_adv_weight, c.energy_adv_weight,
                            c.adv_clip_max, stability, c.stability_adv_weight, valid)[:, None].expand(-1, k)  # [B, K]
+        if c.zero_mean_groups:                  # every group's scored members: mean 0 per transition
+            adv = group_center(adv, group_index, members=scored).clamp(-c.adv_clip_max, c.adv_clip_max)
         adv = torch.where(scored[:, None], adv, torch.zeros_like(adv))
         # the whole batch's advantages (every group is whole on its rank); this rank's rows train
         return {"trajectory": traj, "advantages": adv[self.pending["rows"]].to(self.device), "scores": s,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from flowrl_ray.algorithms.advantages import group_normalize
+from flowrl_ray.algorithms.advantages import group_center, group_normalize
 from flowrl_ray.algorithms.fed_grpo import (FEDGRPO, delta_traces, fed_advantages, fed_advantages_delta,
                                             fed_advantages_pbrs, pbrs_returns, schedule_steps,
                                             summed_advantages)
@@ -146,6 +146,16 @@ def test_summed_reward_baseline_is_one_group_normalised_reward():
                           torch.tensor([0.0, -5.0]), atol=1e-5)
 
 
+def test_group_center_subtracts_the_members_mean():
+    values = torch.tensor([[1.0, 0.0], [3.0, 0.0], [8.0, 6.0], [-1.0, 2.0]])
+    groups = torch.tensor([0, 0, 0, 1])
+    assert torch.allclose(group_center(values, groups), torch.tensor([[-3.0, -2.0], [-1.0, -2.0], [4.0, 4.0],
+                                                                      [0.0, 0.0]]))
+    members = torch.tensor([True, True, False, True])        # group 0's mean over rows 0 and 1: (2, 0)
+    assert torch.allclose(group_center(values, groups, members)[:3], torch.tensor([[-1.0, 0.0], [1.0, 0.0],
+                                                                                   [6.0, 6.0]]))
+
+
 def test_pbrs_returns_by_hand():
     potentials = torch.tensor([[1.0, 2.0, 3.0]])           # Psi_t at the K = 3 recorded steps
     returns = pbrs_returns(potentials, torch.tensor([5.0]), steps=torch.tensor([3, 2, 1]),
@@ -249,6 +259,11 @@ def test_prepare_normalises_over_valid_members_and_offers_the_summed_baseline():
                                  1.0, 0.1, 5.0, valid=torch.tensor(valid).bool())
     assert torch.allclose(summed[:, 0], expected, atol=1e-6)
     assert summed[3, 0] == summed[4, 0] and summed[3, 0] > 0 > summed[5, 0]
+    algo = _algo(zero_mean_groups=True)
+    centred = algo.prepare(_scored(algo.generate(2), force, energy, valid=valid))["advantages"]
+    # group 0: (1.1, -1.1, -5) minus its mean -5/3; group 1 already sums to 0 up to the clip
+    assert torch.allclose(centred[:3, 0], torch.tensor([1.1, -1.1, -5.0]) + 5 / 3, atol=1e-5)
+    assert torch.allclose(centred[:, 0].view(2, 3).sum(1), torch.zeros(2), atol=1e-5)
 
 
 def test_generation_records_branched_transitions_in_groups():
