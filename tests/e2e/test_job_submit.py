@@ -156,13 +156,16 @@ def test_ray_job_submit_trains(tmp_path):
         assert rows[-1]["env_steps"] == 2 * 1 * 2 * 64
         assert (run_dir / "config.yaml").is_file() and (run_dir / "checkpoints" / "latest").is_file()
 
-        # What was uploaded: the package and configs, not the virtualenv (.gitignore: .venv/, runs/)
+        # What was uploaded: the package and configs, not the virtualenv (.gitignore: .venv/, runs/;
+        # .rayignore: benchmarks/results/)
         pkgs = [p for p in Path(temp_dir).glob("session_latest/runtime_resources/working_dir_files/_ray_pkg_*")
                 if p.is_dir()]
         assert len(pkgs) == 1, pkgs
         uploaded = {p.name for p in pkgs[0].iterdir()}
         assert {"flowrl_ray", "configs", "pyproject.toml"} <= uploaded
         assert ".venv" not in uploaded and "runs" not in uploaded and ".git" not in uploaded
+        # .rayignore: the measured results stay home
+        assert (pkgs[0] / "benchmarks").is_dir() and not (pkgs[0] / "benchmarks" / "results").exists()
         size = sum(f.stat().st_size for f in pkgs[0].rglob("*") if f.is_file())
         assert size < 20 * 2**20, f"working dir upload is {size / 2**20:.1f} MiB"
     finally:
