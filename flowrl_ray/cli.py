@@ -17,8 +17,11 @@ from flowrl_ray.config import ConfigError, apply_overrides, config_from_dict, lo
 from flowrl_ray.errors import TrainingError, UserError
 
 EXIT_USER_ERROR = 2
-#: env families whose ``<family>.cli`` module adds verbs (``add_verbs(subparsers)``)
-FAMILY_VERBS = ("flowrl_ray.envs.robot", "flowrl_ray.envs.forms", "flowrl_ray.envs.molecules")
+#: env families whose ``<family>.cli`` module adds verbs (``add_verbs(subparsers)``): module -> (its
+#: verbs, the extra that installs its packages)
+FAMILY_VERBS = {"flowrl_ray.envs.robot": (("demos",), "robot"),
+                "flowrl_ray.envs.forms": (("forms",), "forms"),
+                "flowrl_ray.envs.molecules": (("import-edm", "qm9-pack"), "mol")}
 
 
 ADDRESS_HELP = ("Ray cluster to use: host:port, ray://host:port, 'auto' (the cluster `ray start` last started "
@@ -343,8 +346,8 @@ def cmd_plot(args: argparse.Namespace) -> int:
 #: `flowrl-ray pretrain` flags: each sets the key of the same name in the config's typed
 #: `pretrain:` section (flowrl_ray.config), whose schema the algorithm chooses
 PRETRAIN_FLAGS = ("dataset", "out", "epochs", "steps", "batch_size", "lr", "eval_episodes",
-                  "tasks_per_form", "copy_aux", "init_from", "eval_samples", "curve_every", "curve_samples",
-                  "checkpoint_every", "max_minutes", "resume", "device", "seed")
+                  "tasks_per_form", "copy_aux", "eval_samples", "curve_every", "curve_samples",
+                  "checkpoint_every", "max_minutes", "resume", "init_from", "qm9", "device", "seed")
 
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
@@ -549,9 +552,13 @@ def build_parser() -> argparse.ArgumentParser:
                          "their stability and validity (metrics.jsonl, <stem>.stability.png) and write "
                          "the checkpoint")
     pr.add_argument("--curve-samples", type=int, help="EDM: molecules per curve point (default 200)")
-    pr.add_argument("--init-from", metavar="DIR",
+    pr.add_argument("--init-from", metavar="PATH",
                     help="language model: start from this SFT checkpoint directory's weights and tokenizer "
-                         "(trains it further; default: a new tokenizer and model)")
+                         "(trains it further; default: a new tokenizer and model); EDM: start a new run from "
+                         "this base checkpoint's weights (e.g. one written by import-edm)")
+    pr.add_argument("--qm9", metavar="FILE",
+                    help="EDM: train on this pack of QM9's train split (written by `flowrl-ray qm9-pack`) "
+                         "instead of the qm9pack package")
     pr.add_argument("--checkpoint-every", type=int, metavar="N",
                     help="EDM and language model: also write the checkpoint every N steps (for --resume after "
                          "a stop)")
@@ -593,9 +600,24 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the Euler steps the overrides suggest (default 4, the release's state-policy fine-tuning)")
     ir.set_defaults(func=cmd_import_reinflow)
 
-    for family in FAMILY_VERBS:           # each env family's own verbs (demos, forms, import-edm)
-        importlib.import_module(f"{family}.cli").add_verbs(sub)
+    for family, (verbs, extra) in FAMILY_VERBS.items():   # each env family's own verbs
+        try:
+            importlib.import_module(f"{family}.cli").add_verbs(sub)
+        except ImportError as e:          # its packages are not installed: the other verbs still work
+            for verb in verbs:
+                m = sub.add_parser(verb, add_help=False, help=f"(unavailable: {e})",
+                                   prefix_chars="\0")    # every argument, options included, is `rest`
+                m.add_argument("rest", nargs=argparse.REMAINDER)
+                m.set_defaults(func=_missing_family(family, extra, e))
     return p
+
+
+def _missing_family(family: str, extra: str, error: ImportError):
+    """A verb of an env family whose packages are missing: one line naming the import that failed."""
+    def run(args: argparse.Namespace) -> int:
+        raise UserError(f"{family} cannot be imported ({error}); install its packages: "
+                        f"pip install -e '.[{extra}]'")
+    return run
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -268,6 +268,8 @@ class EDMPretrainConfig:
     checkpoint_every: int = field(default=0, metadata=check(ge=0))
     max_minutes: float = field(default=0.0, metadata=check(ge=0))     # end this invocation after M minutes
     resume: bool = False                # continue the run whose checkpoint is at `out`
+    init_from: Optional[str] = None     # a base checkpoint whose weights start a new run (None: new weights)
+    qm9: Optional[str] = None           # a train-split pack (`flowrl-ray qm9-pack`) instead of qm9pack
     device: Literal["auto", "cpu", "cuda"] = "auto"
     seed: Optional[int] = field(default=None, metadata=check(ge=0))
 

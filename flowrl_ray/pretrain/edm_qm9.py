@@ -1,6 +1,7 @@
 """`flowrl-ray pretrain` for FED-GRPO configs: train the EDM of ``algo.model`` on QM9.
 
-QM9 comes from the qm9pack package (parsed once, cached as .npz); the train split is EDM's
+QM9 comes from the qm9pack package (parsed once, cached as .npz), or from a pack of the train split
+(``qm9``, written by ``flowrl-ray qm9-pack``) where the package is missing; the train split is EDM's
 (100,000 molecules, permutation seed 0 whatever the run's seed, so that every model of a
 project shares one split). Training is EDM's l2
 noise-prediction loss with an EMA of the weights (:func:`flowrl_ray.models.edm.fit_edm`); the
@@ -87,13 +88,14 @@ def run(cfg: Config, p: EDMPretrainConfig, seed: int, progress: bool = True) -> 
     return pretrain_edm(cfg, out=p.out, steps=p.steps, batch_size=p.batch_size, lr=p.lr, seed=seed,
                         eval_samples=p.eval_samples, curve_every=p.curve_every, curve_samples=p.curve_samples,
                         checkpoint_every=p.checkpoint_every, max_minutes=p.max_minutes, resume=p.resume,
-                        device=p.device, progress=progress)
+                        init_from=p.init_from, qm9=p.qm9, device=p.device, progress=progress)
 
 
 def pretrain_edm(cfg: Config, out: str | Path | None = None, steps: int = 2000,
                  batch_size: int | None = None, lr: float | None = None, seed: int = 0,
                  eval_samples: int = 0, curve_every: int = 0, curve_samples: int = 200, checkpoint_every: int = 0, max_minutes: float = 0.0,
-                 resume: bool = False, device: str = "auto", progress: bool = True) -> dict:
+                 resume: bool = False, init_from: str | Path | None = None, qm9: str | Path | None = None,
+                 device: str = "auto", progress: bool = True) -> dict:
     """Train the EDM of ``cfg.algo.model`` on QM9's train split for ``steps`` optimiser steps in all.
 
     ``curve_every`` > 0: every ``curve_every`` steps the EMA weights sample ``curve_samples``
@@ -106,18 +108,28 @@ def pretrain_edm(cfg: Config, out: str | Path | None = None, steps: int = 2000,
     ``out`` holds a checkpoint of this verb, its run continues (raw and EMA weights, optimiser,
     clipping window, data sampler, loss and stability curves) up to ``steps``; the model config
     must match (ConfigError naming the key); ``batch_size`` and ``lr`` not given (None) are the
-    checkpoint's (a new run: 64 and 1e-4, EDM's). ``eval_samples`` > 0: the final EMA model's metrics on
+    checkpoint's (a new run: 64 and 1e-4, EDM's). ``init_from``: a base checkpoint (``algo.base_model``'s
+    format, e.g. an imported EDM) whose weights start a new run, raw and EMA alike (a resumed run
+    continues its own weights instead); its architecture must be the config's. ``qm9``: a pack of
+    the train split (``flowrl-ray qm9-pack``) instead of qm9pack. ``eval_samples`` > 0: the final EMA model's metrics on
     that many samples, beside EDM's published figures. ``device``: ``"auto"`` trains on CUDA when
     there is one (with TF32 matrix products).
     """
-    from flowrl_ray.models.edm import check_base_model
-    from flowrl_ray.envs.molecules.qm9 import atom_count_histogram, load_qm9, qm9_splits
-    from flowrl_ray.models.edm import EDM, fit_edm
+    from flowrl_ray.envs.molecules.qm9 import atom_count_histogram, load_pack, load_qm9, qm9_splits
+    from flowrl_ray.models.edm import EDM, check_base_model, fit_edm, load_base_model
     from flowrl_ray.plotting import plot_curves
     out = Path(out or cfg.algo.base_model or "pretrained/edm_qm9.pt")
     out.parent.mkdir(parents=True, exist_ok=True)
-    data = load_qm9()
-    train = data.subset(qm9_splits(len(data), seed=0)["train"])
+    if init_from is not None and not Path(init_from).is_file():
+        raise ConfigError(f"config key 'pretrain.init_from': no such file {str(init_from)!r}")
+    if qm9 is not None:
+        try:
+            train = load_pack(qm9, split="train")
+        except (ValueError, FileNotFoundError) as e:
+            raise ConfigError(f"config key 'pretrain.qm9': {e}") from None
+    else:
+        data = load_qm9()
+        train = data.subset(qm9_splits(len(data), seed=0)["train"])
     histogram = atom_count_histogram(train.n_atoms, cfg.algo.model.max_atoms)
     torch.manual_seed(seed)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
@@ -140,6 +152,11 @@ def pretrain_edm(cfg: Config, out: str | Path | None = None, steps: int = 2000,
         batch_size = int(saved.get("batch_size", 64)) if batch_size is None else batch_size
         lr = float(saved.get("lr", 1e-4)) if lr is None else lr
         log(f"[pretrain] resuming {out} at step {done}", flush=True)
+        init_from = saved.get("init_from")
+    elif init_from is not None:                      # a new run from a base's weights
+        check_base_model(cfg, init_from)
+        model.load_state_dict(load_base_model(init_from)["state_dict"])
+        log(f"[pretrain] starting from the weights of {init_from}", flush=True)
     batch_size = 64 if batch_size is None else batch_size
     lr = 1e-4 if lr is None else lr
     log(f"[pretrain] EDM on QM9: {len(train):,} training molecules, "
@@ -160,21 +177,30 @@ def pretrain_edm(cfg: Config, out: str | Path | None = None, steps: int = 2000,
         log(f"[pretrain] step {step}/{steps} loss {loss:.4f} ({format_duration(elapsed())}, "
             f"eta {format_duration(run_s / max(1, step - first) * (steps - step))})", flush=True)
 
+    plots = [True]                     # False once matplotlib is found missing (a bare GPU machine)
+
     def save(fit: dict, final_metrics: dict | None) -> None:
         losses = [r for r in rows if "loss" in r]
         curve = [r for r in rows if "atom_stability" in r]
         atomic_write_text(metrics_path, "".join(json.dumps(r) + "\n" for r in rows))
-        plot_curves({"l2 loss": [(np.array([r["step"] for r in losses]), np.array([r["loss"] for r in losses]))]},
-                    png_path, "step", "EDM l2 loss", "EDM pretraining on QM9")
-        if curve:
-            x = np.array([r["step"] for r in curve])
-            plot_curves({k.replace("_", " "): [(x, 100 * np.array([r[k] for r in curve]))]
-                         for k in ("atom_stability", "molecule_stability", "validity")},
-                        curve_png, "step", f"% of {curve_samples} samples", "EDM samples during pretraining")
+        try:
+            if plots[0]:
+                plot_curves({"l2 loss": [(np.array([r["step"] for r in losses]),
+                                          np.array([r["loss"] for r in losses]))]},
+                            png_path, "step", "EDM l2 loss", "EDM pretraining on QM9")
+            if plots[0] and curve:
+                x = np.array([r["step"] for r in curve])
+                plot_curves({k.replace("_", " "): [(x, 100 * np.array([r[k] for r in curve]))]
+                             for k in ("atom_stability", "molecule_stability", "validity")},
+                            curve_png, "step", f"% of {curve_samples} samples", "EDM samples during pretraining")
+        except ImportError as e:
+            plots[0] = False
+            log(f"[pretrain] no PNG curves ({e}); {metrics_path.name} has the numbers", flush=True)
         ckpt = {"state_dict": fit["ema_state_dict"] if fit["ema_state_dict"] is not None
                 else model.state_dict(),
                 "model_config": asdict(cfg.algo.model), "node_histogram": histogram,
                 "steps": fit["state"]["step"], "batch_size": batch_size, "lr": lr,
+                "init_from": None if init_from is None else str(init_from),
                 "final_loss": losses[-1]["loss"] if losses else None, "eval": final_metrics,
                 "curve": curve, "config": cfg.to_dict(),
                 "train_state": {"raw_state_dict": model.state_dict(), "fit": fit["state"],
@@ -221,10 +247,11 @@ def pretrain_edm(cfg: Config, out: str | Path | None = None, steps: int = 2000,
                "first_loss": losses[0]["loss"] if losses else None,
                "final_loss": losses[-1]["loss"] if losses else None,
                "skipped_steps": skipped, "train_s": round(train_s, 1),
-               "metrics": str(metrics_path), "loss_plot": str(png_path)}
+               "init_from": None if init_from is None else str(init_from),
+               "metrics": str(metrics_path), "loss_plot": str(png_path) if plots[0] else None}
     curve = [r for r in rows if "atom_stability" in r]
     if curve:
-        summary["stability_plot"] = str(curve_png)
+        summary["stability_plot"] = str(curve_png) if plots[0] else None
         summary["curve"] = curve
     if metrics is not None:
         summary["eval"] = metrics

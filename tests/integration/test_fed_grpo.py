@@ -149,3 +149,86 @@ def test_pretraining_resumed_from_its_checkpoint_is_the_uninterrupted_run(tmp_pa
     assert main(["pretrain", str(forms), "--curve-every", "5"]) == 2
     err = capsys.readouterr().err
     assert "--curve-every: flow_grpo's pretraining (text_sft) has no such setting; it takes --out, --steps" in err
+
+
+def _pack(path, molecules: int = 40, seed: int = 0):
+    """A QM9 pack of made-up molecules (3-9 atoms in a 3 Å box): what pretraining reads without qm9pack."""
+    from flowrl_ray.envs.molecules import qm9
+    rng = np.random.default_rng(seed)
+    n = rng.integers(3, 10, size=molecules)
+    positions, types = qm9._pad(rng.uniform(-1.5, 1.5, size=(n.sum(), 3)),
+                                rng.integers(0, 5, size=n.sum()).astype(np.int8), n)
+    data = qm9.QM9Data(positions=positions, atom_types=types, n_atoms=n.astype(np.int16),
+                       smiles=np.array(["C"] * molecules), index=np.arange(1, molecules + 1, dtype=np.int32))
+    qm9.save_pack(data, path, "train")
+    return path
+
+
+def test_pretraining_from_a_base_on_a_qm9_pack_starts_at_the_bases_weights_and_resumes(tmp_path):
+    """--init-from: a new run whose raw and EMA weights start at the base's (at lr 1e-12 they stay
+    there; without it they are a fresh model's); --qm9: the pack's molecules are the train split;
+    --resume continues the run it wrote, not the base; bad keys are named."""
+    from flowrl_ray.config import ConfigError, config_from_dict
+    from flowrl_ray.pretrain.edm_qm9 import pretrain_edm
+    cfg = config_from_dict(_config())
+    pack, base, cont, fresh = _pack(tmp_path / "train.npz"), *(tmp_path / f"{s}.pt" for s in ("base", "cont", "fresh"))
+    kw = dict(batch_size=4, qm9=pack, progress=False)
+    pretrain_edm(cfg, out=base, steps=3, lr=1e-3, **kw)
+    summary = pretrain_edm(cfg, out=cont, steps=2, lr=1e-12, init_from=base, seed=5, **kw)
+    pretrain_edm(cfg, out=fresh, steps=2, lr=1e-12, seed=5, **kw)
+    b, c, f = (torch.load(p, weights_only=False) for p in (base, cont, fresh))
+    assert summary["molecules"] == 40 and summary["init_from"] == str(base) == c["init_from"]
+    assert c["steps"] == 2 and np.array_equal(c["node_histogram"], b["node_histogram"])
+    for name, value in b["state_dict"].items():         # the base's EMA weights start both copies
+        assert torch.allclose(c["state_dict"][name], value, atol=1e-6), name
+        assert torch.allclose(c["train_state"]["raw_state_dict"][name], value, atol=1e-6), name
+    assert any(not torch.allclose(f["state_dict"][k], v, atol=1e-3) for k, v in b["state_dict"].items())
+    again = pretrain_edm(cfg, out=cont, steps=4, lr=1e-3, init_from=base, resume=True, **kw)
+    assert again["steps"] == 4 and torch.load(cont, weights_only=False)["init_from"] == str(base)
+    with pytest.raises(ConfigError, match="'pretrain.init_from': no such file"):
+        pretrain_edm(cfg, out=tmp_path / "x.pt", steps=1, init_from=tmp_path / "none.pt", **kw)
+    with pytest.raises(ConfigError, match="'pretrain.qm9': .*base.pt is not a QM9 pack"):
+        pretrain_edm(cfg, out=tmp_path / "x.pt", steps=1, batch_size=4, qm9=base, progress=False)
+    wider = config_from_dict(_config(model={**TINY_MODEL, "hidden_size": TINY_MODEL["hidden_size"] + 8}))
+    with pytest.raises(ConfigError, match="algo.model.hidden_size"):
+        pretrain_edm(wider, out=tmp_path / "x.pt", steps=1, init_from=base, **kw)
+    assert not (tmp_path / "x.pt").exists()
+
+
+#: what a bare GPU machine (torch, numpy, PyYAML; transformers and peft) lacks
+NOT_ON_A_BARE_MACHINE = ("ray", "rdkit", "qm9pack", "pandas", "scipy", "matplotlib", "gymnasium", "robosuite",
+                         "mujoco", "h5py", "playwright", "tblite", "xtb", "PIL", "imageio", "tensorboard")
+
+
+def test_the_gpu_command_for_edm_runs_without_ray_rdkit_qm9pack_or_matplotlib(tmp_path):
+    """`flowrl-ray pretrain CONFIG --init-from BASE --qm9 PACK` in a Python where every package a bare
+    GPU machine lacks fails to import: it trains, writes the checkpoint and the metrics, says there
+    are no PNG curves; the verbs of the robot family answer with the import that failed."""
+    import subprocess
+    import sys
+
+    import yaml
+    from flowrl_ray.config import config_from_dict
+    from flowrl_ray.pretrain.edm_qm9 import pretrain_edm
+    pack, base, out = _pack(tmp_path / "train.npz"), tmp_path / "base.pt", tmp_path / "out" / "cont.pt"
+    pretrain_edm(config_from_dict(_config()), out=base, steps=1, batch_size=4, qm9=pack, progress=False)
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(_config()))
+    prelude = ("import sys\n"
+               f"for name in {NOT_ON_A_BARE_MACHINE!r}:\n"
+               "    sys.modules[name] = None\n"            # `import name` raises ImportError
+               "from flowrl_ray.cli import main\n"
+               "sys.exit(main(sys.argv[1:]))\n")
+    run = subprocess.run([sys.executable, "-c", prelude, "pretrain", str(config), "--init-from", str(base),
+                          "--qm9", str(pack), "--steps", "2", "--batch-size", "4", "--checkpoint-every", "1",
+                          "--eval-samples", "0", "--device", "cpu", "--out", str(out), "--resume"],
+                         capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:] + run.stdout[-3000:]
+    summary = json.loads(run.stdout.strip().splitlines()[-1])
+    assert summary["steps"] == 2 and summary["init_from"] == str(base) and summary["loss_plot"] is None
+    assert "no PNG curves" in run.stdout and out.is_file() and (out.parent / "cont.metrics.jsonl").is_file()
+    assert not (out.parent / "cont.loss.png").exists()
+    demos = subprocess.run([sys.executable, "-c", prelude, "demos", "--task", "lift"], capture_output=True,
+                           text=True, cwd=REPO, timeout=300)
+    assert demos.returncode == 2
+    assert "flowrl_ray.envs.robot cannot be imported" in demos.stderr and "pip install -e '.[robot]'" in demos.stderr

@@ -149,3 +149,48 @@ def test_split_sizes_follow_edm():
     assert (len(s["train"]), len(s["valid"]), len(s["test"])) == (100_000, 17_748, 13_083)
     s = qm9.qm9_splits(1000)
     assert (len(s["train"]), len(s["test"])) == (round(1000 * 100_000 / 130_831), 100)
+
+
+# --------------------------------------------------------------------------- the pack (no qm9pack)
+
+def _hand_data(sizes=(5, 3, 29, 1), seed=0) -> qm9.QM9Data:
+    rng = np.random.default_rng(seed)
+    n = np.array(sizes)
+    flat = rng.uniform(-9.0, 9.0, size=(n.sum(), 3))
+    positions, types = qm9._pad(flat, rng.integers(0, 5, size=n.sum()).astype(np.int8), n)
+    return qm9.QM9Data(positions=positions, atom_types=types, n_atoms=n.astype(np.int16),
+                       smiles=np.array(["C", "O", "CCO", "F"]), index=np.array([1, 4, 9, 16], np.int32))
+
+
+def test_a_pack_round_trips_a_split_to_the_rounding_of_its_mA_integers(tmp_path):
+    data = _hand_data()
+    info = qm9.save_pack(data, tmp_path / "p.npz", "train")
+    assert (info["molecules"], info["atoms"]) == (4, 38)
+    assert 0 < info["max_rounding_A"] <= 0.0005 + 1e-6        # int16 mÅ: half a milli-ångström at most
+    back = qm9.load_pack(tmp_path / "p.npz", split="train")
+    np.testing.assert_array_equal(back.atom_types, data.atom_types)      # -1 padding included
+    np.testing.assert_array_equal(back.n_atoms, data.n_atoms)
+    np.testing.assert_array_equal(back.smiles, data.smiles)
+    np.testing.assert_array_equal(back.index, data.index)
+    assert back.positions.shape == data.positions.shape == (4, 29, 3)
+    assert np.abs(back.positions - data.positions).max() <= 0.001       # rounding, then centred again
+    real = data.atom_types >= 0
+    assert np.abs(back.positions[~real]).max() == 0                     # padding stays 0
+    np.testing.assert_allclose(back.positions[2].mean(0), 0, atol=1e-5)  # each molecule centred
+
+
+def test_a_pack_of_another_split_or_another_file_is_refused_by_name(tmp_path):
+    qm9.save_pack(_hand_data(), tmp_path / "p.npz", "valid")
+    with pytest.raises(ValueError, match="holds QM9's 'valid' split, not 'train'"):
+        qm9.load_pack(tmp_path / "p.npz", split="train")
+    np.savez(tmp_path / "other.npz", positions=np.zeros(3))
+    with pytest.raises(ValueError, match="is not a QM9 pack.*flowrl-ray qm9-pack"):
+        qm9.load_pack(tmp_path / "other.npz")
+    (tmp_path / "junk.npz").write_bytes(b"not a zip")
+    with pytest.raises(ValueError, match="not a readable QM9 pack"):
+        qm9.load_pack(tmp_path / "junk.npz")
+    far = _hand_data()
+    far.positions[0, 0, 0] = 40.0                                          # beyond int16 mÅ
+    with pytest.raises(ValueError, match="40.0 Å does not fit"):
+        qm9.save_pack(far, tmp_path / "far.npz", "train")
+    assert not (tmp_path / "far.npz").exists()
