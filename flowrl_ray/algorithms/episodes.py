@@ -44,7 +44,9 @@ class EpisodeAssembler:
                     tail.append({k: np.array(data[k][t, j]) for k in keys})
                     terminated, truncated = bool(data["terminated"][t, j]), bool(data["truncated"][t, j])
                     if terminated or truncated:
-                        ep = {k: np.stack([s[k] for s in tail]) for k in keys}
+                        # a key the batches began to carry mid-episode (a tail from an older
+                        # checkpoint) is left out of that episode
+                        ep = {k: np.stack([s[k] for s in tail]) for k in keys if all(k in s for s in tail)}
                         ep.update(terminated=terminated, truncated=truncated,
                                   **{"return": float(ep["rewards"].sum())})
                         if truncated:

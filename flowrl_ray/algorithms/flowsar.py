@@ -6,8 +6,9 @@ policy trained from a binary episode reward R in {0, 1} (here: task success).
                        self-annotation, no grad, n forwards of the rollout net per step
                        (one t_mid per step, n draws of eps, spec 9.2):
                            x = (1 - t_mid) a + t_mid eps,   a_hat = x - t_mid v_old(x, t_mid | s)
-                           e_i = mean over draws of || a_i - a_hat ||^2  (summed over chunk
-                                 and action dims) = t_mid^2 || v_old - u ||^2     (Theorem 1)
+                           e_i = mean over draws of || a_i - a_hat ||^2  (summed over the
+                                 chunk's executed rows and the action dims)
+                               = t_mid^2 || v_old - u ||^2     (Theorem 1)
                            random t_mid: e_i / t_mid^2, so that steps compare
                        credit weights per episode: z = e standardised within the episode
                            (error_scale: standardized; literal: z = e, the spec's formula),
@@ -22,9 +23,10 @@ policy trained from a binary episode reward R in {0, 1} (here: task success).
                            episodes before labels and weights, so the update carries no signal)
     update:            weighted mirror loss, t ~ U[t_min, t_max]:
                            v+ = (1 - beta) v_old + beta v,   v- = (1 + beta) v_old - beta v
-                           E+- = mean over chunk and action dims of (v+- - u)^2  [/ (2t): sde]
+                           E+- = mean over the executed rows and action dims of (v+- - u)^2
+                                 [/ (2t): sde]
                            softplus_kl: w softplus(y (E+ - E-) / 2) + kl_coeff mean (v - v_old)^2,
-                                        y = 2R - 1
+                                        y = 2R - 1 (every mean over the executed rows)
                            mse_branch:  w (R E+ + (1 - R) E-); with w = 1 (uniform, mean_one)
                                         this is DiffusionNFT's loss (spec 9.1)
     sync:              theta_old <- b theta_old + (1 - b) theta,  b = min(eta_rate i, eta_max)
@@ -36,7 +38,9 @@ the interpolant x is the same point, every velocity changes sign (v_spec(x, t) =
 -v(x, 1 - t)), and every squared norm (e, E+-, the KL term) is unchanged. So
 ``flowsar_loss`` accepts v_cur, v_old and u in either convention, as long as all three agree.
 
-Rollouts use theta_old (published to the workers); theta is what the update trains.
+Rollouts use theta_old (published to the workers); theta is what the update trains. A chunk's
+rows the env never executed (past ``act_steps``, or past the episode's end) never met the outcome:
+as in FPO++, they count in no error, energy or KL.
 """
 
 from __future__ import annotations
@@ -53,13 +57,13 @@ from flowrl_ray.algorithms.advantages import gae, group_advantages, group_normal
 from flowrl_ray.algorithms.base import EnvStepAlgorithm
 from flowrl_ray.optim import ema_update, load_scheduler, local_part, lr_multiplier, minibatches, optimizer_step
 from flowrl_ray.algorithms.episodes import EpisodeAssembler
-from flowrl_ray.models.flow_policy import (check_base_policy, check_flow_arch, image_shape, load_base_policy,
-                                         make_flow_policy)
+from flowrl_ray.models.flow_policy import (check_base_policy, check_flow_arch, executed_row_mask, image_shape,
+                                         load_base_policy, make_flow_policy)
 from flowrl_ray.algorithms.losses import value_loss
 from flowrl_ray.batch import Batch, map_obs
 from flowrl_ray.config import Config, ConfigError, FlowBCPretrainConfig, check, check_layer_sizes, check_minibatch_size
 from flowrl_ray.envs import EnvSpec
-from flowrl_ray.models.flow import FlowPolicy, ValueMLP, VelocityFn
+from flowrl_ray.models.flow import FlowPolicy, ValueMLP, VelocityFn, row_mean, sum_rows
 
 WEIGHT_MODES = ("softmax", "normalized", "uniform", "random", "inverse", "critic_oracle")
 
@@ -138,22 +142,24 @@ class FlowSARConfig:
 # --------------------------------------------------------------------------- the math
 
 def self_annotation(velocity_fn: VelocityFn, obs, actions: torch.Tensor, t_mid: float | torch.Tensor,
-                    n_draws: int, generator: torch.Generator, per_unit_time: bool = False) -> torch.Tensor:
+                    n_draws: int, generator: torch.Generator, per_unit_time: bool = False,
+                    row_mask: torch.Tensor | None = None) -> torch.Tensor:
     """e [B] averaged over ``n_draws`` eps ~ N(0, I) at the step's one ``t_mid`` (a float or [B]),
     drawn from ``generator`` (on the CPU) one [B, Ta, Da] block per draw. ``per_unit_time``:
     e / t_mid^2 = || v_old - u ||^2 by Theorem 1, which compares steps annotated at different
-    t_mid."""
+    t_mid. ``row_mask`` [B, Ta]: the executed rows (None: all)."""
     total = torch.zeros(actions.shape[0], device=actions.device)
     for _ in range(n_draws):
         eps = torch.randn(actions.shape, generator=generator).to(actions.device)
-        total += reconstruction_error(velocity_fn, obs, actions, eps, t_mid)
+        total += reconstruction_error(velocity_fn, obs, actions, eps, t_mid, row_mask)
     e = total / n_draws
     return e / torch.as_tensor(t_mid, device=e.device) ** 2 if per_unit_time else e
 
 
 def reconstruction_error(velocity_fn: VelocityFn, obs, actions: torch.Tensor, eps: torch.Tensor,
-                         t_mid: float | torch.Tensor) -> torch.Tensor:
-    """Self-annotation e = || a - a_hat ||^2 [B], summed over chunk and action dims.
+                         t_mid: float | torch.Tensor, row_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Self-annotation e = || a - a_hat ||^2 [B], summed over the action dims and the chunk's rows
+    ``row_mask`` [B, Ta] keeps (1: executed; None: every row).
 
     actions, eps [B, Ta, Da]; ``t_mid`` (spec convention, 1 = noise) a float or [B];
     ``velocity_fn(x, tau, obs)`` in the package's convention. With tau = 1 - t_mid:
@@ -164,7 +170,7 @@ def reconstruction_error(velocity_fn: VelocityFn, obs, actions: torch.Tensor, ep
     t = t.expand(actions.shape[0])[:, None, None]                         # [B, 1, 1]
     x = (1.0 - t) * actions + t * eps
     a_hat = x + t * velocity_fn(x, 1.0 - t[:, 0, 0], obs)
-    return (actions - a_hat).pow(2).sum(dim=(-2, -1))
+    return sum_rows((actions - a_hat).pow(2).sum(-1)[:, None], row_mask)[:, 0]      # [B, 1, Ta] -> [B]
 
 
 def standardize_per_episode(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -272,18 +278,19 @@ def credit_weights(errors: torch.Tensor, success: torch.Tensor, temperature: flo
 
 
 def mirror_energies(v_cur: torch.Tensor, v_old: torch.Tensor, u: torch.Tensor, beta: float,
-                    energy_type: str = "mse", flow_t: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    energy_type: str = "mse", flow_t: torch.Tensor | None = None,
+                    row_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """E+ and E- [B] of the mirrored velocities (v_old treated as a constant):
 
         v+ = (1 - beta) v_old + beta v_cur,   v- = (1 + beta) v_old - beta v_cur
-        E+- = mean over chunk and action dims of (v+- - u)^2,   sde: E+- / (2 max(t, 1e-3))
+        E+- = mean over the executed rows (``row_mask`` [B, Ta]; None: all) and the action dims
+              of (v+- - u)^2,   sde: E+- / (2 max(t, 1e-3))
     """
     v_old = v_old.detach()
     v_pos = (1.0 - beta) * v_old + beta * v_cur
     v_neg = (1.0 + beta) * v_old - beta * v_cur
-    e_pos = (v_pos - u).pow(2).mean(dim=(-2, -1))
-    e_neg = (v_neg - u).pow(2).mean(dim=(-2, -1))
+    e_pos = row_mean((v_pos - u).pow(2), row_mask)
+    e_neg = row_mean((v_neg - u).pow(2), row_mask)
     if energy_type == "sde":
         if flow_t is None:
             raise ValueError("energy_type 'sde' needs flow_t")
@@ -297,10 +304,11 @@ def mirror_energies(v_cur: torch.Tensor, v_old: torch.Tensor, u: torch.Tensor, b
 def flowsar_loss(v_cur: torch.Tensor, v_old: torch.Tensor, u: torch.Tensor, weights: torch.Tensor,
                  rewards: torch.Tensor, beta: float, energy_type: str = "mse",
                  loss_variant: str = "softplus_kl", kl_coeff: float = 1.0,
-                 flow_t: torch.Tensor | None = None) -> torch.Tensor:
+                 flow_t: torch.Tensor | None = None, row_mask: torch.Tensor | None = None) -> torch.Tensor:
     """The weighted mirror loss (to minimise), a scalar. v_cur, v_old, u [B, Ta, Da];
     weights [B]; rewards [B] the labels R in {0, 1} (or centred labels r in [0, 1]);
-    flow_t [B] (spec convention) for ``sde``.
+    flow_t [B] (spec convention) for ``sde``; row_mask [B, Ta] the executed rows, over which
+    every ``mean`` below is taken (None: all rows).
 
         softplus_kl: mean_i [ w_i softplus(y_i (E+ - E-) / 2) + kl_coeff mean (v_cur - v_old)^2 ],
                      y = 2R - 1
@@ -314,17 +322,17 @@ def flowsar_loss(v_cur: torch.Tensor, v_old: torch.Tensor, u: torch.Tensor, weig
                      behaviour cloning of the policy's own successes)
     """
     if loss_variant in ("softplus_kl", "mse_branch"):            # the mirror variants
-        e_pos, e_neg = mirror_energies(v_cur, v_old, u, beta, energy_type, flow_t)
+        e_pos, e_neg = mirror_energies(v_cur, v_old, u, beta, energy_type, flow_t, row_mask)
     if loss_variant == "softplus_kl":
         y = 2.0 * rewards - 1.0
-        kl = (v_cur - v_old.detach()).pow(2).mean(dim=(-2, -1))
+        kl = row_mean((v_cur - v_old.detach()).pow(2), row_mask)
         per_sample = weights * F.softplus(0.5 * y * (e_pos - e_neg)) + kl_coeff * kl
     elif loss_variant == "mse_branch":
         per_sample = weights * (rewards * e_pos + (1.0 - rewards) * e_neg)
     elif loss_variant in ("simple", "rft"):
         label = 2.0 * rewards - 1.0 if loss_variant == "simple" else rewards      # y or R
-        fm = (v_cur - u).pow(2).mean(dim=(-2, -1))
-        kl = (v_cur - v_old.detach()).pow(2).mean(dim=(-2, -1))
+        fm = row_mean((v_cur - u).pow(2), row_mask)
+        kl = row_mean((v_cur - v_old.detach()).pow(2), row_mask)
         per_sample = weights * label * fm + kl_coeff * kl
     else:
         raise ValueError(f"loss variant must be 'softplus_kl', 'mse_branch', 'simple' or 'rft', got {loss_variant!r}")
@@ -396,7 +404,8 @@ class FlowSAR(EnvStepAlgorithm):
         if self.h.weight_mode == "critic_oracle":
             self.critic = ValueMLP(spec.obs_dim, c.critic_hidden_sizes, image_shape(cfg), c.feature_dim).to(device)
             self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=c.critic_lr)
-        self.assembler = EpisodeAssembler(step_keys=("actions", "grasped"))   # grasped: the analysis's key step
+        # executed_rows: how many rows of each chunk the env ran; grasped: the analysis's key step
+        self.assembler = EpisodeAssembler(step_keys=("actions", "executed_rows", "grasped"))
         self.generator = torch.Generator().manual_seed(cfg.seed)    # annotation noise, weights, shuffling
         self.iteration = 0
         self.skipped_updates = 0
@@ -425,9 +434,10 @@ class FlowSAR(EnvStepAlgorithm):
         return cat["obs"] if "obs" in cat else {k[4:]: v for k, v in cat.items()}
 
     @torch.no_grad()
-    def _annotate(self, obs, actions: torch.Tensor) -> torch.Tensor:
-        """e [M] under theta_old: per step one t_mid (fixed, or U[0.3, 0.7] then e / t_mid^2)
-        and ``n_annotation_samples`` draws of eps, in blocks of 4,096 steps."""
+    def _annotate(self, obs, actions: torch.Tensor, row_mask: torch.Tensor) -> torch.Tensor:
+        """e [M] under theta_old over each chunk's executed rows (``row_mask`` [M, Ta]): per step
+        one t_mid (fixed, or U[0.3, 0.7] then e / t_mid^2) and ``n_annotation_samples`` draws of
+        eps, in blocks of 4,096 steps."""
         h, m = self.h, actions.shape[0]
         errors = torch.zeros(m, device=self.device)
         uniform = h.tau_mid_sampling == "uniform"
@@ -438,7 +448,7 @@ class FlowSAR(EnvStepAlgorithm):
             t_mid = (torch.rand(a.shape[0], generator=self.generator) * 0.4 + 0.3).to(self.device) \
                 if uniform else h.tau_mid
             errors[sl] = self_annotation(self.old.velocity, cond, a, t_mid, h.n_annotation_samples,
-                                         self.generator, per_unit_time=uniform)
+                                         self.generator, per_unit_time=uniform, row_mask=row_mask[sl])
         return errors
 
     @torch.no_grad()
@@ -481,7 +491,12 @@ class FlowSAR(EnvStepAlgorithm):
         if h.label_shuffle:                            # the no-signal control
             outcome = success[torch.randperm(e_count, generator=self.generator).to(self.device)]
         labels = centred_labels(outcome, h.label_clip) if h.label_baseline == "batch" else outcome.float()  # [E]
-        errors = self._annotate(obs, actions)                                        # e [M]
+        act = self.cfg.env.act_steps                  # an episode without the record (an older tail): all ran
+        executed = torch.as_tensor(np.concatenate([ep.get("executed_rows", np.full(n, act)) for ep, n in
+                                                   zip(episodes, lengths)]), device=self.device)   # [M]
+        row_mask = executed_row_mask(executed, actions.shape[0], self.cfg.env.horizon_steps,
+                                     self.cfg.env.act_steps, self.device)           # [M, Ta]
+        errors = self._annotate(obs, actions, row_mask)                              # e [M]
         # [M] -> padded [E, H]: row i holds episode i's steps
         mask = torch.arange(h_max, device=self.device)[None] < torch.tensor(lengths, device=self.device)[:, None]
         pad = lambda flat: torch.zeros(e_count, h_max, device=self.device).masked_scatter(mask, flat)  # noqa: E731
@@ -505,7 +520,7 @@ class FlowSAR(EnvStepAlgorithm):
         stats["flowsar/label_mean"] = float(labels.mean())
         if advantages is not None:                    # how well self-annotation stands in for a critic
             stats["flowsar/oracle_corr"] = episode_correlation(pad(errors), pad(advantages), mask)
-        out = {"obs": obs, "actions": actions, "weights": weights[mask],
+        out = {"obs": obs, "actions": actions, "row_mask": row_mask, "weights": weights[mask],
                "rewards": labels.repeat_interleave(torch.tensor(lengths, device=self.device)),
                "stats": stats}
         if returns is not None:
@@ -569,14 +584,15 @@ class FlowSAR(EnvStepAlgorithm):
         v_cur = self._policy.velocity(x, 1.0 - t, self._policy.encoder(obs, augment))
         with torch.no_grad():
             v_old = self.old.velocity(x, 1.0 - t, self.old.encoder(obs))
-        w, r = b["weights"][idx], b["rewards"][idx]
-        loss = flowsar_loss(v_cur, v_old, u, w, r, h.beta, h.energy_type, h.loss_variant, h.kl_coeff, flow_t=t)
+        w, r, rows = b["weights"][idx], b["rewards"][idx], b["row_mask"][idx]           # rows [share, Ta]
+        loss = flowsar_loss(v_cur, v_old, u, w, r, h.beta, h.energy_type, h.loss_variant, h.kl_coeff, flow_t=t,
+                            row_mask=rows)
         with torch.no_grad():
-            e_pos, e_neg = mirror_energies(v_cur, v_old, u, h.beta, h.energy_type, t)
+            e_pos, e_neg = mirror_energies(v_cur, v_old, u, h.beta, h.energy_type, t, rows)
             stats = {"flowsar/loss": loss.detach(), "flowsar/energy_pos": e_pos.mean(),
                      "flowsar/energy_neg": e_neg.mean(),
-                     "flowsar/kl": (v_cur - v_old).pow(2).mean(),
-                     "flowsar/cfm_loss": (v_old - u).pow(2).mean()}
+                     "flowsar/kl": row_mean((v_cur - v_old).pow(2), rows).mean(),
+                     "flowsar/cfm_loss": row_mean((v_old - u).pow(2), rows).mean()}
         if self.critic is not None:
             v_loss = value_loss(self.critic(obs, augment), b["returns"][idx]).mean()
             loss = loss + v_loss

@@ -112,6 +112,16 @@ def sum_rows(rows: torch.Tensor, row_mask: torch.Tensor | None = None) -> torch.
     return rows.sum(-1)
 
 
+def row_mean(x: torch.Tensor, row_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, Ta, Da] -> [B]: the mean over the action dims and the rows ``row_mask`` [B, Ta] keeps
+    (1: executed; None: every row); a chunk without a kept row gives 0."""
+    per_row = x.mean(-1)                                                     # [B, Ta]
+    if row_mask is None:
+        return per_row.mean(-1)
+    m = row_mask.to(x.dtype)
+    return (per_row * m).sum(-1) / m.sum(-1).clamp_min(1.0)
+
+
 def euler_sample(velocity_fn: VelocityFn, obs: Obs, eps: torch.Tensor, steps: int,
                  time_grid: str = "left", clip_intermediate: bool = False) -> torch.Tensor:
     """Integrate the flow from ``x_0 = eps`` [B, Ta, Da] to tau = 1 with ``steps`` Euler steps:

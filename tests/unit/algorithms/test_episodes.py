@@ -149,3 +149,15 @@ def test_pad_episodes_shapes_zeros_and_mask():
     assert np.all(out[~mask] == 0)
     rewards, mask_r = pad_episodes([{"r": np.array([1.0, 2.0])}, {"r": np.array([5.0])}], "r")
     assert rewards.tolist() == [[1.0, 2.0], [5.0, 0.0]] and mask_r.tolist() == [[True, True], [True, False]]
+
+
+def test_a_key_that_starts_mid_episode_is_left_out_of_that_episode_only():
+    # A tail carried from a checkpoint written before the batches had "executed_rows": the episode
+    # it ends has no such key (its user falls back to a default); the next one has it.
+    asm = EpisodeAssembler(step_keys=("actions", "executed_rows"))
+    assert asm.add([make_batch(0, 0, n=1)]) == []                               # 4 steps, no key
+    newer = make_batch(0, 1, ends={(1, 0): "term", (3, 0): "term"}, n=1)
+    newer.data["executed_rows"] = np.array([[2], [1], [2], [2]], np.int64)
+    first, second = asm.add([newer])
+    assert len(first["rewards"]) == 6 and "executed_rows" not in first and "actions" in first
+    assert second["executed_rows"].tolist() == [2, 2]

@@ -399,6 +399,42 @@ def test_mirror_energies_by_hand():
     assert e_pos.tolist() == [2.5] and e_neg.tolist() == [0.5]
 
 
+def test_energies_and_losses_count_only_the_executed_rows():
+    # Two rows, the second never executed. Row 1 as in the test above (E+ 2.5, E- .5); row 2 is
+    # anything: with row_mask [1, 0] the energies are row 1's, without it the mean of both rows.
+    v = torch.tensor([[[3.0, 2.0], [7.0, -4.0]]], requires_grad=True)
+    v_old, u = torch.tensor([[[1.0, 0.0], [0.0, 5.0]]]), torch.zeros(1, 2, 2)
+    rows = torch.tensor([[1.0, 0.0]])
+    e_pos, e_neg = mirror_energies(v, v_old, u, 0.5, row_mask=rows)
+    assert e_pos.tolist() == [2.5] and e_neg.tolist() == [0.5]
+    # row 2 alone: v+ = [3.5, .5] -> 6.25; v- = [-3.5, 9.5] -> 51.25; all rows: the means
+    assert mirror_energies(v, v_old, u, 0.5)[0].tolist() == [(2.5 + 6.25) / 2]
+    for variant in ("softplus_kl", "mse_branch", "simple", "rft"):
+        v.grad = None
+        loss = flowsar_loss(v, v_old, u, torch.ones(1), torch.ones(1), 0.5, loss_variant=variant, row_mask=rows)
+        loss.backward()
+        assert v.grad[0, 1].abs().max() == 0, variant            # nothing reaches the unexecuted row
+        assert v.grad[0, 0].abs().max() > 0, variant
+    # the KL term by hand over row 1: mean((v - v_old)^2) = (4 + 4) / 2 = 4
+    kl_only = flowsar_loss(v, v_old, u, torch.zeros(1), torch.ones(1), 0.5, kl_coeff=1.0, row_mask=rows)
+    assert kl_only.item() == pytest.approx(4.0)
+    # a chunk that ran no row (never happens in a rollout) gives 0, not NaN
+    assert mirror_energies(v, v_old, u, 0.5, row_mask=torch.zeros(1, 2))[0].tolist() == [0.0]
+
+
+def test_reconstruction_error_sums_only_the_executed_rows():
+    # the constant field of the first test on row 1 (e = 1.953125); row 2 differs, masked out
+    a = torch.tensor([[[1.0, 2.0], [9.0, 9.0]]])
+    eps = torch.tensor([[[3.0, -1.0], [0.0, 0.0]]])
+    c = torch.tensor([0.5, -2.0])
+    field = lambda x, tau, obs: c.expand_as(x)   # noqa: E731
+    e = reconstruction_error(field, None, a, eps, 0.25, row_mask=torch.tensor([[1.0, 0.0]]))
+    assert e.item() == pytest.approx(1.953125, abs=1e-6)
+    # row 2 alone: t^2 ||(a - eps) - c||^2 = .0625 * (8.5^2 + 11^2)
+    assert reconstruction_error(field, None, a, eps, 0.25).item() == pytest.approx(
+        1.953125 + 0.0625 * (8.5 ** 2 + 11 ** 2), abs=1e-5)
+
+
 def test_sde_energies_are_divided_by_two_t_clamped_at_1e_3():
     v = torch.tensor([[[3.0, 2.0]], [[3.0, 2.0]]])
     v_old = torch.tensor([[[1.0, 0.0]], [[1.0, 0.0]]])
@@ -579,9 +615,10 @@ def test_linear_and_fixed_ema_coefficients():
 # ------------------------------------------------------------------ the algorithm on batches
 
 def make_batch(worker_id: int, ends: dict | None = None, rewards: dict | None = None, t: int = 6, n: int = 2,
-               seed: int = 0) -> Batch:
+               seed: int = 0, executed: dict | None = None) -> Batch:
     """A time-major batch as the EnvRunner writes it. ``ends`` {(t, j): "term" | "trunc"},
-    ``rewards`` {(t, j): r} (0 elsewhere)."""
+    ``rewards`` {(t, j): r} (0 elsewhere); ``executed`` {(t, j): rows}: the batch carries
+    ``executed_rows`` (act_steps 2 elsewhere), as the robot family's runner writes it."""
     rng = np.random.default_rng(seed)
     term, trunc = np.zeros((t, n), bool), np.zeros((t, n), bool)
     for (i, j), kind in (ends or {}).items():
@@ -594,6 +631,10 @@ def make_batch(worker_id: int, ends: dict | None = None, rewards: dict | None = 
             "rewards": r, "terminated": term, "truncated": trunc,
             "final_obs": rng.standard_normal((t, n, 19)).astype(np.float32),
             "last_obs": rng.standard_normal((n, 19)).astype(np.float32)}
+    if executed is not None:
+        data["executed_rows"] = np.full((t, n), 2, np.int64)
+        for (i, j), rows in executed.items():
+            data["executed_rows"][i, j] = rows
     return Batch(data, BatchMeta(policy_version=0, worker_id=worker_id, env_steps=t * n))
 
 
@@ -626,9 +667,10 @@ def test_any_positive_return_marks_every_step_a_success():
     assert out["rewards"].tolist() == [1.0] * 4 + [0.0] * 3
 
 
-def _errors_by_hand(algo, out, gen, draws: int) -> torch.Tensor:
+def _errors_by_hand(algo, out, gen, draws: int, executed: int = 2) -> torch.Tensor:
     """e of the prepared steps under theta_old at t_mid = .5, averaged over ``draws`` eps drawn
-    from ``gen`` (a copy of the algorithm's generator before prepare), from the equations."""
+    from ``gen`` (a copy of the algorithm's generator before prepare), from the equations, summed
+    over the first ``executed`` rows of each chunk (tiny_cfg: act_steps 2 of horizon 4)."""
     a = out["actions"]
     total = torch.zeros(a.shape[0])
     with torch.no_grad():
@@ -636,8 +678,35 @@ def _errors_by_hand(algo, out, gen, draws: int) -> torch.Tensor:
             eps = torch.randn(a.shape, generator=gen)
             x = 0.5 * a + 0.5 * eps
             v = algo.old.velocity(x, torch.full((a.shape[0],), 0.5), out["obs"])
-            total += (a - (x + 0.5 * v)).pow(2).sum(dim=(1, 2))
+            total += (a - (x + 0.5 * v))[:, :executed].pow(2).sum(dim=(1, 2))
     return total / draws
+
+
+def test_a_chunk_cut_by_the_episodes_end_is_annotated_on_its_executed_rows_only():
+    # Episode 0 ends at t = 3 after 1 row of its last chunk; every other chunk ran act_steps = 2
+    # of its 4 rows. The row mask, and the errors (hence the weights) summed over those rows only.
+    algo = FlowSAR(tiny_cfg(temperature=0.5, n_annotation_samples=1, error_scale="literal",
+                            weight_scale="sum_one"), SPEC, torch.device("cpu"))
+    b = make_batch(0, ends={(3, 0): "term", (5, 1): "term"}, rewards={(3, 0): 1.0}, seed=3,
+                   executed={(3, 0): 1, (5, 1): 2})
+    gen = torch.Generator()
+    gen.set_state(algo.generator.get_state())
+    out = algo.prepare([b])
+    expect = torch.tensor([[1.0, 1.0, 0.0, 0.0]] * 10)
+    expect[3] = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    assert torch.equal(out["row_mask"], expect)
+    a, total = out["actions"], torch.zeros(10)
+    with torch.no_grad():                                  # the equations, row by row
+        eps = torch.randn(a.shape, generator=gen)
+        x = 0.5 * a + 0.5 * eps
+        v = algo.old.velocity(x, torch.full((10,), 0.5), out["obs"])
+        sq = (a - (x + 0.5 * v)).pow(2).sum(-1)                                    # [10, 4]
+        for i in range(10):
+            total[i] = sq[i, :int(expect[i].sum())].sum()
+    torch.testing.assert_close(out["weights"][:4], torch.softmax(total[:4] / 0.5, 0))
+    torch.testing.assert_close(out["weights"][4:], torch.softmax(-total[4:] / 0.5, 0))
+    stats = algo.update(out)
+    assert math.isfinite(stats["flowsar/loss"]) and math.isfinite(stats["flowsar/kl"])
 
 
 def test_prepared_weights_literal_spec_are_the_softmax_of_the_old_policys_errors():
