@@ -29,6 +29,7 @@ policy trained from a binary episode reward R in {0, 1} (here: task success).
                                         y = 2R - 1 (every mean over the executed rows)
                            mse_branch:  w (R E+ + (1 - R) E-); with w = 1 (uniform, mean_one)
                                         this is DiffusionNFT's loss (spec 9.1)
+                           (+ anchor_coeff mean (v - v_base)^2: the base the run started from)
     sync:              theta_old <- b theta_old + (1 - b) theta,  b = min(eta_rate i, eta_max)
 
 Time convention. The spec writes t = 0 clean, t = 1 noise, x_t = (1 - t) a + t eps and
@@ -101,7 +102,10 @@ class FlowSARConfig:
     beta: float = field(default=1.0, metadata=check(gt=0))            # mirror trust region
     temperature: float = field(default=0.5, metadata=check(gt=0))     # weight sharpness T
     tau_mid: float = field(default=0.5, metadata=check(gt=0, lt=1))   # t_mid (spec: 1 = noise)
-    tau_mid_sampling: Literal["fixed", "uniform"] = "fixed"           # uniform: t_mid ~ U[0.3, 0.7]
+    # uniform: t_mid ~ U[0.3, 0.7] per step, then e / t_mid^2; grid: e / t_mid^2 averaged over every
+    # t_mid of tau_mid_grid (the spec's third option, 3.3.4: the most precise, len(grid) times the cost)
+    tau_mid_sampling: Literal["fixed", "uniform", "grid"] = "fixed"
+    tau_mid_grid: list = field(default_factory=lambda: [0.3, 0.5, 0.7])
     n_annotation_samples: int = field(default=3, metadata=check(gt=0))   # eps draws per step (spec 9.2)
     weight_mode: Literal[WEIGHT_MODES] = "softmax"
     # standardized: the softmax acts on e standardised within each episode, so T is a scale-free
@@ -131,6 +135,10 @@ class FlowSARConfig:
     # simple: spec 8.4 ablation 5; rft: flow matching on the successful episodes only (spec 8.2's RFT)
     loss_variant: Literal["softplus_kl", "mse_branch", "simple", "rft"] = "softplus_kl"
     kl_coeff: float = field(default=1.0, metadata=check(ge=0))
+    # an anchor to the base (the policy the run started from, frozen): + anchor_coeff * mean over the
+    # executed rows of (v - v_base)^2 at the update's x_t, a CFM distance that theta_old (which
+    # follows theta) cannot provide; 0: off
+    anchor_coeff: float = field(default=0.0, metadata=check(ge=0))
     lr: float = field(default=1e-6, metadata=check(gt=0))
     lr_warmup_iters: int = field(default=0, metadata=check(ge=0))     # linear warm-up of lr, in iterations
     t_min: float = field(default=0.2, metadata=check(ge=0, le=1))
@@ -375,6 +383,10 @@ class FlowSAR(EnvStepAlgorithm):
                               "a binary success per episode (use the robot family)")
         if h.t_min >= h.t_max:
             raise ConfigError(f"config key 'algo.t_min': {h.t_min} must be below algo.t_max ({h.t_max})")
+        if h.tau_mid_sampling == "grid" and (not h.tau_mid_grid or not all(
+                isinstance(t, (int, float)) and not isinstance(t, bool) and 0 < t < 1 for t in h.tau_mid_grid)):
+            raise ConfigError(f"config key 'algo.tau_mid_grid': tau_mid_sampling 'grid' needs one or more t_mid "
+                              f"in (0, 1), got {h.tau_mid_grid!r}")
         if h.w_min > h.w_max:
             raise ConfigError(f"config key 'algo.w_min': {h.w_min} is above algo.w_max ({h.w_max})")
         if h.label_shuffle and (h.weight_mode == "critic_oracle" or h.shaped_lambda is not None):
@@ -396,6 +408,7 @@ class FlowSAR(EnvStepAlgorithm):
         if c.freeze_encoder:
             self._policy.encoder.requires_grad_(False)
         self.old = copy.deepcopy(self._policy).requires_grad_(False)          # theta_old (rollouts)
+        self.anchor = copy.deepcopy(self._policy).requires_grad_(False) if c.anchor_coeff > 0 else None   # the base
         params = [p for p in self._policy.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=self.h.lr, weight_decay=c.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -436,15 +449,20 @@ class FlowSAR(EnvStepAlgorithm):
     @torch.no_grad()
     def _annotate(self, obs, actions: torch.Tensor, row_mask: torch.Tensor) -> torch.Tensor:
         """e [M] under theta_old over each chunk's executed rows (``row_mask`` [M, Ta]): per step
-        one t_mid (fixed, or U[0.3, 0.7] then e / t_mid^2) and ``n_annotation_samples`` draws of
-        eps, in blocks of 4,096 steps."""
+        one t_mid (fixed, or U[0.3, 0.7] then e / t_mid^2; grid: e / t_mid^2 averaged over the
+        grid's t_mid) and ``n_annotation_samples`` draws of eps per t_mid, in blocks of 4,096 steps."""
         h, m = self.h, actions.shape[0]
         errors = torch.zeros(m, device=self.device)
-        uniform = h.tau_mid_sampling == "uniform"
+        uniform, grid = h.tau_mid_sampling == "uniform", h.tau_mid_sampling == "grid"
         for start in range(0, m, 4096):
             sl = slice(start, start + 4096)
             cond = self.old.encoder(map_obs(lambda x: x[sl], obs))
             a = actions[sl]
+            if grid:                                  # e / t_mid^2 averaged over the grid
+                errors[sl] = sum(self_annotation(self.old.velocity, cond, a, float(t), h.n_annotation_samples,
+                                                 self.generator, per_unit_time=True, row_mask=row_mask[sl])
+                                 for t in h.tau_mid_grid) / len(h.tau_mid_grid)
+                continue
             t_mid = (torch.rand(a.shape[0], generator=self.generator) * 0.4 + 0.3).to(self.device) \
                 if uniform else h.tau_mid
             errors[sl] = self_annotation(self.old.velocity, cond, a, t_mid, h.n_annotation_samples,
@@ -593,6 +611,12 @@ class FlowSAR(EnvStepAlgorithm):
                      "flowsar/energy_neg": e_neg.mean(),
                      "flowsar/kl": row_mean((v_cur - v_old).pow(2), rows).mean(),
                      "flowsar/cfm_loss": row_mean((v_old - u).pow(2), rows).mean()}
+        if self.anchor is not None:                    # the CFM distance to the base
+            with torch.no_grad():
+                v_base = self.anchor.velocity(x, 1.0 - t, self.anchor.encoder(obs))
+            anchor = row_mean((v_cur - v_base).pow(2), rows).mean()
+            loss = loss + h.anchor_coeff * anchor
+            stats["flowsar/anchor"] = anchor.detach()
         if self.critic is not None:
             v_loss = value_loss(self.critic(obs, augment), b["returns"][idx]).mean()
             loss = loss + v_loss
@@ -646,6 +670,8 @@ class FlowSAR(EnvStepAlgorithm):
                  "skipped_updates": self.skipped_updates}
         if self.critic is not None:
             state.update(critic=self.critic.state_dict(), critic_opt=self.critic_opt.state_dict())
+        if self.anchor is not None:
+            state["anchor"] = self.anchor.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -660,3 +686,5 @@ class FlowSAR(EnvStepAlgorithm):
         if self.critic is not None:
             self.critic.load_state_dict(state["critic"])
             self.critic_opt.load_state_dict(state["critic_opt"])
+        if self.anchor is not None and "anchor" in state:     # else (turned on at a resume): the base loaded
+            self.anchor.load_state_dict(state["anchor"])

@@ -709,6 +709,63 @@ def test_a_chunk_cut_by_the_episodes_end_is_annotated_on_its_executed_rows_only(
     assert math.isfinite(stats["flowsar/loss"]) and math.isfinite(stats["flowsar/kl"])
 
 
+def test_grid_annotation_averages_e_over_t_mid_squared_across_the_grid():
+    # tau_mid_sampling grid: for each t_mid of the grid (in order) n draws of eps, e / t_mid^2,
+    # averaged over the grid (literal weights: the softmax of that average, as with one t_mid)
+    algo = FlowSAR(tiny_cfg(tau_mid_sampling="grid", tau_mid_grid=[0.3, 0.6], n_annotation_samples=2,
+                            error_scale="literal", weight_scale="sum_one", temperature=0.5),
+                   SPEC, torch.device("cpu"))
+    b = make_batch(0, ends={(3, 0): "term", (5, 1): "term"}, rewards={(3, 0): 1.0}, seed=3)
+    gen = torch.Generator()
+    gen.set_state(algo.generator.get_state())
+    out = algo.prepare([b])
+    a, total = out["actions"], torch.zeros(10)
+    with torch.no_grad():
+        for t in (0.3, 0.6):
+            for _ in range(2):
+                eps = torch.randn(a.shape, generator=gen)
+                x = (1 - t) * a + t * eps
+                v = algo.old.velocity(x, torch.full((10,), 1 - t), out["obs"])
+                total += (a - (x + t * v))[:, :2].pow(2).sum(dim=(1, 2)) / 2 / t ** 2
+    e = total / 2
+    torch.testing.assert_close(out["weights"][:4], torch.softmax(e[:4] / 0.5, 0))
+    torch.testing.assert_close(out["weights"][4:], torch.softmax(-e[4:] / 0.5, 0))
+
+
+def test_the_anchor_adds_the_cfm_distance_to_the_base_and_survives_a_resume():
+    # Two copies of the same run, anchor_coeff 0 and 2, both moved off the base by one update:
+    # the loss of the same minibatch (same t and eps) differs by 2 * mean over the executed rows
+    # of (v - v_base)^2, computed here from the equations; the anchor stays the base's weights.
+    batch = make_batch(0, ends={(5, 0): "term", (5, 1): "term"}, rewards={(5, 0): 1.0})
+    plain, anchored = (FlowSAR(tiny_cfg(anchor_coeff=k), SPEC, torch.device("cpu")) for k in (0.0, 2.0))
+    base = _params(anchored.policy)
+    assert plain.anchor is None and all(torch.equal(v, base[k]) for k, v in anchored.anchor.state_dict().items())
+    out = plain.prepare([batch])
+    anchored.prepare([batch])
+    plain.update(out)
+    anchored.load_state_dict({**copy.deepcopy(plain.state_dict()), "anchor": base})
+    assert any(not torch.equal(v, base[k]) for k, v in anchored.policy.state_dict().items())
+    mb = torch.arange(8)
+    gen = torch.Generator()
+    gen.set_state(plain.generator.get_state())
+    loss0, _ = plain._minibatch_loss(out, mb, slice(None))
+    loss2, stats = anchored._minibatch_loss(out, mb, slice(None))
+    t = anchored.h.t_min + (anchored.h.t_max - anchored.h.t_min) * torch.rand(8, generator=gen)
+    eps = torch.randn((8, 4, 7), generator=gen)
+    a = out["actions"][:8]
+    x = (1 - t)[:, None, None] * a + t[:, None, None] * eps
+    with torch.no_grad():
+        gap = (anchored.policy.velocity(x, 1 - t, out["obs"][:8]) - anchored.anchor.velocity(x, 1 - t, out["obs"][:8]))
+    by_hand = gap[:, :2].pow(2).mean(dim=(1, 2)).mean()                   # act_steps 2 of 4 rows
+    assert by_hand > 0
+    assert (loss2 - loss0).item() == pytest.approx(2 * by_hand.item(), abs=1e-6)     # float32 loss ~1
+    assert stats["flowsar/anchor"].item() == pytest.approx(by_hand.item(), rel=1e-4)
+    anchored.update(out)
+    again = FlowSAR(tiny_cfg(seed=3, anchor_coeff=2.0), SPEC, torch.device("cpu"))
+    again.load_state_dict(copy.deepcopy(anchored.state_dict()))
+    assert all(torch.equal(v, base[k]) for k, v in again.anchor.state_dict().items())
+
+
 def test_prepared_weights_literal_spec_are_the_softmax_of_the_old_policys_errors():
     # The spec's rule read literally: one eps draw, softmax(+-e / T) per episode, sum to 1.
     algo = FlowSAR(tiny_cfg(temperature=0.5, n_annotation_samples=1, error_scale="literal",
@@ -864,6 +921,9 @@ def test_lr_warm_up_is_linear_over_its_iterations_and_survives_a_resume():
     ({"label_shuffle": True, "weight_mode": "critic_oracle"}, r"algo\.label_shuffle"),
     ({"label_shuffle": True, "shaped_lambda": 0.5}, r"algo\.label_shuffle"),
     ({"n_annotation_samples": 0}, r"algo\.n_annotation_samples"),
+    ({"tau_mid_sampling": "grid", "tau_mid_grid": [0.5, 1.0]}, r"algo\.tau_mid_grid"),
+    ({"tau_mid_sampling": "grid", "tau_mid_grid": []}, r"algo\.tau_mid_grid"),
+    ({"anchor_coeff": -1.0}, r"algo\.anchor_coeff"),
 ])
 def test_config_mistakes_name_the_key(overrides, pattern):
     with pytest.raises(ConfigError, match=pattern):
