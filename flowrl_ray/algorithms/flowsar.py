@@ -92,7 +92,8 @@ class FlowSARConfig:
     max_grad_norm: float = field(default=1.0, metadata=check(gt=0))
     weight_decay: float = field(default=0.0, metadata=check(ge=0))
     augment: bool = True                # image observations: random shifts in the update
-    # weight_mode critic_oracle only: a critic trained alongside, GAE advantages as the signal
+    # weight_mode critic_oracle: a critic trained alongside, GAE advantages as the signal;
+    # label_baseline value: the same network regressed on each step's episode outcome
     gamma: float = field(default=0.99, metadata=check(ge=0, le=1))
     gae_lambda: float = field(default=0.95, metadata=check(ge=0, le=1))
     critic_lr: float = field(default=1e-4, metadata=check(gt=0))
@@ -117,8 +118,9 @@ class FlowSARConfig:
     # over its steps (uniform == DiffusionNFT's per-sample loss); sum_one: they sum to 1 (the spec's
     # formula: each step H times weaker than the KL term)
     weight_scale: Literal["mean_one", "sum_one", "episode_mean"] = "episode_mean"
-    # beyond the spec: batch centres the labels as DiffusionNFT does (see centred_labels)
-    label_baseline: Literal["none", "batch"] = "none"
+    # beyond the spec: batch centres the labels as DiffusionNFT does (see centred_labels); value: a
+    # learned baseline per state, V(s) ~ P(success | s) trained on the outcomes (see value_labels)
+    label_baseline: Literal["none", "batch", "value"] = "none"
     # with label_baseline batch: DiffusionNFT's adv_clip_max c, r = 1/2 + clip(A, -c, c) / (2c);
     # the labels of a batch with success rate p average 1/2 while 1 / (1 + c^2) <= p <= c^2 / (1 + c^2)
     label_clip: float = field(default=5.0, metadata=check(gt=0))
@@ -216,6 +218,21 @@ def centred_labels(success: torch.Tensor, clip: float = 5.0) -> torch.Tensor:
     r = 1/2 (no contrast: the softplus term is flat)."""
     r = success.float()
     return 0.5 + 0.5 * group_advantages(r, r.numel(), adv_clip_max=clip) / clip
+
+
+def value_labels(outcome: torch.Tensor, baseline: torch.Tensor, clip: float = 5.0) -> torch.Tensor:
+    """Per-step labels with a learned baseline (``label_baseline: value``, beyond the spec):
+    outcome [M] the R in {0, 1} of each step's episode, baseline [M] V(s) ~ P(success | s):
+
+        A = (R - V(s)) / std(R - V(s))    (population std over the M steps)
+        r = 1/2 + clip(A, -c, c) / (2 c)
+
+    A step from a state the policy usually solves gets little from a success and a large push
+    from a failure, and the reverse where it usually fails: the credit is relative to the state,
+    not to the batch. All steps at their baseline give r = 1/2 (no push)."""
+    d = outcome.float() - baseline
+    a = d / (d.std(unbiased=False) + 1e-8) if d.numel() > 1 else torch.zeros_like(d)
+    return 0.5 + 0.5 * a.clamp(-clip, clip) / clip
 
 
 def credit_weights(errors: torch.Tensor, success: torch.Tensor, temperature: float,
@@ -389,6 +406,9 @@ class FlowSAR(EnvStepAlgorithm):
                               f"in (0, 1), got {h.tau_mid_grid!r}")
         if h.w_min > h.w_max:
             raise ConfigError(f"config key 'algo.w_min': {h.w_min} is above algo.w_max ({h.w_max})")
+        if h.label_baseline == "value" and h.weight_mode == "critic_oracle":
+            raise ConfigError("config key 'algo.label_baseline': 'value' and weight_mode 'critic_oracle' would "
+                              "train one critic on two targets (outcomes and GAE returns); use one of them")
         if h.label_shuffle and (h.weight_mode == "critic_oracle" or h.shaped_lambda is not None):
             raise ConfigError("config key 'algo.label_shuffle': the critic oracle and the shaping term read the "
                               "episodes' own rewards, which the shuffle does not permute; use it with the "
@@ -414,7 +434,7 @@ class FlowSAR(EnvStepAlgorithm):
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.opt, lr_multiplier("constant", cfg.train.iterations, self.h.lr_warmup_iters))
         self.critic = self.critic_opt = None
-        if self.h.weight_mode == "critic_oracle":
+        if self.h.weight_mode == "critic_oracle" or self.h.label_baseline == "value":
             self.critic = ValueMLP(spec.obs_dim, c.critic_hidden_sizes, image_shape(cfg), c.feature_dim).to(device)
             self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=c.critic_lr)
         # executed_rows: how many rows of each chunk the env ran; grasped: the analysis's key step
@@ -509,6 +529,9 @@ class FlowSAR(EnvStepAlgorithm):
         if h.label_shuffle:                            # the no-signal control
             outcome = success[torch.randperm(e_count, generator=self.generator).to(self.device)]
         labels = centred_labels(outcome, h.label_clip) if h.label_baseline == "batch" else outcome.float()  # [E]
+        label_mean = float(labels.mean())             # over episodes (value: over steps, below)
+        steps = torch.tensor(lengths, device=self.device)
+        labels = labels.repeat_interleave(steps)                                    # [M] per step
         act = self.cfg.env.act_steps                  # an episode without the record (an older tail): all ran
         executed = torch.as_tensor(np.concatenate([ep.get("executed_rows", np.full(n, act)) for ep, n in
                                                    zip(episodes, lengths)]), device=self.device)   # [M]
@@ -521,6 +544,15 @@ class FlowSAR(EnvStepAlgorithm):
         advantages = returns = None
         if h.weight_mode == "critic_oracle":
             advantages, returns = self._oracle_advantages(episodes, obs, lengths)
+        if h.label_baseline == "value":               # V(s) from the earlier batches; it learns R now
+            returns = outcome.float().repeat_interleave(steps)                      # [M]
+            with torch.no_grad():
+                baseline = self.critic(obs)                                         # [M]
+            labels = value_labels(returns, baseline, h.label_clip)
+            label_mean = float(labels.mean())
+            stats_baseline = {"flowsar/baseline_mean": float(baseline.mean()),
+                              "flowsar/baseline_corr": float(torch.corrcoef(torch.stack([baseline, returns]))[0, 1])
+                              if returns.std() > 0 and baseline.std() > 0 else float("nan")}
         reward_diff = None
         if h.shaped_lambda is not None:               # r_{i+1} - r_i per episode, r_H := r_{H-1}
             diffs = [np.diff(ep["rewards"], append=ep["rewards"][-1:]) for ep in episodes]
@@ -535,11 +567,13 @@ class FlowSAR(EnvStepAlgorithm):
             if "grasped" in episodes[0] else None
         self._analysis = self._analysis_sample(pad(errors), weights, mask, success, grasped)
         stats = self._annotation_stats(pad(errors), weights, mask, success)
-        stats["flowsar/label_mean"] = float(labels.mean())
+        stats["flowsar/label_mean"] = label_mean
+        if h.label_baseline == "value":
+            stats.update(stats_baseline)
         if advantages is not None:                    # how well self-annotation stands in for a critic
             stats["flowsar/oracle_corr"] = episode_correlation(pad(errors), pad(advantages), mask)
         out = {"obs": obs, "actions": actions, "row_mask": row_mask, "weights": weights[mask],
-               "rewards": labels.repeat_interleave(torch.tensor(lengths, device=self.device)),
+               "rewards": labels,
                "stats": stats}
         if returns is not None:
             out["returns"] = returns

@@ -16,7 +16,7 @@ import torch
 from flowrl_ray.algorithms.flowsar import (FlowSAR, centred_labels, credit_weights, ema_coefficient,
                                            episode_correlation,
                                            flowsar_loss, mirror_energies, reconstruction_error, self_annotation,
-                                           standardize_per_episode)
+                                           standardize_per_episode, value_labels)
 from flowrl_ray.batch import Batch, BatchMeta
 from flowrl_ray.config import ConfigError, config_from_dict
 from flowrl_ray.envs import EnvSpec
@@ -766,6 +766,39 @@ def test_the_anchor_adds_the_cfm_distance_to_the_base_and_survives_a_resume():
     assert all(torch.equal(v, base[k]) for k, v in again.anchor.state_dict().items())
 
 
+def test_value_labels_by_hand():
+    # R = [1, 1, 0, 0], V = [.75, .25, .75, .25]: d = [.25, .75, -.75, -.25], mean 0, population std
+    # sqrt(.3125); A = d / .5590 = [.4472, 1.3416, -1.3416, -.4472]; c = 5: r = .5 + A / 10
+    r = value_labels(torch.tensor([1.0, 1.0, 0.0, 0.0]), torch.tensor([0.75, 0.25, 0.75, 0.25]), clip=5.0)
+    torch.testing.assert_close(r, torch.tensor([0.54472, 0.63416, 0.36584, 0.45528]), atol=1e-5, rtol=0)
+    # c = 1 clips the two far steps: A = [.4472, 1, -1, -.4472] -> r = .5 + A / 2
+    r = value_labels(torch.tensor([1.0, 1.0, 0.0, 0.0]), torch.tensor([0.75, 0.25, 0.75, 0.25]), clip=1.0)
+    torch.testing.assert_close(r, torch.tensor([0.72361, 1.0, 0.0, 0.27639]), atol=1e-5, rtol=0)
+    # the same success is worth more from a state that usually fails (V = .25) than from one that
+    # usually succeeds (V = .75), and every step at its baseline gets r = 1/2
+    assert r[1] > r[0] and r[2] < r[3]
+    flat = value_labels(torch.tensor([1.0, 0.0]), torch.tensor([1.0, 0.0]))
+    assert flat.tolist() == [0.5, 0.5]
+
+
+def test_value_baseline_labels_each_step_against_v_and_trains_v_on_the_outcomes():
+    algo = FlowSAR(tiny_cfg(label_baseline="value"), SPEC, torch.device("cpu"))
+    b = make_batch(0, ends={(3, 0): "term", (5, 1): "term"}, rewards={(3, 0): 1.0}, seed=3)
+    with torch.no_grad():
+        v = algo.critic(torch.as_tensor(np.concatenate([b["obs"][:4, 0], b["obs"][:, 1]])))
+    out = algo.prepare([b])
+    outcome = torch.tensor([1.0] * 4 + [0.0] * 6)
+    torch.testing.assert_close(out["returns"], outcome)
+    torch.testing.assert_close(out["rewards"], value_labels(outcome, v, 5.0))
+    assert out["stats"]["flowsar/baseline_mean"] == pytest.approx(float(v.mean()), abs=1e-6)
+    before = (v - outcome).pow(2).mean()
+    for _ in range(30):                                              # the critic learns P(success | s)
+        algo.update(out)
+    with torch.no_grad():
+        after = (algo.critic(out["obs"]) - outcome).pow(2).mean()
+    assert after < 0.5 * before
+
+
 def test_prepared_weights_literal_spec_are_the_softmax_of_the_old_policys_errors():
     # The spec's rule read literally: one eps draw, softmax(+-e / T) per episode, sum to 1.
     algo = FlowSAR(tiny_cfg(temperature=0.5, n_annotation_samples=1, error_scale="literal",
@@ -916,7 +949,7 @@ def test_lr_warm_up_is_linear_over_its_iterations_and_survives_a_resume():
     ({"tau_mid": 1.0}, r"algo\.tau_mid"),
     ({"error_scale": "zscore"}, r"algo\.error_scale.*zscore"),
     ({"weight_scale": "sum"}, r"algo\.weight_scale.*sum"),
-    ({"label_baseline": "group"}, r"algo\.label_baseline.*group"),
+    ({"label_baseline": "groups"}, r"algo\.label_baseline.*groups"),
     ({"label_clip": 0.0}, r"algo\.label_clip"),
     ({"label_shuffle": True, "weight_mode": "critic_oracle"}, r"algo\.label_shuffle"),
     ({"label_shuffle": True, "shaped_lambda": 0.5}, r"algo\.label_shuffle"),
@@ -924,6 +957,7 @@ def test_lr_warm_up_is_linear_over_its_iterations_and_survives_a_resume():
     ({"tau_mid_sampling": "grid", "tau_mid_grid": [0.5, 1.0]}, r"algo\.tau_mid_grid"),
     ({"tau_mid_sampling": "grid", "tau_mid_grid": []}, r"algo\.tau_mid_grid"),
     ({"anchor_coeff": -1.0}, r"algo\.anchor_coeff"),
+    ({"label_baseline": "value", "weight_mode": "critic_oracle"}, r"algo\.label_baseline.*one critic"),
 ])
 def test_config_mistakes_name_the_key(overrides, pattern):
     with pytest.raises(ConfigError, match=pattern):
