@@ -17,7 +17,8 @@ policy trained from a binary episode reward R in {0, 1} (here: task success).
                            weights sum to the batch's mean episode length (weight_scale:
                            episode_mean; mean_one: mean 1 per real step; sum_one: the spec's
                            sum to 1)
-                       labels R in {0, 1} (label_baseline: batch, beyond the spec: DiffusionNFT's
+                       labels R in {0, 1} (label_baseline: batch / group / value, beyond the spec:
+                           the batch's, the start group's or a learned baseline; batch: DiffusionNFT's
                            r = 1/2 + clip(A, -c, c) / (2c), A = (R - mean R) / std R over the batch)
                        (label_shuffle, a control: the outcomes R permuted across the batch's
                            episodes before labels and weights, so the update carries no signal)
@@ -120,7 +121,9 @@ class FlowSARConfig:
     weight_scale: Literal["mean_one", "sum_one", "episode_mean"] = "episode_mean"
     # beyond the spec: batch centres the labels as DiffusionNFT does (see centred_labels); value: a
     # learned baseline per state, V(s) ~ P(success | s) trained on the outcomes (see value_labels)
-    label_baseline: Literal["none", "batch", "value"] = "none"
+    # group: GRPO's baseline, the mean outcome of the K = env.start_group episodes that started from
+    # the same seeded state (an episode waits for its group; see group_labels)
+    label_baseline: Literal["none", "batch", "value", "group"] = "none"
     # with label_baseline batch: DiffusionNFT's adv_clip_max c, r = 1/2 + clip(A, -c, c) / (2c);
     # the labels of a batch with success rate p average 1/2 while 1 / (1 + c^2) <= p <= c^2 / (1 + c^2)
     label_clip: float = field(default=5.0, metadata=check(gt=0))
@@ -203,6 +206,22 @@ def episode_correlation(x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) ->
     return float((prod.sum(1)[keep] / n[keep]).mean())
 
 
+#: prepare calls an incomplete start group waits for its other episodes before it is dropped
+GROUP_WAIT = 20
+
+
+def group_labels(success: torch.Tensor, group_size: int, clip: float = 5.0) -> torch.Tensor:
+    """GRPO-style labels (``label_baseline: group``): success [E] bool in consecutive groups of
+    ``group_size`` episodes that started from one seeded state -> r [E] in [0, 1],
+
+        A = (R - mean_g R) / std_g R      (population std within the group)
+        r = 1/2 + clip(A, -c, c) / (2 c)
+
+    The baseline is the success rate from that start state, so a state the policy always fails
+    (or always solves) gives r = 1/2, no push, and only groups with both outcomes carry a contrast."""
+    return 0.5 + 0.5 * group_advantages(success.float(), group_size, adv_clip_max=clip) / clip
+
+
 def centred_labels(success: torch.Tensor, clip: float = 5.0) -> torch.Tensor:
     """DiffusionNFT's optimality probability with the batch's success rate p as the baseline
     (beyond the FlowSAR spec): success [E] bool -> r [E] in [0, 1],
@@ -216,8 +235,7 @@ def centred_labels(success: torch.Tensor, clip: float = 5.0) -> torch.Tensor:
     every p but 1/2) weakens the rarer outcome's labels: at p < 1/2 the successes' pull is cut, the
     mean y is negative, and the policy is pushed away from what it did. A batch of one outcome gets
     r = 1/2 (no contrast: the softplus term is flat)."""
-    r = success.float()
-    return 0.5 + 0.5 * group_advantages(r, r.numel(), adv_clip_max=clip) / clip
+    return group_labels(success, success.numel(), clip)
 
 
 def value_labels(outcome: torch.Tensor, baseline: torch.Tensor, clip: float = 5.0) -> torch.Tensor:
@@ -406,6 +424,10 @@ class FlowSAR(EnvStepAlgorithm):
                               f"in (0, 1), got {h.tau_mid_grid!r}")
         if h.w_min > h.w_max:
             raise ConfigError(f"config key 'algo.w_min': {h.w_min} is above algo.w_max ({h.w_max})")
+        if h.label_baseline == "group" and getattr(cfg.env, "start_group", 1) < 2:
+            raise ConfigError("config key 'algo.label_baseline': 'group' needs groups of episodes from one start "
+                              "state: set env.start_group to the group size K >= 2 (a divisor of "
+                              "runtime.envs_per_worker)")
         if h.label_baseline == "value" and h.weight_mode == "critic_oracle":
             raise ConfigError("config key 'algo.label_baseline': 'value' and weight_mode 'critic_oracle' would "
                               "train one critic on two targets (outcomes and GAE returns); use one of them")
@@ -438,7 +460,11 @@ class FlowSAR(EnvStepAlgorithm):
             self.critic = ValueMLP(spec.obs_dim, c.critic_hidden_sizes, image_shape(cfg), c.feature_dim).to(device)
             self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=c.critic_lr)
         # executed_rows: how many rows of each chunk the env ran; grasped: the analysis's key step
-        self.assembler = EpisodeAssembler(step_keys=("actions", "executed_rows", "grasped"))
+        # start_seed: the start state's seed, which names an episode's group (label_baseline: group)
+        self.assembler = EpisodeAssembler(step_keys=("actions", "executed_rows", "grasped", "start_seed"))
+        self.group_size = getattr(cfg.env, "start_group", 1) if c.label_baseline == "group" else 1
+        self.pending_groups: dict[int, dict] = {}     # start seed -> {"episodes": [...], "age": prepares}
+        self.group_stats: dict[str, float] = {}
         self.generator = torch.Generator().manual_seed(cfg.seed)    # annotation noise, weights, shuffling
         self.iteration = 0
         self.skipped_updates = 0
@@ -515,10 +541,40 @@ class FlowSAR(EnvStepAlgorithm):
             start += n
         return torch.cat(advs), torch.cat(rets)
 
+    def _complete_groups(self, episodes: list[dict]) -> list[dict]:
+        """label_baseline group: the episodes of the start groups that are now complete (K each,
+        consecutive, in the order they completed); the others wait, and a group incomplete after
+        GROUP_WAIT prepares (its worker restarted) is dropped."""
+        k = self.group_size
+        unseeded = 0
+        for ep in episodes:
+            seed = int(ep["start_seed"][0]) if "start_seed" in ep else -1
+            if seed < 0:                              # no known start state: it cannot join a group
+                unseeded += 1
+                continue
+            self.pending_groups.setdefault(seed, {"episodes": [], "age": 0})["episodes"].append(ep)
+        ready, dropped = [], 0
+        for seed in list(self.pending_groups):
+            group = self.pending_groups[seed]
+            if len(group["episodes"]) >= k:
+                ready.extend(group["episodes"][:k])
+                del self.pending_groups[seed]
+            elif group["age"] >= GROUP_WAIT:
+                dropped += len(group["episodes"])
+                del self.pending_groups[seed]
+            else:
+                group["age"] += 1
+        self.group_stats = {"flowsar/pending_group_episodes": float(sum(len(g["episodes"]) for g in
+                                                                        self.pending_groups.values())),
+                            "flowsar/dropped_group_episodes": float(dropped + unseeded)}
+        return ready
+
     def prepare(self, batches: list[Batch]) -> dict | None:
         h = self.h
         episodes = self.assembler.add(batches)
-        if not episodes:                              # no episode ended yet: nothing to learn from
+        if self.group_size > 1:                       # GRPO-style: whole start groups only
+            episodes = self._complete_groups(episodes)
+        if not episodes:                              # no episode (group) ended yet: nothing to learn from
             return None
         lengths = [len(ep["rewards"]) for ep in episodes]
         e_count, h_max = len(episodes), max(lengths)
@@ -528,7 +584,12 @@ class FlowSAR(EnvStepAlgorithm):
         outcome = success                              # what labels and weights read: R, or R permuted
         if h.label_shuffle:                            # the no-signal control
             outcome = success[torch.randperm(e_count, generator=self.generator).to(self.device)]
-        labels = centred_labels(outcome, h.label_clip) if h.label_baseline == "batch" else outcome.float()  # [E]
+        if h.label_baseline == "batch":
+            labels = centred_labels(outcome, h.label_clip)                            # [E]
+        elif h.label_baseline == "group":
+            labels = group_labels(outcome, self.group_size, h.label_clip)             # [E]
+        else:
+            labels = outcome.float()
         label_mean = float(labels.mean())             # over episodes (value: over steps, below)
         steps = torch.tensor(lengths, device=self.device)
         labels = labels.repeat_interleave(steps)                                    # [M] per step
@@ -568,6 +629,10 @@ class FlowSAR(EnvStepAlgorithm):
         self._analysis = self._analysis_sample(pad(errors), weights, mask, success, grasped)
         stats = self._annotation_stats(pad(errors), weights, mask, success)
         stats["flowsar/label_mean"] = label_mean
+        if self.group_size > 1:                       # groups with both outcomes: the ones with a contrast
+            mixed = success.float().view(-1, self.group_size).std(1) > 0
+            stats.update({"flowsar/groups": float(mixed.numel()), "flowsar/groups_mixed": float(mixed.float().mean()),
+                          **self.group_stats})
         if h.label_baseline == "value":
             stats.update(stats_baseline)
         if advantages is not None:                    # how well self-annotation stands in for a critic
@@ -661,6 +726,7 @@ class FlowSAR(EnvStepAlgorithm):
         c, h = self.c, self.h
         out: dict[str, float] = {"flowsar/pending_steps": float(self.assembler.pending_steps)}
         if b is None:
+            out.update(self.group_stats)
             return out
         m = b["actions"].shape[0]
         optimizers = [self.opt] + ([self.critic_opt] if self.critic_opt else [])
@@ -699,7 +765,7 @@ class FlowSAR(EnvStepAlgorithm):
     def state_dict(self) -> dict[str, Any]:
         state = {"policy": self._policy.state_dict(), "old": self.old.state_dict(),
                  "opt": self.opt.state_dict(), "scheduler": self.scheduler.state_dict(),
-                 "assembler": self.assembler.state_dict(),
+                 "assembler": self.assembler.state_dict(), "pending_groups": self.pending_groups,
                  "generator": self.generator.get_state(), "iteration": self.iteration,
                  "skipped_updates": self.skipped_updates}
         if self.critic is not None:
@@ -715,6 +781,7 @@ class FlowSAR(EnvStepAlgorithm):
         if "scheduler" in state:                      # checkpoints from before the warm-up have none
             self.resume_notes = tuple(load_scheduler(self.scheduler, state["scheduler"], "flowsar lr"))
         self.assembler.load_state_dict(state["assembler"])
+        self.pending_groups = dict(state.get("pending_groups", {}))   # older checkpoints: none waiting
         self.generator.set_state(state["generator"])
         self.iteration, self.skipped_updates = state["iteration"], state["skipped_updates"]
         if self.critic is not None:

@@ -38,7 +38,8 @@ class EnvRunner:
     add ``executed_rows`` [T, N] int64: the rows of each step's chunk the env ran (fewer than
     ``act_steps`` where the episode ended inside the chunk); families with ``step_grasped(infos,
     done)`` (robot tasks) add ``grasped`` [T, N] bool: whether the gripper held the object after
-    the step.
+    the step; families with ``start_seeds(infos, done)`` add ``start_seed`` [T, N] int64: the seed
+    the step's episode started from (-1: none known), which names the groups of env.start_group.
     """
 
     def __init__(self, family, env_cfg: EnvConfig, num_envs: int, seed: int, policy: nn.Module,
@@ -46,7 +47,10 @@ class EnvRunner:
         self.family, self.env_cfg, self.num_envs = family, env_cfg, num_envs
         self.seed, self.worker_id, self.policy = seed, worker_id, policy
         self.policy_version = 0
-        self.envs = family.make_vector_env(env_cfg, num_envs)
+        # training envs only: groups of env.start_group start each episode from one seeded state
+        group = getattr(env_cfg, "start_group", 1)
+        self.envs = family.make_vector_env(env_cfg, num_envs, start_group=group) if group > 1 else \
+            family.make_vector_env(env_cfg, num_envs)
         self.obs, _ = self.envs.reset(seed=seed)
         self.generator = torch.Generator().manual_seed(seed)   # action noise
         self.episode_return = np.zeros(num_envs)
@@ -91,6 +95,9 @@ class EnvRunner:
             if hasattr(self.family, "executed_rows"):
                 buf.setdefault("executed_rows", np.zeros((num_steps, n), np.int64))[t] = \
                     self.family.executed_rows(info, terminated | truncated)
+            if hasattr(self.family, "start_seeds"):
+                buf.setdefault("start_seed", np.zeros((num_steps, n), np.int64))[t] = \
+                    self.family.start_seeds(info, terminated | truncated)
             if hasattr(self.family, "step_grasped"):
                 buf.setdefault("grasped", np.zeros((num_steps, n), bool))[t] = \
                     self.family.step_grasped(info, terminated | truncated)

@@ -205,6 +205,43 @@ def test_snapshot_restore_continues_identically_through_the_rollout_runner(task)
     r2.close()
 
 
+def test_start_groups_start_every_episode_of_a_group_from_one_seeded_state_and_resume_exactly():
+    # env.start_group 2, 4 training envs: columns (0, 1) and (2, 3) each share every episode's start
+    # state (the same first observation, the same recorded seed), the two groups differ, and an
+    # episode's seed is recorded on each of its steps (the ended one's under final_info); exact
+    # resume keeps the schedule; evaluation envs are not grouped.
+    from flowrl_ray.algorithms.ppo import PPO
+    from flowrl_ray.envs.rollout import EnvRunner
+    cfg = tiny_config("env.family=robot", "env.id=lift", "env.max_episode_steps=6", "env.start_group=2",
+                      "runtime.envs_per_worker=4")
+    spec = robot.spec(cfg.env)
+    runner = EnvRunner(robot, cfg.env, 4, 7, PPO.make_policy(cfg, spec))
+    first = runner.obs.copy()
+    assert np.array_equal(first[0], first[1]) and np.array_equal(first[2], first[3])
+    assert not np.array_equal(first[0], first[2])
+    b = runner.sample(9)                      # episodes of 6 steps: every column ends at t = 5
+    seeds = b["start_seed"]
+    assert (seeds >= 0).all() and np.array_equal(seeds[:, 0], seeds[:, 1]) and np.array_equal(seeds[:, 2], seeds[:, 3])
+    assert b["truncated"][5].all() and (seeds[:6] == seeds[0]).all() and (seeds[6:] == seeds[6]).all()
+    assert seeds[0, 0] != seeds[6, 0] and seeds[0, 0] != seeds[0, 2]       # a new state each episode
+    assert np.array_equal(b["obs"][6, 0], b["obs"][6, 1]) and not np.array_equal(b["obs"][6, 0], b["obs"][6, 2])
+    assert seeds[0, 0] == robot.env.start_seed(7, 0, 0) and seeds[6, 2] == robot.env.start_seed(7, 1, 1)
+    blob = runner.get_state()
+    again = EnvRunner(robot, cfg.env, 4, 99, PPO.make_policy(cfg, spec))
+    again.set_weights(runner.policy.state_dict(), 0)
+    assert again.set_state(blob)
+    b1, b2 = runner.sample(8), again.sample(8)                    # crosses the next autoreset
+    for k in b1.data:
+        assert np.array_equal(b1[k], b2[k]), k
+    assert len(set(b1["start_seed"][-1].tolist())) == 2
+    ev = runner.evaluate(4)                                       # four distinct evaluation starts
+    assert len(ev["episode_returns"]) == 4 and all(env.start_group == 1 for env in runner._eval_envs.envs)
+    runner.close()
+    again.close()
+    with pytest.raises(ConfigError, match="env.start_group.*must divide runtime.envs_per_worker"):
+        tiny_config("env.family=robot", "env.id=lift", "env.start_group=3", "runtime.envs_per_worker=4")
+
+
 def test_lift_expert_writes_loadable_demos_and_normalised_env(lift_demos):
     path, stats = lift_demos
     assert stats.successes == 2 and stats.attempts >= 2

@@ -41,7 +41,7 @@ from flowrl_ray.envs.robot.env import (ACTION_DIM, CAMERAS, LOW_DIM_KEYS, PROPRI
 __all__ = ["ACTION_DIM", "LOW_DIM_KEYS", "PROPRIO_KEYS", "TASKS", "PerturbConfig", "RobotEnv", "RobotEnvConfig",
            "Task", "config_class", "get_task",
            "check_config", "check_video", "load_norm", "spec", "observation_shapes", "make_env",
-           "make_vector_env", "episode_success", "step_grasped", "snapshot", "restore"]
+           "make_vector_env", "episode_success", "step_grasped", "start_seeds", "snapshot", "restore"]
 
 #: the family's env section (flowrl_ray.envs: a family may declare its own)
 config_class = RobotEnvConfig
@@ -129,15 +129,20 @@ def spec(env_cfg: RobotEnvConfig) -> EnvSpec:
                    max_episode_steps=max_steps(task, env_cfg))
 
 
-def make_vector_env(env_cfg: RobotEnvConfig, num_envs: int) -> gym.vector.VectorEnv:
+def make_vector_env(env_cfg: RobotEnvConfig, num_envs: int, start_group: int = 1) -> gym.vector.VectorEnv:
+    """``start_group`` > 1 (training envs with env.start_group): groups of that many consecutive
+    envs start every episode from the same seeded state (:class:`RobotEnv`)."""
     check_config(env_cfg)
-    return _vector_env(env_cfg, load_norm(env_cfg), num_envs)   # statistics read once, shared
+    return _vector_env(env_cfg, load_norm(env_cfg), num_envs, start_group)   # statistics read once, shared
 
 
-def _vector_env(env_cfg: RobotEnvConfig, norm: NormStats | None, num_envs: int) -> gym.vector.VectorEnv:
+def _vector_env(env_cfg: RobotEnvConfig, norm: NormStats | None, num_envs: int,
+                start_group: int = 1) -> gym.vector.VectorEnv:
+    if num_envs % start_group:
+        raise ValueError(f"start_group {start_group} must divide the number of envs ({num_envs})")
     # functools.partial rather than a lambda: the factories must pickle.
-    return gym.vector.SyncVectorEnv([functools.partial(RobotEnv, env_cfg, norm)
-                                     for _ in range(num_envs)],
+    return gym.vector.SyncVectorEnv([functools.partial(RobotEnv, env_cfg, norm, i, start_group)
+                                     for i in range(num_envs)],
                                     autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
 
 
@@ -162,18 +167,29 @@ def step_grasped(infos: dict, done: np.ndarray) -> np.ndarray:
     return out
 
 
+def _step_values(infos: dict, done: np.ndarray, key: str, fill: int) -> np.ndarray:
+    """[N] int64: each env's info ``key`` at this step (``fill`` where an env reported none); with
+    same-step autoreset an ended env's last step reports under ``final_info``."""
+    done = np.asarray(done, bool)
+    out = np.full(len(done), fill, np.int64)
+    if key in infos:
+        out = np.where(np.asarray(infos.get(f"_{key}", True), bool), infos[key], out)
+    final = infos.get("final_info", {})
+    if key in final:
+        out = np.where(done & np.asarray(final.get(f"_{key}", True), bool), final[key], out)
+    return out.astype(np.int64)
+
+
 def executed_rows(infos: dict, done: np.ndarray) -> np.ndarray:
     """[N] int64: how many rows of its action chunk each env executed at this step (``act_steps``,
-    or fewer where the episode ended inside the chunk). With same-step autoreset the ended envs'
-    counts are under ``final_info``."""
-    done = np.asarray(done, bool)
-    rows = np.zeros(len(done), np.int64)
-    if "substeps" in infos:
-        rows = np.where(np.asarray(infos.get("_substeps", True), bool), infos["substeps"], rows)
-    final = infos.get("final_info", {})
-    if "substeps" in final:
-        rows = np.where(done & np.asarray(final.get("_substeps", True), bool), final["substeps"], rows)
-    return rows.astype(np.int64)
+    or fewer where the episode ended inside the chunk)."""
+    return _step_values(infos, done, "substeps", 0)
+
+
+def start_seeds(infos: dict, done: np.ndarray) -> np.ndarray:
+    """[N] int64: the seed each env's episode at this step started from (env.start_group; -1
+    where the episode was not started from a known seed)."""
+    return _step_values(infos, done, "start_seed", -1)
 
 
 def snapshot(vec: gym.vector.VectorEnv) -> bytes:
@@ -185,7 +201,8 @@ def snapshot(vec: gym.vector.VectorEnv) -> bytes:
 
 def restore(blob: bytes) -> gym.vector.VectorEnv:
     saved = load_snapshot(blob, RobotEnvConfig)
-    vec = _vector_env(saved["env_cfg"], saved["norm"], len(saved["envs"]))
+    group = saved["envs"][0].get("start", {}).get("start_group", 1)     # older snapshots: ungrouped
+    vec = _vector_env(saved["env_cfg"], saved["norm"], len(saved["envs"]), group)
     for env, state in zip(vec.envs, saved["envs"]):
         env.set_state(state)
     return vec

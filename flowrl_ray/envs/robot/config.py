@@ -37,11 +37,19 @@ class RobotEnvConfig(EnvConfig):
     reward: Literal["sparse", "shaped"] = "sparse"
     shaping_gamma: Optional[float] = field(default=None, metadata=check(gt=0, le=1))
     perturb: PerturbConfig = field(default_factory=PerturbConfig)   # OOD scene changes
+    # training envs: groups of this many consecutive envs of a worker start every episode from the
+    # same seeded state (GRPO-style groups, algo.label_baseline: group); 1: independent episodes.
+    # Evaluation envs are never grouped.
+    start_group: int = field(default=1, metadata=check(gt=0))
 
     def resolve(self, cfg: Config) -> None:
         """A shaped reward discounts its potential with the algorithm's own gamma (what keeps the
         sparse task's optimal policy): shaping_gamma None takes algo.gamma; an algorithm without
         a gamma needs it set."""
+        if cfg.runtime.envs_per_worker % self.start_group:
+            raise ConfigError(f"config key 'env.start_group': {self.start_group} must divide "
+                              f"runtime.envs_per_worker ({cfg.runtime.envs_per_worker}): a group's envs run "
+                              f"in one worker")
         if self.reward == "shaped" and self.shaping_gamma is None:
             gamma = getattr(cfg.algo, "gamma", None)
             if gamma is None:

@@ -140,6 +140,13 @@ def max_steps(task: Task, env_cfg: RobotEnvConfig) -> int:
     return env_cfg.max_episode_steps or task.max_episode_steps
 
 
+def start_seed(base: int, group: int, episode: int) -> int:
+    """The seed of the ``episode``-th start state of ``group`` (env.start_group) in the envs
+    whose reset seed is ``base``: 63 bits, from numpy's SeedSequence, so that other bases (other
+    workers), groups and episodes get unrelated seeds."""
+    return int(np.random.SeedSequence([int(base), int(group), int(episode)]).generate_state(1, np.uint64)[0]) >> 1
+
+
 class RobotEnv(gym.Env):
     """A robosuite task as a gymnasium env (see the module docstring for the conventions).
 
@@ -149,8 +156,14 @@ class RobotEnv(gym.Env):
 
     metadata = {"render_modes": []}
 
-    def __init__(self, env_cfg: RobotEnvConfig, norm: NormStats | None = None):
+    def __init__(self, env_cfg: RobotEnvConfig, norm: NormStats | None = None, column: int = 0,
+                 start_group: int = 1):
         self.task = get_task(env_cfg.id)
+        # start_group > 1: this env (column ``column`` of its vector env) starts its k-th episode
+        # from start_seed(base, column // start_group, k), as the other envs of its group do; base is
+        # the vector env's reset seed (the first reset seeds column i with base + i)
+        self.column, self.start_group = column, start_group
+        self.start = {"base": None, "episode": -1, "seed": -1}
         self.env_cfg, self.norm = env_cfg, norm
         self.image = env_cfg.obs_mode == "image"
         self.cameras = tuple(env_cfg.cameras) if self.image else ()
@@ -281,6 +294,13 @@ class RobotEnv(gym.Env):
     # ------------------------------------------------------------------ gymnasium API
 
     def reset(self, *, seed: int | None = None, options: dict | None = None):
+        if self.start_group > 1:                  # a group's schedule: every episode seeded
+            if seed is not None:
+                self.start.update(base=seed - self.column, episode=-1)
+            if self.start["base"] is not None:
+                self.start["episode"] += 1
+                seed = start_seed(self.start["base"], self.column // self.start_group, self.start["episode"])
+        self.start["seed"] = -1 if seed is None else int(seed)
         super().reset(seed=seed)
         if seed is not None:
             self.rebuild(seed)
@@ -289,7 +309,7 @@ class RobotEnv(gym.Env):
         self.steps, self.solved = 0, False
         self.finished_frames, self.frames = self.frames, []
         self._record_frame()
-        return self.observation(self.raw_obs()), {"success": False}
+        return self.observation(self.raw_obs()), {"success": False, "start_seed": self.start["seed"]}
 
     def rebuild(self, seed: int) -> None:
         """Reload robosuite's model with its Generator seeded: ``reset(seed)`` then fixes
@@ -334,7 +354,8 @@ class RobotEnv(gym.Env):
             truncated = self.steps >= self.max_episode_steps
             if terminated or truncated:
                 break
-        info = {"success": self.solved, "substeps": substeps, "grasped": self.grasped()}
+        info = {"success": self.solved, "substeps": substeps, "grasped": self.grasped(),
+                "start_seed": self.start["seed"]}
         if self.env_cfg.reward == "shaped":
             info["sparse_reward"] = reward
             phi_next = 0.0 if terminated else self.potential()
@@ -418,7 +439,8 @@ class RobotEnv(gym.Env):
                 "controllers": controllers,
                 "gripper": {arm: np.array(robot.gripper[arm].current_action) for arm in robot.arms},
                 "timestep": self.raw.timestep, "cur_time": self.raw.cur_time,
-                "steps": self.steps, "solved": self.solved, "perturb_rng": self.perturb_rng.bit_generator.state}
+                "steps": self.steps, "solved": self.solved, "perturb_rng": self.perturb_rng.bit_generator.state,
+                "start": {**self.start, "column": self.column, "start_group": self.start_group}}
 
     def set_state(self, state: dict) -> None:
         if state.get("model_seed") is not None:     # absent in snapshots of older versions
@@ -437,3 +459,7 @@ class RobotEnv(gym.Env):
         self.steps, self.solved = state["steps"], state["solved"]
         if "perturb_rng" in state:                   # absent in snapshots of older versions
             self.perturb_rng.bit_generator.state = state["perturb_rng"]
+        if "start" in state:                         # absent in snapshots of older versions
+            start = dict(state["start"])
+            self.column, self.start_group = start.pop("column"), start.pop("start_group")
+            self.start = start

@@ -15,8 +15,8 @@ import torch
 
 from flowrl_ray.algorithms.flowsar import (FlowSAR, centred_labels, credit_weights, ema_coefficient,
                                            episode_correlation,
-                                           flowsar_loss, mirror_energies, reconstruction_error, self_annotation,
-                                           standardize_per_episode, value_labels)
+                                           flowsar_loss, group_labels, mirror_energies, reconstruction_error,
+                                           self_annotation, standardize_per_episode, value_labels)
 from flowrl_ray.batch import Batch, BatchMeta
 from flowrl_ray.config import ConfigError, config_from_dict
 from flowrl_ray.envs import EnvSpec
@@ -27,10 +27,11 @@ SPEC = EnvSpec(obs_shape=(19,), action_dim=7, max_episode_steps=10)
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def tiny_cfg(seed: int = 0, **hyper):
+def tiny_cfg(seed: int = 0, env: dict | None = None, **hyper):
     return config_from_dict({
         "algorithm": "flowsar", "seed": seed,
-        "env": {"family": "robot", "id": "lift", "horizon_steps": 4, "act_steps": 2, "max_episode_steps": 10},
+        "env": {"family": "robot", "id": "lift", "horizon_steps": 4, "act_steps": 2, "max_episode_steps": 10,
+                **(env or {})},
         "runtime": {"num_workers": 1, "envs_per_worker": 2, "rollout_length": 6},
         "algo": {"hidden_sizes": [16, 16], "flow_steps": 2, "minibatch_size": 4,
                  "lr": 1e-3, **hyper}})
@@ -615,7 +616,7 @@ def test_linear_and_fixed_ema_coefficients():
 # ------------------------------------------------------------------ the algorithm on batches
 
 def make_batch(worker_id: int, ends: dict | None = None, rewards: dict | None = None, t: int = 6, n: int = 2,
-               seed: int = 0, executed: dict | None = None) -> Batch:
+               seed: int = 0, executed: dict | None = None, start_seeds: np.ndarray | None = None) -> Batch:
     """A time-major batch as the EnvRunner writes it. ``ends`` {(t, j): "term" | "trunc"},
     ``rewards`` {(t, j): r} (0 elsewhere); ``executed`` {(t, j): rows}: the batch carries
     ``executed_rows`` (act_steps 2 elsewhere), as the robot family's runner writes it."""
@@ -631,6 +632,8 @@ def make_batch(worker_id: int, ends: dict | None = None, rewards: dict | None = 
             "rewards": r, "terminated": term, "truncated": trunc,
             "final_obs": rng.standard_normal((t, n, 19)).astype(np.float32),
             "last_obs": rng.standard_normal((n, 19)).astype(np.float32)}
+    if start_seeds is not None:                                   # [t, n]: each step's episode's start
+        data["start_seed"] = np.asarray(start_seeds, np.int64)
     if executed is not None:
         data["executed_rows"] = np.full((t, n), 2, np.int64)
         for (i, j), rows in executed.items():
@@ -799,6 +802,39 @@ def test_value_baseline_labels_each_step_against_v_and_trains_v_on_the_outcomes(
     assert after < 0.5 * before
 
 
+def test_group_labels_by_hand():
+    # K = 4: group 1 R = [1, 0, 0, 0] (mean .25, population std .4330): A = [1.7321, -.5774 x 3],
+    # r = .5 + A / 10; group 2 all successes: no contrast, r = 1/2
+    r = group_labels(torch.tensor([1, 0, 0, 0, 1, 1, 1, 1], dtype=torch.bool), 4, clip=5.0)
+    torch.testing.assert_close(r, torch.tensor([0.67321, 0.44226, 0.44226, 0.44226, 0.5, 0.5, 0.5, 0.5]),
+                               atol=1e-5, rtol=0)
+
+
+def test_group_baseline_waits_for_the_start_group_then_labels_it_against_its_own_mean():
+    # env.start_group 2: both env columns start each episode from one seed. Column 0 succeeds at
+    # t = 3 of the first batch (seed 11), column 1 fails at t = 1 of the second (seed 11): the
+    # first prepare holds the lone episode; the second releases the group, labels .5 +- .1.
+    cfg = tiny_cfg(env={"start_group": 2}, label_baseline="group")
+    algo = FlowSAR(cfg, SPEC, torch.device("cpu"))
+    seeds1 = np.array([[11, 11]] * 4 + [[12, 11]] * 2)
+    b1 = make_batch(0, ends={(3, 0): "term"}, rewards={(3, 0): 1.0}, start_seeds=seeds1, seed=1)
+    assert algo.prepare([b1]) is None
+    assert algo.update(None)["flowsar/pending_group_episodes"] == 1.0
+    state = copy.deepcopy(algo.state_dict())
+    seeds2 = np.array([[12, 11]] * 2 + [[12, 12]] * 4)
+    b2 = make_batch(0, ends={(1, 1): "term"}, start_seeds=seeds2, seed=2)
+    out = algo.prepare([b2])
+    assert out["actions"].shape[0] == 4 + 8                  # column 0: 4 steps; column 1: 6 + 2
+    torch.testing.assert_close(out["rewards"], torch.tensor([0.6] * 4 + [0.4] * 8))
+    assert out["stats"]["flowsar/groups"] == 1.0 and out["stats"]["flowsar/groups_mixed"] == 1.0
+    assert out["stats"]["flowsar/pending_group_episodes"] == 0.0
+    resumed = FlowSAR(cfg, SPEC, torch.device("cpu"))        # the waiting episode survives a resume
+    resumed.load_state_dict(state)
+    again = resumed.prepare([b2])
+    torch.testing.assert_close(again["rewards"], out["rewards"])
+    torch.testing.assert_close(again["actions"], out["actions"])
+
+
 def test_prepared_weights_literal_spec_are_the_softmax_of_the_old_policys_errors():
     # The spec's rule read literally: one eps draw, softmax(+-e / T) per episode, sum to 1.
     algo = FlowSAR(tiny_cfg(temperature=0.5, n_annotation_samples=1, error_scale="literal",
@@ -958,6 +994,7 @@ def test_lr_warm_up_is_linear_over_its_iterations_and_survives_a_resume():
     ({"tau_mid_sampling": "grid", "tau_mid_grid": []}, r"algo\.tau_mid_grid"),
     ({"anchor_coeff": -1.0}, r"algo\.anchor_coeff"),
     ({"label_baseline": "value", "weight_mode": "critic_oracle"}, r"algo\.label_baseline.*one critic"),
+    ({"label_baseline": "group"}, r"algo\.label_baseline.*env\.start_group"),
 ])
 def test_config_mistakes_name_the_key(overrides, pattern):
     with pytest.raises(ConfigError, match=pattern):
