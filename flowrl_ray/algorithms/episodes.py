@@ -4,6 +4,8 @@ episode's outcome (FlowSAR's binary success R). Pure numpy, no Ray.
 Env-step batches hold ``[T, N, ...]`` fragments: an episode may start in one batch and end in
 a later batch of the same worker (same env column). :class:`EpisodeAssembler` keeps each env's
 unfinished tail and returns the episodes that ended, each as arrays ``[H, ...]``.
+:class:`StartGroups` holds complete episodes until the whole group that started from one seeded
+state (``env.start_group``, recorded per step as ``start_seed``) has ended: GRPO's groups.
 """
 
 from __future__ import annotations
@@ -64,6 +66,49 @@ class EpisodeAssembler:
 
     def load_state_dict(self, state: dict) -> None:
         self.tails = {tuple(k): list(v) for k, v in state["tails"].items()}
+
+
+class StartGroups:
+    """Complete episodes -> whole start groups of ``size`` episodes (the K envs of an
+    ``env.start_group`` that started from one seeded state; an episode's group is its first
+    ``start_seed``). ``add(episodes)`` returns the episodes of the groups now complete, K
+    consecutive per group, in the order the groups completed; the others wait. A group still
+    incomplete after ``wait`` calls (its worker restarted with other seeds) is dropped, as is an
+    episode without a known start (``start_seed`` -1 or absent); ``stats`` counts both."""
+
+    def __init__(self, size: int, wait: int = 20):
+        self.size, self.wait = size, wait
+        self.pending: dict[int, dict] = {}          # start seed -> {"episodes": [...], "age": calls}
+        self.stats: dict[str, float] = {"pending_group_episodes": 0.0, "dropped_group_episodes": 0.0}
+
+    def add(self, episodes: list[dict]) -> list[dict]:
+        unseeded = 0
+        for ep in episodes:
+            seed = int(ep["start_seed"][0]) if "start_seed" in ep else -1
+            if seed < 0:
+                unseeded += 1
+                continue
+            self.pending.setdefault(seed, {"episodes": [], "age": 0})["episodes"].append(ep)
+        ready, dropped = [], 0
+        for seed in list(self.pending):
+            group = self.pending[seed]
+            if len(group["episodes"]) >= self.size:
+                ready.extend(group["episodes"][:self.size])
+                del self.pending[seed]
+            elif group["age"] >= self.wait:
+                dropped += len(group["episodes"])
+                del self.pending[seed]
+            else:
+                group["age"] += 1
+        self.stats = {"pending_group_episodes": float(sum(len(g["episodes"]) for g in self.pending.values())),
+                      "dropped_group_episodes": float(dropped + unseeded)}
+        return ready
+
+    def state_dict(self) -> dict:
+        return {"pending": self.pending}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pending = dict(state["pending"])
 
 
 def pad_episodes(episodes: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:

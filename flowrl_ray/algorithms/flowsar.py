@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from flowrl_ray.algorithms.advantages import gae, group_advantages, group_normalize
 from flowrl_ray.algorithms.base import EnvStepAlgorithm
 from flowrl_ray.optim import ema_update, load_scheduler, local_part, lr_multiplier, minibatches, optimizer_step
-from flowrl_ray.algorithms.episodes import EpisodeAssembler
+from flowrl_ray.algorithms.episodes import EpisodeAssembler, StartGroups
 from flowrl_ray.models.flow_policy import (check_base_policy, check_flow_arch, executed_row_mask, image_shape,
                                          load_base_policy, make_flow_policy)
 from flowrl_ray.algorithms.losses import value_loss
@@ -204,10 +204,6 @@ def episode_correlation(x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor) ->
         return float("nan")
     prod = standardize_per_episode(x, mask) * standardize_per_episode(y, mask)
     return float((prod.sum(1)[keep] / n[keep]).mean())
-
-
-#: prepare calls an incomplete start group waits for its other episodes before it is dropped
-GROUP_WAIT = 20
 
 
 def group_labels(success: torch.Tensor, group_size: int, clip: float = 5.0) -> torch.Tensor:
@@ -463,8 +459,7 @@ class FlowSAR(EnvStepAlgorithm):
         # start_seed: the start state's seed, which names an episode's group (label_baseline: group)
         self.assembler = EpisodeAssembler(step_keys=("actions", "executed_rows", "grasped", "start_seed"))
         self.group_size = getattr(cfg.env, "start_group", 1) if c.label_baseline == "group" else 1
-        self.pending_groups: dict[int, dict] = {}     # start seed -> {"episodes": [...], "age": prepares}
-        self.group_stats: dict[str, float] = {}
+        self.groups = StartGroups(self.group_size) if self.group_size > 1 else None
         self.generator = torch.Generator().manual_seed(cfg.seed)    # annotation noise, weights, shuffling
         self.iteration = 0
         self.skipped_updates = 0
@@ -541,39 +536,11 @@ class FlowSAR(EnvStepAlgorithm):
             start += n
         return torch.cat(advs), torch.cat(rets)
 
-    def _complete_groups(self, episodes: list[dict]) -> list[dict]:
-        """label_baseline group: the episodes of the start groups that are now complete (K each,
-        consecutive, in the order they completed); the others wait, and a group incomplete after
-        GROUP_WAIT prepares (its worker restarted) is dropped."""
-        k = self.group_size
-        unseeded = 0
-        for ep in episodes:
-            seed = int(ep["start_seed"][0]) if "start_seed" in ep else -1
-            if seed < 0:                              # no known start state: it cannot join a group
-                unseeded += 1
-                continue
-            self.pending_groups.setdefault(seed, {"episodes": [], "age": 0})["episodes"].append(ep)
-        ready, dropped = [], 0
-        for seed in list(self.pending_groups):
-            group = self.pending_groups[seed]
-            if len(group["episodes"]) >= k:
-                ready.extend(group["episodes"][:k])
-                del self.pending_groups[seed]
-            elif group["age"] >= GROUP_WAIT:
-                dropped += len(group["episodes"])
-                del self.pending_groups[seed]
-            else:
-                group["age"] += 1
-        self.group_stats = {"flowsar/pending_group_episodes": float(sum(len(g["episodes"]) for g in
-                                                                        self.pending_groups.values())),
-                            "flowsar/dropped_group_episodes": float(dropped + unseeded)}
-        return ready
-
     def prepare(self, batches: list[Batch]) -> dict | None:
         h = self.h
         episodes = self.assembler.add(batches)
-        if self.group_size > 1:                       # GRPO-style: whole start groups only
-            episodes = self._complete_groups(episodes)
+        if self.groups is not None:                   # GRPO-style: whole start groups only
+            episodes = self.groups.add(episodes)
         if not episodes:                              # no episode (group) ended yet: nothing to learn from
             return None
         lengths = [len(ep["rewards"]) for ep in episodes]
@@ -632,7 +599,7 @@ class FlowSAR(EnvStepAlgorithm):
         if self.group_size > 1:                       # groups with both outcomes: the ones with a contrast
             mixed = success.float().view(-1, self.group_size).std(1) > 0
             stats.update({"flowsar/groups": float(mixed.numel()), "flowsar/groups_mixed": float(mixed.float().mean()),
-                          **self.group_stats})
+                          **{f"flowsar/{k}": v for k, v in self.groups.stats.items()}})
         if h.label_baseline == "value":
             stats.update(stats_baseline)
         if advantages is not None:                    # how well self-annotation stands in for a critic
@@ -726,7 +693,8 @@ class FlowSAR(EnvStepAlgorithm):
         c, h = self.c, self.h
         out: dict[str, float] = {"flowsar/pending_steps": float(self.assembler.pending_steps)}
         if b is None:
-            out.update(self.group_stats)
+            if self.groups is not None:
+                out.update({f"flowsar/{k}": v for k, v in self.groups.stats.items()})
             return out
         m = b["actions"].shape[0]
         optimizers = [self.opt] + ([self.critic_opt] if self.critic_opt else [])
@@ -765,13 +733,15 @@ class FlowSAR(EnvStepAlgorithm):
     def state_dict(self) -> dict[str, Any]:
         state = {"policy": self._policy.state_dict(), "old": self.old.state_dict(),
                  "opt": self.opt.state_dict(), "scheduler": self.scheduler.state_dict(),
-                 "assembler": self.assembler.state_dict(), "pending_groups": self.pending_groups,
+                 "assembler": self.assembler.state_dict(),
                  "generator": self.generator.get_state(), "iteration": self.iteration,
                  "skipped_updates": self.skipped_updates}
         if self.critic is not None:
             state.update(critic=self.critic.state_dict(), critic_opt=self.critic_opt.state_dict())
         if self.anchor is not None:
             state["anchor"] = self.anchor.state_dict()
+        if self.groups is not None:
+            state["groups"] = self.groups.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -781,7 +751,8 @@ class FlowSAR(EnvStepAlgorithm):
         if "scheduler" in state:                      # checkpoints from before the warm-up have none
             self.resume_notes = tuple(load_scheduler(self.scheduler, state["scheduler"], "flowsar lr"))
         self.assembler.load_state_dict(state["assembler"])
-        self.pending_groups = dict(state.get("pending_groups", {}))   # older checkpoints: none waiting
+        if self.groups is not None and "groups" in state:       # older checkpoints: none waiting
+            self.groups.load_state_dict(state["groups"])
         self.generator.set_state(state["generator"])
         self.iteration, self.skipped_updates = state["iteration"], state["skipped_updates"]
         if self.critic is not None:

@@ -161,3 +161,21 @@ def test_a_key_that_starts_mid_episode_is_left_out_of_that_episode_only():
     first, second = asm.add([newer])
     assert len(first["rewards"]) == 6 and "executed_rows" not in first and "actions" in first
     assert second["executed_rows"].tolist() == [2, 2]
+
+
+def test_start_groups_release_whole_groups_in_completion_order_and_drop_stale_ones():
+    from flowrl_ray.algorithms.episodes import StartGroups
+    ep = lambda seed, tag: {"start_seed": np.array([seed, seed]), "tag": tag}     # noqa: E731
+    groups = StartGroups(size=2, wait=2)
+    assert groups.add([ep(5, "a"), ep(7, "b"), ep(-1, "lost")]) == []
+    assert groups.stats == {"pending_group_episodes": 2.0, "dropped_group_episodes": 1.0}
+    state = copy.deepcopy(groups.state_dict())
+    out = groups.add([ep(7, "c"), ep(5, "d"), ep(9, "e")])       # both waiting groups complete
+    assert [e["tag"] for e in out] == ["a", "d", "b", "c"]        # K consecutive per group
+    assert groups.stats["pending_group_episodes"] == 1.0
+    assert groups.add([]) == [] and groups.stats["pending_group_episodes"] == 1.0   # 9 waits (wait = 2) ...
+    assert groups.add([]) == [] and groups.stats == {"pending_group_episodes": 0.0,
+                                                     "dropped_group_episodes": 1.0}      # ... then goes
+    again = StartGroups(size=2)
+    again.load_state_dict(state)
+    assert [e["tag"] for e in again.add([ep(5, "d")])] == ["a", "d"]
