@@ -101,6 +101,8 @@ JOBS = {
                                        "cpu", hours=2, learner_gpus=0, demos=50, pretrain="--epochs 40"),
     "reinflow/lift_state": Job("ReinFlow fine-tuning on robosuite Lift (low-dim state)", demos=100),
     "reinflow/can_state": Job("ReinFlow fine-tuning on robosuite Can (low-dim state)", demos=200),
+    "reinflow/can_state_grpo": Job("πRL's GRPO for flow policies on robosuite Can (the ReinFlow chain, start "
+                                   "groups of 8, no critic)", demos=200),
     "reinflow/square_state": Job("ReinFlow fine-tuning on robosuite Square (low-dim state)", demos=200),
     "reinflow/lift_state_quickstart": Job("the laptop-sized ReinFlow Lift run on `make run`'s base (low-dim state, "
                                           "CPU only)", "cpu", hours=2, learner_gpus=0, demos=50, pretrain="--epochs 20"),

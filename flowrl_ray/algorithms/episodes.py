@@ -111,6 +111,14 @@ class StartGroups:
         self.pending = dict(state["pending"])
 
 
+def episode_obs(episodes: list[dict]):
+    """The episodes' observations, one after the other: [M, ...] (M = their steps), or a dict of
+    them for dict observations (``obs/<key>`` -> ``<key>``)."""
+    keys = [k for k in episodes[0] if k == "obs" or k.startswith("obs/")]
+    cat = {k: np.concatenate([ep[k] for ep in episodes]) for k in keys}
+    return cat["obs"] if "obs" in cat else {k[4:]: v for k, v in cat.items()}
+
+
 def pad_episodes(episodes: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
     """Stack the per-step ``key`` of episodes of different lengths into ``[E, H_max, ...]``
     (zeros past each end) and the validity mask ``[E, H_max]``."""

@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from flowrl_ray.algorithms.advantages import gae, group_advantages, group_normalize
 from flowrl_ray.algorithms.base import EnvStepAlgorithm
 from flowrl_ray.optim import ema_update, load_scheduler, local_part, lr_multiplier, minibatches, optimizer_step
-from flowrl_ray.algorithms.episodes import EpisodeAssembler, StartGroups
+from flowrl_ray.algorithms.episodes import EpisodeAssembler, StartGroups, episode_obs
 from flowrl_ray.models.flow_policy import (check_base_policy, check_flow_arch, executed_row_mask, image_shape,
                                          load_base_policy, make_flow_policy)
 from flowrl_ray.algorithms.losses import value_loss
@@ -482,11 +482,6 @@ class FlowSAR(EnvStepAlgorithm):
         t = torch.as_tensor(x, device=self.device)
         return t if t.dtype == torch.uint8 else t.float()
 
-    def _episode_obs(self, episodes: list[dict]):
-        keys = [k for k in episodes[0] if k == "obs" or k.startswith("obs/")]
-        cat = {k: self._tensor(np.concatenate([ep[k] for ep in episodes])) for k in keys}
-        return cat["obs"] if "obs" in cat else {k[4:]: v for k, v in cat.items()}
-
     @torch.no_grad()
     def _annotate(self, obs, actions: torch.Tensor, row_mask: torch.Tensor) -> torch.Tensor:
         """e [M] under theta_old over each chunk's executed rows (``row_mask`` [M, Ta]): per step
@@ -545,7 +540,7 @@ class FlowSAR(EnvStepAlgorithm):
             return None
         lengths = [len(ep["rewards"]) for ep in episodes]
         e_count, h_max = len(episodes), max(lengths)
-        obs = self._episode_obs(episodes)                                            # [M, ...]
+        obs = map_obs(self._tensor, episode_obs(episodes))                           # [M, ...]
         actions = self._tensor(np.concatenate([ep["actions"] for ep in episodes]))   # [M, Ta, Da]
         success = torch.tensor([ep["return"] > 0 for ep in episodes], device=self.device)   # R [E]
         outcome = success                              # what labels and weights read: R, or R permuted

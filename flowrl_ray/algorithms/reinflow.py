@@ -19,6 +19,13 @@ Gaussian noise at each of its K Euler steps (:mod:`flowrl_ray.models.noisy_flow`
                       grad clip; the velocity net, the noise net and the critic each with their
                       own learning rate.
 
+``advantage: group`` is πRL's GRPO for flow policies on the same noisy chain: no critic; each
+episode's return normalised within its start group (the K = ``env.start_group`` episodes that
+started from one seeded state, GRPO's group) is the advantage of every step of the episode, and an
+episode waits until its group has ended:
+
+    A_e = (G_e - mean_g G) / (std_g G + 1e-8),   A_i = A_e for each step i of episode e
+
 ``logprob_scale``: "joint" uses the chain's log-probability itself (s = 1). "reference" divides
 it by (K + 1) * Ta * Da, the number of Gaussian entries of the chain with its initial noise, as
 the ReinFlow release does; the release's clip (0.01), target KL and entropy coefficient are in
@@ -38,7 +45,8 @@ from typing import Any, Literal, Optional
 import numpy as np
 import torch
 
-from flowrl_ray.algorithms.advantages import explained_variance, normalize
+from flowrl_ray.algorithms.advantages import explained_variance, group_advantages, normalize
+from flowrl_ray.algorithms.episodes import EpisodeAssembler, StartGroups, episode_obs
 from flowrl_ray.algorithms.base import EnvStepAlgorithm
 from flowrl_ray.models.flow_policy import (check_base_policy, check_flow_arch, executed_row_mask, image_shape,
                                          load_base_policy)
@@ -94,6 +102,9 @@ class ReinFlowConfig:
     target_kl: Optional[float] = field(default=None, metadata=check(gt=0))
     critic_warmup_iters: int = field(default=2, metadata=check(ge=0))
     critic_hidden_sizes: list = field(default_factory=lambda: [256, 256, 256])
+    # gae: PPO with the critic's GAE advantages (ReinFlow, πRL's Flow-Noise PPO); group: πRL's GRPO for
+    # flow policies, each episode's return normalised within its start group (env.start_group), no critic
+    advantage: Literal["gae", "group"] = "gae"
 
 
 class NoisyFlowPolicy(FlowPolicy):
@@ -189,6 +200,10 @@ class ReinFlow(EnvStepAlgorithm):
         if cfg.env.family == "gym":
             raise ConfigError("config key 'env.family': ReinFlow emits action chunks [horizon_steps, A]; "
                               "the gym family takes single actions (use the robot family)")
+        if c.advantage == "group" and getattr(cfg.env, "start_group", 1) < 2:
+            raise ConfigError("config key 'algo.advantage': 'group' needs groups of episodes from one start "
+                              "state: set env.start_group to the group size K >= 2 (a divisor of "
+                              "runtime.envs_per_worker)")
         if c.min_noise_std > c.max_noise_std:
             raise ConfigError(f"config key 'algo.min_noise_std': {c.min_noise_std} is above "
                               f"algo.max_noise_std {c.max_noise_std}")
@@ -225,6 +240,10 @@ class ReinFlow(EnvStepAlgorithm):
         self.generator = torch.Generator().manual_seed(cfg.seed)      # minibatch shuffling
         self.iteration = 0
         self.skipped_updates = 0
+        self.groups = self.assembler = None
+        if c.advantage == "group":                    # whole episodes, whole start groups
+            self.assembler = EpisodeAssembler(step_keys=("chains", "logp_old", "executed_rows", "start_seed"))
+            self.groups = StartGroups(cfg.env.start_group)
 
     @staticmethod
     def make_policy(cfg: Config, spec: EnvSpec) -> NoisyFlowPolicy:
@@ -239,10 +258,15 @@ class ReinFlow(EnvStepAlgorithm):
         return critic_values(self.critic, obs)
 
     # ------------------------------------------------------------------ prepare
-    def prepare(self, batches: list[Batch]) -> dict:
+    def prepare(self, batches: list[Batch]) -> dict | None:
         c = self.c
-        b = advantages_from_rollouts(batches, self.values, c.gamma, c.gae_lambda, c.reward_scale, self.device,
-                                     c.bootstrap_truncated)
+        if c.advantage == "group":
+            b = self._group_batch(batches)
+            if b is None:                              # no start group complete yet
+                return None
+        else:
+            b = advantages_from_rollouts(batches, self.values, c.gamma, c.gae_lambda, c.reward_scale, self.device,
+                                         c.bootstrap_truncated)
         m = b["advantages"].shape[0]
         b["row_mask"] = executed_row_mask(b.pop("executed_rows", None), m, self.cfg.env.horizon_steps,
                                           self.cfg.env.act_steps, self.device)            # [M, Ta]
@@ -250,6 +274,28 @@ class ReinFlow(EnvStepAlgorithm):
             b["logp_old"] = (b["logp_old"] * b["row_mask"]).sum(-1)                        # [M]
         else:                                          # sync: these weights sampled the batch
             b["logp_old"] = self._old_log_probs(b)                                         # [M]
+        return b
+
+    def _group_batch(self, batches: list[Batch]) -> dict | None:
+        """advantage group: the steps of the start groups now complete, flat [M], each with its
+        episode's group-normalised return (returns / values_old: zeros, no critic)."""
+        episodes = self.groups.add(self.assembler.add(batches))
+        if not episodes:
+            return None
+        k = self.cfg.env.start_group
+        steps = torch.tensor([len(ep["rewards"]) for ep in episodes], device=self.device)             # H_e [E]
+        g = torch.tensor([ep["return"] for ep in episodes], device=self.device) * self.c.reward_scale  # [E]
+        adv = group_advantages(g, k).repeat_interleave(steps)                                          # [M]
+        tensor = lambda x: torch.as_tensor(x, device=self.device)           # noqa: E731 (uint8 images stay)
+        b = {"obs": map_obs(lambda x: tensor(x) if x.dtype == np.uint8 else tensor(x).float(), episode_obs(episodes)),
+             "advantages": adv, "returns": torch.zeros_like(adv), "values_old": torch.zeros_like(adv),
+             **{key: tensor(np.concatenate([ep[key] for ep in episodes])) for key in ("chains", "logp_old",
+                                                                                      "executed_rows")
+                if key in episodes[0]}}
+        b["chains"] = b["chains"].float()
+        mixed = g.view(-1, k).std(1) > 0
+        b["group_stats"] = {"reinflow/groups": float(mixed.numel()), "reinflow/groups_mixed": float(mixed.float().mean()),
+                            **{f"reinflow/{n}": v for n, v in self.groups.stats.items()}}
         return b
 
     @torch.no_grad()
@@ -265,7 +311,9 @@ class ReinFlow(EnvStepAlgorithm):
     def _losses(self, b: dict, idx: torch.Tensor, mb: torch.Tensor, train_actor: bool) -> tuple[torch.Tensor, dict]:
         c = self.c
         obs = map_obs(lambda x: x[idx], b["obs"])
-        v_loss = value_loss(self.critic(obs), b["returns"][idx]).mean()
+        # advantage group: no critic (its optimiser sees no gradient)
+        v_loss = value_loss(self.critic(obs), b["returns"][idx]).mean() if c.advantage == "gae" else \
+            torch.zeros((), device=self.device)
         if not train_actor:                            # critic warm-up: the actor is frozen
             return c.vf_coef * v_loss, {"v_loss": v_loss.detach()}
         chains, mask = b["chains"][idx], b["row_mask"][idx]                        # [mb, K+1, Ta, Da], [mb, Ta]
@@ -287,9 +335,11 @@ class ReinFlow(EnvStepAlgorithm):
                      "approx_kl": approx_kl(log_ratio), "noise_std": log_std.exp().mean()}
         return loss, stats
 
-    def update(self, b: dict) -> dict[str, float]:
+    def update(self, b: dict | None) -> dict[str, float]:
+        if b is None:                                  # advantage group: the groups still running
+            return {f"reinflow/{n}": v for n, v in self.groups.stats.items()}
         c, m = self.c, b["advantages"].shape[0]
-        train_actor = self.iteration >= c.critic_warmup_iters
+        train_actor = self.iteration >= c.critic_warmup_iters or c.advantage == "group"   # no critic to warm up
         run = actor_critic_epochs(m, lambda idx, mb, actor: self._losses(b, idx, mb, actor), self.actor_opt,
                                   self.critic_opt, epochs=c.epochs, minibatch_size=c.minibatch_size,
                                   generator=self.generator, device=self.device, max_grad_norm=c.max_grad_norm,
@@ -314,6 +364,10 @@ class ReinFlow(EnvStepAlgorithm):
                     "reinflow/advantage_mean": float(b["advantages"].mean()),
                     "reinflow/advantage_std": float(b["advantages"].std()),
                     "reinflow/return_mean": float(b["returns"].mean())})
+        if c.advantage == "group":                     # no critic: no explained variance or returns
+            for key in ("reinflow/explained_variance", "reinflow/return_mean"):
+                out.pop(key)
+            out.update(b["group_stats"])
         return out
 
     # ------------------------------------------------------------------ state
@@ -322,7 +376,9 @@ class ReinFlow(EnvStepAlgorithm):
                 "actor_opt": self.actor_opt.state_dict(), "critic_opt": self.critic_opt.state_dict(),
                 "schedulers": [s.state_dict() for s in self.schedulers],
                 "generator": self.generator.get_state(), "iteration": self.iteration,
-                "skipped_updates": self.skipped_updates}
+                "skipped_updates": self.skipped_updates,
+                **({"assembler": self.assembler.state_dict(), "groups": self.groups.state_dict()}
+                   if self.groups is not None else {})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._policy.load_state_dict(state["policy"])
@@ -334,3 +390,6 @@ class ReinFlow(EnvStepAlgorithm):
                                   + load_scheduler(critic, state["schedulers"][1], "reinflow critic lr"))
         self.generator.set_state(state["generator"])
         self.iteration, self.skipped_updates = state["iteration"], state["skipped_updates"]
+        if self.groups is not None and "groups" in state:
+            self.assembler.load_state_dict(state["assembler"])
+            self.groups.load_state_dict(state["groups"])

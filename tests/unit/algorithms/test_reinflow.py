@@ -22,7 +22,7 @@ from flowrl_ray.envs import env_family  # noqa: E402
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def robot_cfg(mode="sync", algorithm="reinflow", **algo):
+def robot_cfg(mode="sync", algorithm="reinflow", env=None, **algo):
     base = {"hidden_sizes": [32], "critic_hidden_sizes": [16], "minibatch_size": 4, "flow_steps": 2,
             "critic_warmup_iters": 0, "feature_dim": 8}
     if algorithm == "reinflow":
@@ -31,7 +31,8 @@ def robot_cfg(mode="sync", algorithm="reinflow", **algo):
         base.update(n_mc=2)
     return config_from_dict({
         "algorithm": algorithm,
-        "env": {"family": "robot", "id": "lift", "horizon_steps": 4, "act_steps": 2, "max_episode_steps": 6},
+        "env": {"family": "robot", "id": "lift", "horizon_steps": 4, "act_steps": 2, "max_episode_steps": 6,
+                **(env or {})},
         "runtime": {"num_workers": 1, "envs_per_worker": 2, "rollout_length": 5, "mode": mode},
         "algo": {**base, **algo}})
 
@@ -155,6 +156,39 @@ def test_config_mistakes_name_the_key():
         ReinFlow.validate_config(robot_cfg(min_noise_std=0.3, max_noise_std=0.1))
     with pytest.raises(ConfigError, match="algo.logprob_scale"):
         robot_cfg(logprob_scale="mean")
+
+
+def test_group_advantage_is_the_episodes_return_normalised_in_its_start_group_for_every_step():
+    # πRL's GRPO: env 0 succeeds at t = 1 (return 1), env 1 fails at t = 2 (return 0), both from
+    # start seed 3: A = (G - mean) / std = +1 and -1 for every step of each; no critic is trained,
+    # and the update raises the successful chains' log-prob against the failed ones'.
+    cfg = robot_cfg(env={"start_group": 2}, advantage="group", epochs=4, minibatch_size=5)
+    algo = ReinFlow(cfg, _spec(cfg), torch.device("cpu"))
+    first = _synthetic_batch(cfg, algo, t=3, seed=4)
+    first.data["rewards"] = np.zeros((3, 2), np.float32)
+    first.data["rewards"][1, 0] = 1.0
+    first.data["terminated"][1, 0] = first.data["terminated"][2, 1] = True
+    first.data["start_seed"] = np.array([[3, 3], [3, 3], [8, 3]])
+    lone = _synthetic_batch(cfg, algo, t=3, seed=5)                 # not ended: nothing to learn yet
+    lone.data["start_seed"] = np.full((3, 2), 9)
+    assert algo.prepare([lone]) is None
+    assert algo.update(None)["reinflow/pending_group_episodes"] == 0.0
+    algo2 = ReinFlow(cfg, _spec(cfg), torch.device("cpu"))
+    b = algo2.prepare([first])
+    torch.testing.assert_close(b["advantages"], torch.tensor([1.0, 1.0, -1.0, -1.0, -1.0]))
+    assert b["row_mask"].sum(-1).eq(2).all() and b["chains"].shape[0] == 5
+    with torch.no_grad():                                       # ratio 1 at the old policy
+        torch.testing.assert_close(algo2.policy.chain_log_prob(b["obs"], b["chains"], b["row_mask"]), b["logp_old"])
+    critic = copy.deepcopy(algo2.critic.state_dict())
+    stats = algo2.update(b)
+    assert stats["reinflow/groups"] == 1.0 and stats["reinflow/groups_mixed"] == 1.0
+    assert "reinflow/explained_variance" not in stats
+    assert all(torch.equal(v, algo2.critic.state_dict()[k]) for k, v in critic.items())
+    with torch.no_grad():
+        gain = algo2.policy.chain_log_prob(b["obs"], b["chains"], b["row_mask"]) - b["logp_old"]
+    assert gain[:2].mean() > gain[2:].mean()
+    with pytest.raises(ConfigError, match="algo.advantage.*env.start_group"):
+        robot_cfg(advantage="group")
 
 
 def test_state_dict_round_trip_gives_the_same_next_update_bit_for_bit():
