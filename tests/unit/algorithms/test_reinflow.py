@@ -151,6 +151,18 @@ def test_a_pretraining_checkpoint_loads_and_a_wrong_one_is_refused():
         policy.load_base(wrong)
 
 
+def test_equal_noise_bounds_make_a_fixed_noise_head():
+    cfg = robot_cfg(min_noise_std=0.1, max_noise_std=0.1, ent_coef=0.1)
+    algo = ReinFlow(cfg, _spec(cfg), torch.device("cpu"))
+    b = algo.prepare([_synthetic_batch(cfg, algo)])
+    with torch.no_grad():
+        log_std = algo.policy.log_std(torch.rand(6), algo.policy.encoder(b["obs"]))
+    torch.testing.assert_close(log_std, torch.full_like(log_std, math.log(0.1)))
+    loss, _ = algo._losses(b, torch.arange(6), torch.arange(6), train_actor=True)
+    loss.backward()
+    assert all(p.grad is None or p.grad.abs().max() == 0 for p in algo.policy.noise.parameters())
+
+
 def test_config_mistakes_name_the_key():
     with pytest.raises(ConfigError, match="algo.min_noise_std"):
         ReinFlow.validate_config(robot_cfg(min_noise_std=0.3, max_noise_std=0.1))
