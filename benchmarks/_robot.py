@@ -123,6 +123,23 @@ def run_config(run_dir: Path):
     return load_config(Path(run_dir) / "config.yaml")
 
 
+def run_schedule(cfg) -> str:
+    """A run's update schedule, stated in every table so budgets compare fairly: the learning
+    rate, the iterations with a ramped lr or a frozen actor, and the iterations left at full rate
+    (e.g. FPO++ 10 iterations with 7 of warm-up is 3 at full rate)."""
+    a = cfg.algo
+    warm, frozen = getattr(a, "lr_warmup_iters", 0) or 0, getattr(a, "critic_warmup_iters", 0) or 0
+    if getattr(a, "advantage", "gae") == "group":               # no critic, nothing frozen
+        frozen = 0
+    parts = [f"lr {a.lr:g}"]
+    if warm:
+        parts.append(f"{warm} it lr warm-up")
+    if frozen:
+        parts.append(f"{frozen} it actor frozen")
+    full = max(0, cfg.train.iterations - frozen - warm)
+    return ", ".join(parts) + f"; {full} of {cfg.train.iterations} it at full rate"
+
+
 def run_summary(run_dir: Path) -> dict:
     """Env steps, training wall-clock (``time_s``: the iterations' time, without Ray's start),
     iterations, the training success (last 100 training episodes, random sampling) first and
@@ -146,4 +163,5 @@ def run_summary(run_dir: Path) -> dict:
                                  if r.get("success_rate") is not None],
             "train_success_first": train[0][1] if train else None,
             "train_success_last": train[-1][1] if train else None,
-            "train_curve": train, "eval_curve": evals, "name": run_config(run_dir).name}
+            "train_curve": train, "eval_curve": evals, "name": run_config(run_dir).name,
+            "schedule": run_schedule(run_config(run_dir))}

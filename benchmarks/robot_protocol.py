@@ -508,7 +508,7 @@ def report(results: dict, results_dir: Path, output: str) -> None:
         for r in v["runs"]:
             wall = "-" if r["launch_wall_s"] is None else f"{r['launch_wall_s'] / 60:.1f} min"
             per_it = lambda k: "-" if r.get(k) is None else f"{r[k]:.1f} s"            # noqa: E731
-            runs.append([name, r["seed"], r["run_dir"], r["iterations"], f"{r['env_steps']:,}",
+            runs.append([name, r["seed"], r["run_dir"], r["iterations"], r.get("schedule", "-"), f"{r['env_steps']:,}",
                          f"{r['time_s'] / 60:.1f} min", wall, per_it("update_time_s"), per_it("sample_time_s")])
     p = results["protocol"]
     body = (f"Protocol: every policy and its base evaluated in one process on the same {p['episodes']} seeded "
@@ -521,7 +521,7 @@ def report(results: dict, results_dir: Path, output: str) -> None:
                        rows)
             + "\n\nRuns (env steps = chunk steps, each up to `env.act_steps` robosuite steps; training = the "
               "iterations' time; launch = the whole `flowrl-ray train` process, Ray's start included):\n\n"
-            + md_table(["variant", "seed", "run", "iterations", "env steps", "training", "launch",
+            + md_table(["variant", "seed", "run", "iterations", "schedule", "env steps", "training", "launch",
                         "learner s/iteration", "rollout s/iteration"], runs)
             + reference_table(results["variants"], pct, pts)
             + ood_table(results["variants"], pct, pts)

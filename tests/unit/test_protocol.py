@@ -199,6 +199,23 @@ def test_ood_sets_follow_the_task_and_refuse_what_it_cannot_take():
     assert can.env.perturb.table_friction_scale == 1.0                          # the original is untouched
 
 
+def test_each_runs_schedule_states_its_warm_ups_and_its_iterations_at_full_rate():
+    # the OOD comparison on Lift gave FPO++ 10 iterations, 2 with the actor frozen (its default
+    # critic warm-up) and 7 warming the lr up: 1 at full rate
+    from _robot import run_schedule
+
+    from flowrl_ray.config import config_from_dict
+    env = {"family": "robot", "id": "lift", "horizon_steps": 4, "act_steps": 2}
+    fpopp = config_from_dict({"algorithm": "fpopp", "env": env, "train": {"iterations": 10},
+                              "algo": {"lr": 1e-5, "lr_warmup_iters": 7}})
+    assert run_schedule(fpopp) == "lr 1e-05, 7 it lr warm-up, 2 it actor frozen; 1 of 10 it at full rate"
+    reinflow = config_from_dict({"algorithm": "reinflow", "env": env, "train": {"iterations": 20},
+                                 "algo": {"critic_warmup_iters": 2}})
+    assert run_schedule(reinflow) == "lr 4.5e-05, 2 it actor frozen; 18 of 20 it at full rate"
+    flowsar = config_from_dict({"algorithm": "flowsar", "env": env, "train": {"iterations": 20}})
+    assert run_schedule(flowsar) == "lr 1e-06; 20 of 20 it at full rate"
+
+
 def test_reference_must_name_a_variant(tmp_path, capsys):
     import robot_protocol
     run = tmp_path / "r"
