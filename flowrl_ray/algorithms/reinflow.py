@@ -179,7 +179,9 @@ def make_noisy_flow_policy(cfg: Config, spec: EnvSpec) -> NoisyFlowPolicy:
     return NoisyFlowPolicy(spec.obs_dim, spec.action_dim, cfg.env.horizon_steps, c.hidden_sizes, c.time_dim,
                            c.flow_steps, image_shape(cfg), c.feature_dim, c.noise_hidden_sizes,
                            c.min_noise_std, c.max_noise_std, c.noise_time_dim,
-                           record_old_logp=cfg.runtime.mode == "async",
+                           # async, or group advantages (an episode may wait an iteration for its
+                           # group): the behaviour policy's log-probs, recorded at sampling time
+                           record_old_logp=cfg.runtime.mode == "async" or c.advantage == "group",
                            **{k: getattr(c, k) for k in FLOW_ARCH_DEFAULTS})
 
 

@@ -181,15 +181,18 @@ def test_group_advantage_is_the_episodes_return_normalised_in_its_start_group_fo
     first.data["rewards"][1, 0] = 1.0
     first.data["terminated"][1, 0] = first.data["terminated"][2, 1] = True
     first.data["start_seed"] = np.array([[3, 3], [3, 3], [8, 3]])
-    lone = _synthetic_batch(cfg, algo, t=3, seed=5)                 # not ended: nothing to learn yet
+    algo2 = ReinFlow(cfg, _spec(cfg), torch.device("cpu"))        # other weights: the recorded log-probs count
+    lone = _synthetic_batch(cfg, algo2, t=3, seed=5)               # not ended: nothing to learn yet
     lone.data["start_seed"] = np.full((3, 2), 9)
-    assert algo.prepare([lone]) is None
-    assert algo.update(None)["reinflow/pending_group_episodes"] == 0.0
-    algo2 = ReinFlow(cfg, _spec(cfg), torch.device("cpu"))
-    b = algo2.prepare([first])
+    assert algo2.prepare([lone]) is None
+    assert algo2.update(None)["reinflow/pending_group_episodes"] == 0.0
+    b = algo.prepare([first])
+    recorded = np.concatenate([first["logp_old"][:2, 0], first["logp_old"][:3, 1]])      # [5, Ta] per row
+    torch.testing.assert_close(b["logp_old"], torch.as_tensor(recorded[:, :2]).sum(-1))  # the 2 executed rows
+    algo2.load_state_dict(copy.deepcopy(algo.state_dict()))
     torch.testing.assert_close(b["advantages"], torch.tensor([1.0, 1.0, -1.0, -1.0, -1.0]))
     assert b["row_mask"].sum(-1).eq(2).all() and b["chains"].shape[0] == 5
-    with torch.no_grad():                                       # ratio 1 at the old policy
+    with torch.no_grad():                                       # ratio 1 at the behaviour policy
         torch.testing.assert_close(algo2.policy.chain_log_prob(b["obs"], b["chains"], b["row_mask"]), b["logp_old"])
     critic = copy.deepcopy(algo2.critic.state_dict())
     stats = algo2.update(b)
