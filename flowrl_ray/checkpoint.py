@@ -6,16 +6,23 @@ A checkpoint is ``runs/<name>/checkpoints/iter_NNNNNN.pt`` (torch.save of a dict
     policy    the rollout policy's weights alone (what eval and serve load)
     workers   each rollout worker's pickled state (envs, RNGs) for exact resume
 ``checkpoints/latest`` names the newest one; it is replaced atomically after the file is in place.
+:func:`load_latest` takes the newest checkpoint that loads whole (a file cut by a full disk or a
+broken copy, an empty or a foreign one is skipped with one line) and raises one line when none does.
 """
 
 from __future__ import annotations
 
 import io
 import os
+import pickle
+import sys
+import zipfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
+
+from flowrl_ray.errors import UserError
 
 from flowrl_ray.utils import atomic_write_bytes, atomic_write_text
 
@@ -48,6 +55,52 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     return found[-1] if found else None
 
 
+#: what loading a file that is not a whole checkpoint raises: torch's zip reader on a cut or empty
+#: file (RuntimeError, EOFError), the unpickler on a foreign one, a payload without our parts
+UNREADABLE = (RuntimeError, EOFError, OSError, ValueError, KeyError, AttributeError, ImportError, IndexError,
+              pickle.UnpicklingError, zipfile.BadZipFile)
+#: the parts every checkpoint of a run has (see the module docstring)
+PARTS = ("trainer", "learner")
+
+
+def checkpoint_candidates(run_dir: str | os.PathLike) -> list[Path]:
+    """The run's checkpoint files, newest first: every ``iter_*.pt`` from the highest iteration
+    down (a file written after a failed update of ``latest`` counts), and the file ``latest`` names
+    first when it is not one of them."""
+    found = sorted(checkpoint_dir(run_dir).glob("iter_*.pt"), reverse=True)
+    named = latest_checkpoint(run_dir)
+    return ([named] if named is not None and named not in found else []) + found
+
+
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def load_latest(run_dir: str | os.PathLike, log: Callable[[str], None] | None = _to_stderr
+                ) -> tuple[Path, dict[str, Any]] | None:
+    """(path, payload) of the newest checkpoint of ``run_dir`` that loads whole and holds a run's
+    parts; each newer file that does not is named in one line through ``log`` (default: stderr,
+    so a verb's JSON on stdout stays clean) with the reason,
+    and the next older one is tried. None when the run has no checkpoint file; UserError (one line)
+    when it has some and none is whole."""
+    skipped = []
+    for path in checkpoint_candidates(run_dir):
+        try:
+            payload = load_checkpoint(path)
+            if not isinstance(payload, dict) or not all(k in payload for k in PARTS):
+                raise ValueError(f"not a checkpoint of a run (no {' / '.join(PARTS)})")
+        except UNREADABLE as e:
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+            skipped.append(f"{path.name} ({type(e).__name__}: {reason})")
+            if log is not None:
+                log(f"checkpoint {path} skipped: it does not load whole ({type(e).__name__}: {reason})")
+            continue
+        return path, payload
+    if skipped:
+        raise UserError(f"{checkpoint_dir(run_dir)}: no checkpoint loads whole: {'; '.join(skipped)}")
+    return None
+
+
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     # weights_only=False: the payload holds pickled env/RNG state written by this package.
     return torch.load(Path(path), map_location="cpu", weights_only=False)
@@ -62,8 +115,8 @@ def load_policy(run_dir: str | os.PathLike):
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"{run_dir} is not a run directory (no config.yaml)")
-    path = latest_checkpoint(run_dir)
-    if path is None:
+    found = load_latest(run_dir)
+    if found is None:
         raise ConfigError(f"{run_dir} has no checkpoint yet")
     cfg = load_config(run_dir / "config.yaml")
     algorithm = get_algorithm(cfg.algorithm)
@@ -73,5 +126,5 @@ def load_policy(run_dir: str | os.PathLike):
                           f"`flowrl-ray eval {run_dir}` evaluates it")
     spec = env_family(cfg.env.family).spec(cfg.env)
     policy = algorithm.make_policy(cfg, spec)
-    policy.load_state_dict(load_checkpoint(path)["policy"])
+    policy.load_state_dict(found[1]["policy"])
     return cfg, spec, policy.eval()

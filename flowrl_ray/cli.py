@@ -267,12 +267,12 @@ def _eval_group(args: argparse.Namespace) -> int:
     import torch
 
     from flowrl_ray.algorithms import get_algorithm
-    from flowrl_ray.checkpoint import latest_checkpoint, load_checkpoint
+    from flowrl_ray.checkpoint import load_latest
     from flowrl_ray.envs import env_family
 
     run_dir = Path(args.run_dir)
-    path = latest_checkpoint(run_dir)
-    if path is None:
+    found = load_latest(run_dir)                 # the newest whole one (a damaged newer one: named, skipped)
+    if found is None:
         raise UserError(f"{run_dir} has no checkpoint yet")
     if not 0 <= args.snapshots <= args.episodes:
         raise UserError(f"--snapshots {args.snapshots}: must be between 0 and --episodes ({args.episodes})")
@@ -281,7 +281,7 @@ def _eval_group(args: argparse.Namespace) -> int:
     family = env_family(cfg.env.family)
     spec = family.spec(cfg.env)
     algo = get_algorithm(cfg.algorithm)(cfg, spec, torch.device("cpu"))
-    algo.load_state_dict(load_checkpoint(path)["learner"]["algorithm"])
+    algo.load_state_dict(found[1]["learner"]["algorithm"])
     scorer = family.make_scorer(cfg.env, cfg.seed, 0)
     n = args.snapshots
     try:

@@ -175,13 +175,12 @@ def action_bounds(cfg) -> tuple[np.ndarray, np.ndarray]:
 
 def policy_info(run_dir: str | Path) -> tuple[Any, dict]:
     """(policy, facts the server reports) from a run directory's latest checkpoint."""
-    from flowrl_ray.checkpoint import latest_checkpoint, load_checkpoint, load_policy
+    from flowrl_ray.checkpoint import load_latest, load_policy
     run_dir = Path(run_dir)
     cfg, spec, policy = load_policy(run_dir)
     # Version and iteration of that checkpoint (a run still training may add a newer one
     # between the two reads; the name reported is the one these numbers come from).
-    path = latest_checkpoint(run_dir)
-    ckpt = load_checkpoint(path)
+    path, ckpt = load_latest(run_dir, log=None)    # load_policy named any damaged one it skipped
     low, high = action_bounds(cfg)
     info = {"run_dir": str(run_dir.resolve()), "name": cfg.name, "algorithm": cfg.algorithm,
             "env": cfg.env.id, "obs_shape": list(spec.obs_shape), "action_dim": spec.action_dim,

@@ -26,7 +26,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError
 from flowrl_ray.algorithms import get_algorithm
 from flowrl_ray.algorithms.base import Algorithm
 from flowrl_ray.batch import BatchMeta
-from flowrl_ray.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from flowrl_ray.checkpoint import latest_checkpoint, load_latest, save_checkpoint
 from flowrl_ray.config import Config, save_config
 from flowrl_ray.envs import EnvSpec, env_family
 from flowrl_ray.errors import TrainingError
@@ -141,9 +141,10 @@ class Trainer:
             self._log(f"learner group: {self.learners.size} ranks ({self.learners.backend}, "
                       f"{self.cfg.runtime.learner_placement} placement)")
         self.workers = [self._new_worker(i) for i in range(self.cfg.runtime.num_workers)]
-        checkpoint = latest_checkpoint(self.run_dir) if self.resume else None
-        if checkpoint is not None:
-            self._restore(load_checkpoint(checkpoint))
+        # the newest checkpoint that loads whole (a damaged newer one is named and skipped)
+        found = load_latest(self.run_dir, self._log) if self.resume else None
+        if found is not None:
+            self._restore(found[1])
         elif self.resume:            # nothing saved yet: start over, without the old rows
             truncate_metrics(self.run_dir, 0)
         # On resume this records the overrides given then (e.g. a longer train.iterations).
@@ -228,15 +229,15 @@ class Trainer:
         try:
             return self.learners.call(method, *args)
         except LearnerDied:
-            c, path = self.counters, latest_checkpoint(self.run_dir)
-            if path is None or c.learner_restarts >= self.cfg.runtime.max_learner_restarts:
+            c, found = self.counters, load_latest(self.run_dir, self._log)
+            if found is None or c.learner_restarts >= self.cfg.runtime.max_learner_restarts:
                 raise TrainingError("the learner died and " + ("there is no checkpoint to resume it from"
-                                    if path is None else "runtime.max_learner_restarts is spent")) from None
+                                    if found is None else "runtime.max_learner_restarts is spent")) from None
             c.learner_restarts += 1
-            self._log(f"learner died during {method}; resuming it from {path.name}")
+            self._log(f"learner died during {method}; resuming it from {found[0].name}")
             self.learners.close()
             self.learners = LearnerGroup(self.cfg, self.spec)
-            self.learners.call("set_state", load_checkpoint(path)["learner"])
+            self.learners.call("set_state", found[1]["learner"])
             self.rollouts.learner_restarted()
             if method == "update" and not self.rollouts.batches_outlive_learner:
                 raise SamplesLost from None
@@ -283,7 +284,7 @@ class Trainer:
             return
         self._log(f"videos: {', '.join(str(p.relative_to(self.run_dir)) for p in paths)}")
 
-    def checkpoint(self) -> Path:
+    def checkpoint(self) -> Path | None:
         self.rollouts.drain()                    # async: let in-flight samples land first
         learner_state = self._learner_call("get_state")
         worker_states = []
@@ -295,7 +296,13 @@ class Trainer:
         payload = {"trainer": vars(self.counters).copy(), "learner": learner_state,
                    "workers": worker_states, "config": self.cfg.to_dict(),
                    **self.rollouts.checkpoint_part()}
-        return save_checkpoint(self.run_dir, self.counters.iteration, payload, self.cfg.runtime.keep_checkpoints)
+        try:
+            return save_checkpoint(self.run_dir, self.counters.iteration, payload, self.cfg.runtime.keep_checkpoints)
+        except OSError as e:                     # a full disk: the run goes on, the last checkpoint stands
+            last = latest_checkpoint(self.run_dir)
+            self._log(f"checkpoint of iteration {self.counters.iteration} not written ({e}); the newest stays "
+                      f"{last.name if last is not None else 'none'}; trying again at the next one")
+            return None
 
     def train(self) -> dict:
         cfg, c = self.cfg, self.counters
@@ -359,8 +366,8 @@ class Trainer:
             progress.update(row)
             interval = cfg.runtime.checkpoint_interval
             if interval and c.iteration % interval == 0 and c.iteration < total:
-                self.checkpoint()
-                last_saved = c.iteration
+                if self.checkpoint() is not None:
+                    last_saved = c.iteration
         if last_saved != c.iteration or latest_checkpoint(self.run_dir) is None:
             self.checkpoint()
         return self._finish()

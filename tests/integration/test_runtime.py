@@ -150,6 +150,66 @@ def test_async_mode_paces_sampling_instead_of_dropping(local_ray, tmp_path, stal
         assert max(r["policy_lag_max"] for r in rows[1:]) >= 1
 
 
+def test_a_full_disk_mid_run_and_a_damaged_newest_checkpoint_lose_nothing_committed(local_ray, tmp_path, capsys,
+                                                                                 monkeypatch):
+    """A checkpoint write that fails (no space left) at iteration 2: the run goes on and writes
+    iteration 3's. That one then cut in half: `--resume` names it and continues from iteration 1,
+    `flowrl-ray eval` too; every file damaged: one line and exit 2, no traceback."""
+    import flowrl_ray.runtime.trainer as tr
+    from flowrl_ray.cli import main
+    from flowrl_ray.errors import UserError
+    real = tr.save_checkpoint
+
+    def full_disk_at_2(run_dir, iteration, payload, keep):
+        if iteration == 2:
+            raise OSError(28, "No space left on device")
+        return real(run_dir, iteration, payload, keep)
+    monkeypatch.setattr(tr, "save_checkpoint", full_disk_at_2)
+    cfg = tiny_config("train.iterations=3", "runtime.checkpoint_interval=1")
+    run = tmp_path / "run"
+    trainer = Trainer(cfg, run)
+    try:
+        trainer.setup()
+        summary = trainer.train()
+    finally:
+        trainer.close()
+    out = capsys.readouterr().out
+    assert summary["iterations"] == 3
+    assert "checkpoint of iteration 2 not written ([Errno 28] No space left on device); the newest stays " \
+           "iter_000001.pt" in out
+    ckdir = run / "checkpoints"
+    assert sorted(p.name for p in ckdir.glob("iter_*.pt")) == ["iter_000001.pt", "iter_000003.pt"]
+    newest = ckdir / "iter_000003.pt"
+    newest.write_bytes(newest.read_bytes()[:1000])
+    longer = tiny_config("train.iterations=4", "runtime.checkpoint_interval=1")
+    trainer = Trainer(longer, run, resume=True)
+    try:
+        trainer.setup()
+        out = capsys.readouterr().out
+        assert "iter_000003.pt skipped: it does not load whole (RuntimeError" in out
+        assert trainer.counters.iteration == 1
+        trainer.train()
+    finally:
+        trainer.close()
+    assert [r["iteration"] for r in read_metrics(run)] == [1, 2, 3, 4]
+    assert load_checkpoint(latest_checkpoint(run))["trainer"]["iteration"] == 4
+    (ckdir / "iter_000004.pt").write_bytes(b"")
+    assert main(["eval", str(run), "--episodes", "2"]) == 0
+    captured = capsys.readouterr()
+    assert "iter_000004.pt skipped" in captured.err and json.loads(captured.out.strip().splitlines()[-1])["episodes"] == 2
+    for p in ckdir.glob("iter_*.pt"):
+        p.write_bytes(b"")
+    trainer = Trainer(longer, run, resume=True)
+    try:
+        with pytest.raises(UserError, match="no checkpoint loads whole"):
+            trainer.setup()
+    finally:
+        trainer.close()
+    assert main(["eval", str(run), "--episodes", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "flowrl-ray eval: error:" in err and "no checkpoint loads whole" in err and "Traceback" not in err
+
+
 def test_dead_learner_resumes_from_the_last_checkpoint(local_ray, tmp_path):
     cfg = tiny_config("train.iterations=4", "runtime.checkpoint_interval=1")
     trainer = Trainer(cfg, tmp_path / "run", quiet=True)
