@@ -115,15 +115,15 @@ def load_policy(run_dir: str | os.PathLike):
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
         raise ConfigError(f"{run_dir} is not a run directory (no config.yaml)")
-    found = load_latest(run_dir)
-    if found is None:
-        raise ConfigError(f"{run_dir} has no checkpoint yet")
     cfg = load_config(run_dir / "config.yaml")
     algorithm = get_algorithm(cfg.algorithm)
     if not hasattr(algorithm, "make_policy"):
         raise ConfigError(f"{run_dir} is a {cfg.algorithm} run: its model samples on the learner "
                           f"(a group algorithm) and has no env-step policy to load; "
                           f"`flowrl-ray eval {run_dir}` evaluates it")
+    found = load_latest(run_dir)
+    if found is None:
+        raise ConfigError(f"{run_dir} has no checkpoint yet")
     spec = env_family(cfg.env.family).spec(cfg.env)
     policy = algorithm.make_policy(cfg, spec)
     policy.load_state_dict(found[1]["policy"])
