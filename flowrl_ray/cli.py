@@ -281,7 +281,8 @@ def _eval_group(args: argparse.Namespace) -> int:
     family = env_family(cfg.env.family)
     spec = family.spec(cfg.env)
     algo = get_algorithm(cfg.algorithm)(cfg, spec, torch.device("cpu"))
-    algo.load_state_dict(found[1]["learner"]["algorithm"])
+    path, payload = found
+    algo.load_state_dict(payload["learner"]["algorithm"])
     scorer = family.make_scorer(cfg.env, cfg.seed, 0)
     n = args.snapshots
     try:
