@@ -87,10 +87,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_trainer(cfg, run_dir, **kwargs) -> dict:
+def run_trainer(cfg, run_dir, quiet: bool = True, **kwargs) -> dict:
     """setup, train, close: one whole run with the Trainer (on the Ray already started)."""
     from flowrl_ray.runtime.trainer import Trainer
-    trainer = Trainer(cfg, run_dir, quiet=True, **kwargs)
+    trainer = Trainer(cfg, run_dir, quiet=quiet, **kwargs)
     try:
         trainer.setup()
         return trainer.train()

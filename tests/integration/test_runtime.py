@@ -167,12 +167,7 @@ def test_a_full_disk_mid_run_and_a_damaged_newest_checkpoint_lose_nothing_commit
     monkeypatch.setattr(tr, "save_checkpoint", full_disk_at_2)
     cfg = tiny_config("train.iterations=3", "runtime.checkpoint_interval=1")
     run = tmp_path / "run"
-    trainer = Trainer(cfg, run)
-    try:
-        trainer.setup()
-        summary = trainer.train()
-    finally:
-        trainer.close()
+    summary = run_trainer(cfg, run, quiet=False)
     out = capsys.readouterr().out
     assert summary["iterations"] == 3
     assert "checkpoint of iteration 2 not written ([Errno 28] No space left on device); the newest stays " \
