@@ -79,10 +79,10 @@ def _to_stderr(line: str) -> None:
 def load_latest(run_dir: str | os.PathLike, log: Callable[[str], None] | None = _to_stderr
                 ) -> tuple[Path, dict[str, Any]] | None:
     """(path, payload) of the newest checkpoint of ``run_dir`` that loads whole and holds a run's
-    parts; each newer file that does not is named in one line through ``log`` (default: stderr,
-    so a verb's JSON on stdout stays clean) with the reason,
-    and the next older one is tried. None when the run has no checkpoint file; UserError (one line)
-    when it has some and none is whole."""
+    parts. Each newer file that does not is named with the reason in one line through ``log``
+    (default: stderr, so a verb's JSON on stdout stays clean), and the next older one is tried.
+    None when the run has no checkpoint file; UserError (one line) when it has some and none is
+    whole."""
     skipped = []
     for path in checkpoint_candidates(run_dir):
         try:
