@@ -24,7 +24,7 @@ import torch
 
 from flowrl_ray.errors import UserError
 
-from flowrl_ray.utils import atomic_write_bytes, atomic_write_text
+from flowrl_ray.utils import atomic_write_bytes, atomic_write_text, load_torch_file
 
 
 def checkpoint_dir(run_dir: str | os.PathLike) -> Path:
@@ -102,8 +102,8 @@ def load_latest(run_dir: str | os.PathLike, log: Callable[[str], None] | None = 
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    # weights_only=False: the payload holds pickled env/RNG state written by this package.
-    return torch.load(Path(path), map_location="cpu", weights_only=False)
+    # tensors, containers and numpy arrays only: a file naming anything else is refused (utils)
+    return load_torch_file(path)
 
 
 def load_policy(run_dir: str | os.PathLike):

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import random
+import re
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,6 +30,35 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+#: the only globals a checkpoint may name: numpy's array reconstructor, array and dtype (histograms,
+#: episode tails), by the names numpy 1 and numpy 2 pickle them under
+_NUMPY_GLOBALS = [(np.core.multiarray._reconstruct, "numpy.core.multiarray._reconstruct"),
+                  (np.core.multiarray._reconstruct, "numpy._core.multiarray._reconstruct"),
+                  (np.ndarray, "numpy.ndarray"), (np.dtype, "numpy.dtype"),
+                  *(getattr(np.dtypes, n) for n in dir(np.dtypes) if n.endswith("DType"))]
+#: set to 1 to load with the full unpickler (it runs whatever code a file names: files you made only)
+TRUST_FILES_ENV = "FLOWRL_RAY_TRUST_CHECKPOINTS"
+
+
+def load_torch_file(path: str | os.PathLike) -> Any:
+    """``torch.load`` that runs no code from the file: the weights-only unpickler, which admits
+    tensors and plain containers, plus numpy arrays and dtypes (:data:`_NUMPY_GLOBALS`). A file
+    that names any other global is refused with ``pickle.UnpicklingError`` naming it (one line).
+    With ``$FLOWRL_RAY_TRUST_CHECKPOINTS=1`` the full unpickler loads it instead: the legacy
+    format of files you made yourself, at the risk of running what they name."""
+    if os.environ.get(TRUST_FILES_ENV) == "1":
+        return torch.load(Path(path), map_location="cpu", weights_only=False)
+    try:
+        with torch.serialization.safe_globals(_NUMPY_GLOBALS):
+            return torch.load(Path(path), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"GLOBAL ([\w.]+)|got <class '([\w.]+)'>", str(e))
+        named = (found.group(1) or found.group(2)) if found else "something other than tensors, containers and arrays"
+        raise pickle.UnpicklingError(
+            f"{path} was refused: it names {named}, which loading would run (only tensors, plain containers "
+            f"and numpy arrays load; {TRUST_FILES_ENV}=1 loads a file you made yourself)") from None
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

@@ -65,6 +65,7 @@ from torch.nn import functional as F
 from flowrl_ray.config import ConfigError, check
 from flowrl_ray.models.egnn import EGNNDynamics, remove_mean
 from flowrl_ray.optim import ema_update, optimizer_step
+from flowrl_ray.utils import load_torch_file
 
 __all__ = ["EDMModelConfig", "check_model_config", "remove_mean", "NoiseSchedule", "NodeDistribution", "SampleResult",
            "EDM", "transition_log_prob", "step_log_prob", "reference_kl", "fit_edm", "load_base_model",
@@ -412,7 +413,10 @@ def load_base_model(path: str | Path) -> dict:
     if not p.is_file():
         raise ConfigError(f"config key 'algo.base_model': no such file {str(path)!r} "
                           f"(make it with `flowrl-ray pretrain CONFIG`)")
-    ckpt = torch.load(p, map_location="cpu", weights_only=False)
+    try:
+        ckpt = load_torch_file(p)                       # runs no code from the file
+    except Exception as e:  # noqa: BLE001 - any unreadable file is the same user mistake
+        raise ConfigError(f"config key 'algo.base_model': cannot read {str(path)!r}: {e}") from None
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt or "model_config" not in ckpt:
         raise ConfigError(f"config key 'algo.base_model': {str(path)!r} is not an EDM pretraining checkpoint")
     return ckpt

@@ -12,6 +12,7 @@ import torch
 
 from flowrl_ray.config import Config, ConfigError
 from flowrl_ray.models.flow import FLOW_ARCH_DEFAULTS, FlowPolicy
+from flowrl_ray.utils import load_torch_file
 
 if TYPE_CHECKING:                     # the env's shapes only: obs_dim, action_dim
     from flowrl_ray.envs import EnvSpec
@@ -68,7 +69,7 @@ def load_base_policy(path: str | Path) -> dict:
         raise ConfigError(f"config key 'algo.base_policy': no such file {str(path)!r} "
                           f"(make one with `flowrl-ray pretrain`)")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        ckpt = load_torch_file(path)                    # runs no code from the file
     except Exception as e:  # noqa: BLE001 - any unreadable file is the same user mistake
         raise ConfigError(f"config key 'algo.base_policy': cannot read {str(path)!r}: {e}") from None
     if not isinstance(ckpt, dict) or "policy" not in ckpt or "arch" not in ckpt:

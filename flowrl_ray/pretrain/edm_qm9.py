@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from flowrl_ray.config import Config, ConfigError, EDMPretrainConfig
-from flowrl_ray.utils import atomic_write_bytes, atomic_write_text, format_duration, torch_threads
+from flowrl_ray.utils import atomic_write_bytes, atomic_write_text, format_duration, load_torch_file, torch_threads
 
 
 def sample_molecules(model, histogram: np.ndarray, count: int, seed: int = 0,
@@ -140,7 +140,7 @@ def pretrain_edm(cfg: Config, out: str | Path | None = None, steps: int = 2000,
     state, done, before_s, prior_eval = None, 0, 0.0, None
     if resume and out.is_file():
         check_base_model(cfg, out)
-        saved = torch.load(out, map_location="cpu", weights_only=False)
+        saved = load_torch_file(out)
         if "train_state" not in saved:
             raise ConfigError(f"--resume: {out} holds no training state (written before resumable "
                               f"pretraining); start a new run with another --out")

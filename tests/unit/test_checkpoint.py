@@ -6,6 +6,7 @@ a failing disk mid-run): tests/integration/test_runtime.py."""
 import errno
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -79,3 +80,40 @@ def test_a_torn_last_metrics_line_loses_no_row_before_it(tmp_path):
     text = "".join(json.dumps(r) + "\n" for r in rows)
     (tmp_path / "metrics.jsonl").write_text(text + '{"iteration": 4, "ret')       # a crash mid-write
     assert read_metrics(tmp_path) == rows
+
+
+class Planted:
+    """What a hostile file holds: unpickling it would call ``Path.touch`` on ``marker``."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        from pathlib import Path
+        return (Path.touch, (Path(self.marker),))
+
+
+def test_a_planted_payload_is_refused_by_name_and_never_runs(tmp_path, monkeypatch):
+    from flowrl_ray.config import ConfigError
+    from flowrl_ray.models.edm import load_base_model
+    from flowrl_ray.models.flow_policy import load_base_policy
+    from flowrl_ray.utils import TRUST_FILES_ENV
+    marker = tmp_path / "ran"
+    ck.save_checkpoint(tmp_path / "run", 1, {"trainer": {"iteration": 1}, "learner": {"x": Planted(marker)},
+                                            "policy": {}})
+    torch.save({"policy": {"w": torch.ones(1)}, "arch": Planted(marker)}, tmp_path / "base.pt")
+    torch.save({"state_dict": {}, "model_config": {}, "node_histogram": Planted(marker)}, tmp_path / "edm.pt")
+    with pytest.raises(UserError, match=r"no checkpoint loads whole.*refused: it names "):
+        ck.load_latest(tmp_path / "run", None)
+    with pytest.raises(ConfigError, match=r"algo.base_policy.*refused: it names "):
+        load_base_policy(tmp_path / "base.pt")
+    with pytest.raises(ConfigError, match=r"algo.base_model.*refused: it names "):
+        load_base_model(tmp_path / "edm.pt")
+    assert not marker.exists()                                        # nothing in the files ran
+    # numpy arrays (histograms, episode tails) and their dtypes load without the opt-in
+    torch.save({"trainer": {}, "learner": {"h": np.arange(3.0), "t": np.zeros(2, np.int8)}}, tmp_path / "np.pt")
+    assert ck.load_checkpoint(tmp_path / "np.pt")["learner"]["h"].tolist() == [0.0, 1.0, 2.0]
+    # the legacy opt-in: the full unpickler, for a file the user made (it runs what the file names)
+    monkeypatch.setenv(TRUST_FILES_ENV, "1")
+    ck.load_checkpoint(tmp_path / "run" / "checkpoints" / "iter_000001.pt")
+    assert marker.exists()
