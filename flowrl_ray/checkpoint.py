@@ -4,7 +4,7 @@ A checkpoint is ``runs/<name>/checkpoints/iter_NNNNNN.pt`` (torch.save of a dict
     trainer   counters (iteration, env_steps, elapsed time, restarts, dropped batches, ...)
     learner   the algorithm's full state (networks, optimisers, schedulers, RNGs) + version
     policy    the rollout policy's weights alone (what eval and serve load)
-    workers   each rollout worker's pickled state (envs, RNGs) for exact resume
+    workers   each rollout worker's state (envs, RNGs) for exact resume: plain data, pickled
 ``checkpoints/latest`` names the newest one; it is replaced atomically after the file is in place.
 :func:`load_latest` takes the newest checkpoint that loads whole (a file cut by a full disk or a
 broken copy, an empty or a foreign one is skipped with one line) and raises one line when none does.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import pickle
 
@@ -77,7 +78,7 @@ def spec(env_cfg: EnvConfig) -> EnvSpec:
 
 
 def make_vector_env(env_cfg: EnvConfig, num_envs: int) -> gym.vector.VectorEnv:
-    # functools.partial rather than a lambda: the vector env must pickle for exact resume.
+    # functools.partial: the snapshot reads the env config back from it.
     return gym.vector.SyncVectorEnv([functools.partial(make_env, env_cfg) for _ in range(num_envs)],
                                     autoreset_mode=gym.vector.AutoresetMode.SAME_STEP)
 
@@ -107,20 +108,83 @@ def _mujoco_states(vec: gym.vector.VectorEnv) -> list:
             for env in vec.envs]
 
 
+def _layers(env: gym.Env) -> list:
+    """The wrappers of one env, outermost first, then the env itself."""
+    layers = [env]
+    while isinstance(layers[-1], gym.Wrapper):
+        layers.append(layers[-1].env)
+    return layers
+
+
+def _is_plain(x) -> bool:
+    if x is None or isinstance(x, (bool, int, float, str, bytes, np.generic)):
+        return True
+    if isinstance(x, np.ndarray):
+        return x.dtype != object
+    if isinstance(x, (list, tuple)):
+        return all(_is_plain(v) for v in x)
+    if isinstance(x, dict):
+        return all(isinstance(k, (str, int)) and _is_plain(v) for k, v in x.items())
+    return False
+
+
+def _plain_state(obj) -> dict:
+    """An object's own attributes that are plain data (numbers, strings, arrays, None, containers
+    of them; the step counters, flags, buffers and physical state of gymnasium's envs, wrappers
+    and vector envs), and its numpy generators as their bit generators' states."""
+    attrs = vars(obj)
+    return {"attrs": {k: v for k, v in attrs.items() if _is_plain(v)},
+            "generators": {k: v.bit_generator.state for k, v in attrs.items() if isinstance(v, np.random.Generator)}}
+
+
+#: the bit generators a generator's saved state may name
+_BIT_GENERATORS = {c.__name__: c for c in (np.random.PCG64, np.random.PCG64DXSM, np.random.MT19937,
+                                          np.random.Philox, np.random.SFC64)}
+
+
+def _set_plain_state(obj, state: dict) -> None:
+    for key, value in state["attrs"].items():
+        setattr(obj, key, value)
+    for key, rng_state in state["generators"].items():
+        bit_generator = _BIT_GENERATORS[rng_state["bit_generator"]]()
+        bit_generator.state = rng_state
+        setattr(obj, key, np.random.Generator(bit_generator))
+
+
 def snapshot(vec: gym.vector.VectorEnv) -> bytes | None:
-    """Snapshot of a vector env (simulator state and RNGs) for exact resume, or None for envs
-    whose state does not survive pickling (Box2D worlds): those are reset on resume."""
+    """Snapshot of a vector env for exact resume, as plain data: the env config it was built from,
+    every wrapper's and env's plain attributes and generator states (:func:`_plain_state`), the
+    vector env's buffers, and MuJoCo's integration state. None for envs whose state is not plain
+    (Box2D worlds): those are reset on resume."""
     if any(hasattr(env.unwrapped, "world") for env in vec.envs):
         return None
-    try:
-        return pickle.dumps({"envs": vec, "mujoco": _mujoco_states(vec)})
-    except (pickle.PicklingError, TypeError, AttributeError):
-        return None
+    first = vec.envs[0]
+    while isinstance(first, gym.Wrapper):
+        first = first.env
+    env_cfg = vec.env_fns[0].args[0]
+    return pickle.dumps({"env_cfg": dataclasses.asdict(env_cfg), "vector": _plain_state(vec),
+                         "envs": [[_plain_state(layer) for layer in _layers(env)] for env in vec.envs],
+                         "mujoco": _mujoco_states(vec)})
+
+
+def read_snapshot(blob: bytes) -> dict:
+    """:func:`snapshot`'s dict, read running no code (plain data and numpy only)."""
+    return load_snapshot(blob, EnvConfig)
 
 
 def restore(blob: bytes) -> gym.vector.VectorEnv:
-    saved = load_snapshot(blob, EnvConfig)
-    vec = saved["envs"]
+    """The vector env of :func:`snapshot`, rebuilt from its config and set to the saved state. A
+    snapshot of an older version pickled the vector env whole: it names gymnasium's classes, so it
+    loads only under the legacy opt-in (:func:`flowrl_ray.utils.restricted_loads`)."""
+    saved = read_snapshot(blob)
+    if "env_cfg" in saved:
+        vec = make_vector_env(EnvConfig(**saved["env_cfg"]), len(saved["envs"]))
+        _set_plain_state(vec, saved["vector"])
+        for env, layers in zip(vec.envs, saved["envs"]):
+            for layer, state in zip(_layers(env), layers, strict=True):
+                _set_plain_state(layer, state)
+    else:
+        vec = saved["envs"]
     for env, state in zip(vec.envs, saved["mujoco"]):
         if state is not None:
             set_mujoco_state(env.unwrapped.model, env.unwrapped.data, state)

@@ -15,6 +15,7 @@ from torch import nn
 
 from flowrl_ray.batch import Batch, BatchMeta, flatten_obs, map_obs
 from flowrl_ray.config import EnvConfig
+from flowrl_ray.utils import restricted_loads
 
 EVAL_SEED_OFFSET = 1_000_003
 
@@ -209,15 +210,17 @@ class EnvRunner:
     # action-noise RNG and the running episode statistics. Envs the family cannot snapshot are
     # left freshly reset.
     def get_state(self) -> bytes:
-        return pickle.dumps({"generator": self.generator.get_state(), "obs": self.obs,
+        return pickle.dumps({"generator": self.generator.get_state().numpy(), "obs": self.obs,
                              "episode_return": self.episode_return,
                              "episode_length": self.episode_length,
                              "envs": self.family.snapshot(self.envs)})
 
     def set_state(self, blob: bytes) -> bool:
-        """Restore; returns False when the envs could not be restored (they stay reset)."""
-        state = pickle.loads(blob)
-        self.generator.set_state(state["generator"])
+        """Restore; returns False when the envs could not be restored (they stay reset). The
+        state is plain data (arrays, numbers, the family's snapshot as bytes): a blob that names
+        anything else is refused naming it, and nothing in it runs."""
+        state = restricted_loads(blob, "the rollout worker's state")
+        self.generator.set_state(torch.as_tensor(state["generator"]))   # older states: a tensor
         if state["envs"] is None:
             return False
         self.envs.close()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import os
+import pickle
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +30,7 @@ from flowrl_ray.batch import BatchMeta
 from flowrl_ray.checkpoint import latest_checkpoint, load_latest, save_checkpoint
 from flowrl_ray.config import Config, save_config
 from flowrl_ray.envs import EnvSpec, env_family
-from flowrl_ray.errors import TrainingError
+from flowrl_ray.errors import TrainingError, UserError
 from flowrl_ray.metrics import read_metrics, truncate_metrics
 from flowrl_ray.progress import Progress
 from flowrl_ray.runtime.cluster import init_ray
@@ -166,7 +167,10 @@ class Trainer:
         self.counters = Counters(**c)
         notes = self.learners.call("set_state", ckpt["learner"])
         states = ckpt.get("workers") or []
-        ray.get([w.set_state.remote(s) for w, s in zip(self.workers, states)])
+        try:
+            ray.get([w.set_state.remote(s) for w, s in zip(self.workers, states)])
+        except pickle.UnpicklingError as e:       # a worker's saved state names code: refused, not run
+            raise UserError(f"cannot resume {self.run_dir}: {getattr(e, 'cause', e)}") from None
         truncate_metrics(self.run_dir, self.counters.iteration)
         self._log(f"resumed from iteration {self.counters.iteration} ({self.counters.env_steps:,} env steps)")
         # A longer (or shorter) run: the algorithm's schedules go on from where they stood.

@@ -6,7 +6,8 @@ revision before the change (`flowrl-ray train made_from.yaml --run-dir RUN`):
   hyperparameters under `algo.flowsar:`; today's code reads them as the flat keys.
 - `ppo_run_before_env_sections` (revision 21f31ca): a gym run whose saved `env` section holds
   every robot key at its default, from before the robot family declared its own section; today's
-  code drops them.
+  code drops them. Its env snapshot pickles gymnasium's vector env whole: it resumes under the
+  legacy opt-in only.
 
 Each loads its checkpoint, trains on and saves its config in today's layout."""
 
@@ -47,14 +48,24 @@ def test_a_flowsar_run_saved_with_nested_keys_resumes_and_extends(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_gym_run_saved_with_the_robot_keys_resumes_and_extends(tmp_path):
+def test_a_gym_run_saved_with_the_robot_keys_resumes_and_extends(tmp_path, capsys, monkeypatch):
     from flowrl_ray.config import ROBOT_KEYS_BEFORE_SECTIONS
+    from flowrl_ray.utils import TRUST_FILES_ENV
     run = tmp_path / "run"
     shutil.copytree(FIXTURES / "ppo_run_before_env_sections", run, ignore=shutil.ignore_patterns("made_from.yaml"))
     saved = yaml.safe_load((run / "config.yaml").read_text())
     assert {k: saved["env"][k] for k in ROBOT_KEYS_BEFORE_SECTIONS} == ROBOT_KEYS_BEFORE_SECTIONS   # the old layout
     assert not hasattr(load_config(run / "config.yaml").env, "obs_mode")
 
+    # its env snapshot pickled the vector env whole (gymnasium's classes, which loading would run):
+    # refused in one line naming the class and the opt-in, the run left as it was
+    before = {p.name: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+    assert main(["train", "--resume", str(run), "train.iterations=3", "--no-tensorboard"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "gymnasium.vector.sync_vector_env.SyncVectorEnv" in err.splitlines()[-1], err
+    assert f"{TRUST_FILES_ENV}=1" in err.splitlines()[-1]
+    assert {p.name: p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()} == before
+    monkeypatch.setenv(TRUST_FILES_ENV, "1")          # the legacy opt-in: a run you made yourself
     assert main(["train", "--resume", str(run), "train.iterations=3", "--no-tensorboard"]) == 0
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [1, 2, 3] and rows[2]["env_steps"] == 3 * 32

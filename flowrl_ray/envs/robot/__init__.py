@@ -31,7 +31,7 @@ import gymnasium as gym
 import numpy as np
 
 from flowrl_ray.config import ConfigError
-from flowrl_ray.envs import EnvSpec, load_snapshot
+from flowrl_ray.envs import EnvSpec, load_snapshot, snapshot_classes
 from flowrl_ray.envs.robomimic_data import NormStats, env_args, read_stats
 from flowrl_ray.envs.robot import perturb
 from flowrl_ray.envs.robot.config import PerturbConfig, RobotEnvConfig
@@ -41,7 +41,7 @@ from flowrl_ray.envs.robot.env import (ACTION_DIM, CAMERAS, LOW_DIM_KEYS, PROPRI
 __all__ = ["ACTION_DIM", "LOW_DIM_KEYS", "PROPRIO_KEYS", "TASKS", "PerturbConfig", "RobotEnv", "RobotEnvConfig",
            "Task", "config_class", "get_task",
            "check_config", "check_video", "load_norm", "spec", "observation_shapes", "make_env",
-           "make_vector_env", "episode_success", "step_grasped", "start_seeds", "snapshot", "restore"]
+           "make_vector_env", "episode_success", "step_grasped", "start_seeds", "snapshot", "read_snapshot", "restore"]
 
 #: the family's env section (flowrl_ray.envs: a family may declare its own)
 config_class = RobotEnvConfig
@@ -199,8 +199,14 @@ def snapshot(vec: gym.vector.VectorEnv) -> bytes:
                          "envs": [env.get_state() for env in vec.envs]})
 
 
+def read_snapshot(blob: bytes) -> dict:
+    """:func:`snapshot`'s dict, read running no code: plain data, numpy and this family's config
+    dataclasses only (anything else is refused naming it)."""
+    return load_snapshot(blob, RobotEnvConfig, snapshot_classes(PerturbConfig, NormStats))
+
+
 def restore(blob: bytes) -> gym.vector.VectorEnv:
-    saved = load_snapshot(blob, RobotEnvConfig)
+    saved = read_snapshot(blob)
     group = saved["envs"][0].get("start", {}).get("start_group", 1)     # older snapshots: ungrouped
     vec = _vector_env(saved["env_cfg"], saved["norm"], len(saved["envs"]), group)
     for env, state in zip(vec.envs, saved["envs"]):
