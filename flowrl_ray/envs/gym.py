@@ -158,10 +158,7 @@ def snapshot(vec: gym.vector.VectorEnv) -> bytes | None:
     (Box2D worlds): those are reset on resume."""
     if any(hasattr(env.unwrapped, "world") for env in vec.envs):
         return None
-    first = vec.envs[0]
-    while isinstance(first, gym.Wrapper):
-        first = first.env
-    env_cfg = vec.env_fns[0].args[0]
+    env_cfg = vec.env_fns[0].args[0]                 # the functools.partial(make_env, env_cfg) it was built from
     return pickle.dumps({"env_cfg": dataclasses.asdict(env_cfg), "vector": _plain_state(vec),
                          "envs": [[_plain_state(layer) for layer in _layers(env)] for env in vec.envs],
                          "mujoco": _mujoco_states(vec)})
