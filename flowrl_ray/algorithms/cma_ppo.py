@@ -89,7 +89,6 @@ def resample_mirrored(batch: dict[str, torch.Tensor], num_positive: int, generat
 
 
 class CMAPPO(EnvStepAlgorithm):
-    name = "cma_ppo"
     config_class = CMAPPOConfig
     data_parallel = True              # runtime.num_learners > 1: each rank a share of each minibatch
 

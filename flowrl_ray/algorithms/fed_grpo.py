@@ -273,7 +273,6 @@ def fed_advantages_delta(force_traces: torch.Tensor, energy_traces: torch.Tensor
 # ---------------------------------------------------------------------- the algorithm
 
 class FEDGRPO(GroupAlgorithm):
-    name = "fed_grpo"
     config_class = FEDGRPOConfig
     pretrain_config_class = EDMPretrainConfig
     data_parallel = True              # runtime.num_learners > 1: each rank samples and trains whole groups

@@ -189,7 +189,6 @@ def warn_if_cut(lm, tasks: list, catalog, max_prompt_len: int, gen_length: int, 
 
 
 class FlowGRPO(GroupAlgorithm):
-    name = "flow_grpo"
     config_class = FlowGRPOConfig
     pretrain_config_class = TextSFTPretrainConfig
     data_parallel = True              # runtime.num_learners > 1: each rank samples and trains whole groups

@@ -392,7 +392,6 @@ def ema_coefficient(iteration: int, schedule: str, ema_beta: float = 0.995, eta_
 # --------------------------------------------------------------------------- the algorithm
 
 class FlowSAR(EnvStepAlgorithm):
-    name = "flowsar"
     config_class = FlowSARConfig
     data_parallel = True              # runtime.num_learners > 1: each rank a share of each minibatch
     pretrain_config_class = FlowBCPretrainConfig

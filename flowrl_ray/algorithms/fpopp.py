@@ -138,7 +138,6 @@ def fpopp_objective(ratios: torch.Tensor, advantages: torch.Tensor, clip: float,
 
 
 class FPOPP(EnvStepAlgorithm):
-    name = "fpopp"
     config_class = FPOPPConfig
     pretrain_config_class = FlowBCPretrainConfig
     data_parallel = True              # runtime.num_learners > 1: actor_critic_epochs splits minibatches

@@ -67,7 +67,6 @@ class PPOBatch:
 
 
 class PPO(EnvStepAlgorithm):
-    name = "ppo"
     config_class = PPOConfig
     data_parallel = True              # runtime.num_learners > 1: each rank a share of each minibatch
 

@@ -186,7 +186,6 @@ def make_noisy_flow_policy(cfg: Config, spec: EnvSpec) -> NoisyFlowPolicy:
 
 
 class ReinFlow(EnvStepAlgorithm):
-    name = "reinflow"
     config_class = ReinFlowConfig
     pretrain_config_class = FlowBCPretrainConfig
     data_parallel = True              # runtime.num_learners > 1: actor_critic_epochs splits minibatches
