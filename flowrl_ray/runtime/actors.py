@@ -22,21 +22,22 @@ from flowrl_ray.utils import default_device, seed_everything, worker_seed
 
 class _Worker:
     """What both rollout actors share: their seed (a restarted worker gets fresh env seeds), the
-    runner's state for an exact resume, the process id."""
+    state of what they hold for an exact resume (``_resumable``: the env runner of a
+    RolloutWorker, the scorer of a ScoringWorker), the process id."""
 
     def __init__(self, cfg: Config, worker_id: int, restarts: int):
         torch.set_num_threads(cfg.runtime.torch_threads)
         self.seed = worker_seed(cfg.seed, worker_id, restarts)
         seed_everything(self.seed)
         self.worker_id = worker_id
-        self.runner: Any = None
+        self._resumable: Any = None
 
     def get_state(self) -> bytes | None:
-        get = getattr(self.runner, "get_state", None)
+        get = getattr(self._resumable, "get_state", None)
         return get() if get else None
 
     def set_state(self, blob: bytes | None) -> bool:
-        return bool(blob is not None and hasattr(self.runner, "set_state") and self.runner.set_state(blob))
+        return bool(blob is not None and hasattr(self._resumable, "set_state") and self._resumable.set_state(blob))
 
     def pid(self) -> int:
         return os.getpid()
@@ -51,8 +52,8 @@ class RolloutWorker(_Worker):
     def __init__(self, cfg: Config, spec: EnvSpec, worker_id: int, restarts: int = 0):
         super().__init__(cfg, worker_id, restarts)
         policy = get_algorithm(cfg.algorithm).make_policy(cfg, spec)
-        self.runner = EnvRunner(env_family(cfg.env.family), cfg.env, cfg.runtime.envs_per_worker,
-                                self.seed, policy, worker_id)
+        self.runner = self._resumable = EnvRunner(env_family(cfg.env.family), cfg.env, cfg.runtime.envs_per_worker,
+                                                  self.seed, policy, worker_id)
         self.rollout_length = cfg.runtime.rollout_length
         self.eval_sampling = cfg.eval.sampling
         self.video = (cfg.eval.video.camera, cfg.eval.video.size)
@@ -88,7 +89,7 @@ class ScoringWorker(_Worker):
 
     def __init__(self, cfg: Config, spec: EnvSpec, worker_id: int, restarts: int = 0):
         super().__init__(cfg, worker_id, restarts)
-        self.runner = env_family(cfg.env.family).make_scorer(cfg.env, self.seed, worker_id)
+        self.scorer = self._resumable = env_family(cfg.env.family).make_scorer(cfg.env, self.seed, worker_id)
 
     @ray.method(num_returns=2)
     def score(self, chunk: dict) -> tuple[BatchMeta, Batch]:
@@ -96,7 +97,7 @@ class ScoringWorker(_Worker):
         with snapshots N > 0 the scorer also pictures the samples whose id is below N."""
         t0 = time.perf_counter()
         n = chunk.get("snapshots", 0)
-        batch = self.runner.score(chunk["samples"], snapshots=n) if n else self.runner.score(chunk["samples"])
+        batch = self.scorer.score(chunk["samples"], snapshots=n) if n else self.scorer.score(chunk["samples"])
         batch.meta.policy_version, batch.meta.worker_id = chunk["policy_version"], self.worker_id
         batch.meta.sample_time_s = time.perf_counter() - t0
         return batch.meta, batch
