@@ -28,23 +28,19 @@ eps = 0 ("zero-sampling", ``eval.sampling: zero``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Literal, Optional
 
-import numpy as np
 import torch
 
-from flowrl_ray.algorithms.advantages import explained_variance, normalize
-from flowrl_ray.algorithms.base import EnvStepAlgorithm
-from flowrl_ray.models.flow_policy import (check_base_policy, check_flow_arch, executed_row_mask, image_shape,
-                                               load_base_policy, make_flow_policy, records_old_losses)
-from flowrl_ray.optim import load_scheduler, lr_multiplier
+from flowrl_ray.algorithms.advantages import normalize
+from flowrl_ray.algorithms.flow_actor_critic import FlowActorCritic
 from flowrl_ray.algorithms.losses import approx_kl, aspo_objective, ppo_clip_objective, value_loss
-from flowrl_ray.algorithms.onpolicy import actor_critic_epochs, advantages_from_rollouts, critic_values
+from flowrl_ray.algorithms.onpolicy import advantages_from_rollouts
 from flowrl_ray.batch import Batch, map_obs
-from flowrl_ray.config import Config, ConfigError, FlowBCPretrainConfig, check, check_layer_sizes, check_minibatch_size
+from flowrl_ray.config import Config, ConfigError, check
 from flowrl_ray.envs import EnvSpec
-from flowrl_ray.models.flow import FlowPolicy, ValueMLP, random_shift, sum_rows
-
+from flowrl_ray.models.flow import FlowPolicy, random_shift, sum_rows
+from flowrl_ray.models.flow_policy import image_shape, make_flow_policy, records_old_losses
 
 @dataclass
 class FPOPPConfig:
@@ -137,21 +133,14 @@ def fpopp_objective(ratios: torch.Tensor, advantages: torch.Tensor, clip: float,
     return aspo_objective(ratios, adv, clip) if use_aspo else ppo_clip_objective(ratios, adv, clip)
 
 
-class FPOPP(EnvStepAlgorithm):
+class FPOPP(FlowActorCritic):
     config_class = FPOPPConfig
-    pretrain_config_class = FlowBCPretrainConfig
-    data_parallel = True              # runtime.num_learners > 1: actor_critic_epochs splits minibatches
+    prefix, title = "fpopp", "FPO++"
 
-    @staticmethod
-    def validate_config(cfg: Config) -> None:
+    @classmethod
+    def validate_config(cls, cfg: Config) -> None:
         c: FPOPPConfig = cfg.algo
-        check_layer_sizes(c.hidden_sizes, "algo.hidden_sizes")
-        check_layer_sizes(c.critic_hidden_sizes, "algo.critic_hidden_sizes")
-        check_flow_arch(cfg)
-        check_minibatch_size(cfg, c.minibatch_size)
-        if cfg.env.family == "gym":
-            raise ConfigError("config key 'env.family': FPO++ emits action chunks [horizon_steps, A]; "
-                              "the gym family takes single actions (use the robot family)")
+        cls.check_flow_config(cfg)
         if c.augment and cfg.runtime.mode == "async" and image_shape(cfg) is not None:
             raise ConfigError("config key 'algo.augment': async rollout workers record the old CFM "
                               "losses on un-augmented images (the learner no longer holds their "
@@ -162,51 +151,18 @@ class FPOPP(EnvStepAlgorithm):
                               f"{c.minibatch_size}-sample minibatch")
 
     @staticmethod
-    def preflight(cfg: Config, spec: EnvSpec) -> None:
-        check_base_policy(cfg)
-
-    def __init__(self, cfg: Config, spec: EnvSpec, device: torch.device):
-        super().__init__(cfg, spec, device)
-        c: FPOPPConfig = cfg.algo
-        self.c = c
-        self._policy = self.make_policy(cfg, spec).to(device)
-        if c.base_policy is not None:
-            self._policy.load_state_dict(load_base_policy(c.base_policy)["policy"])
-        self.critic = ValueMLP(spec.obs_dim, c.critic_hidden_sizes, image_shape(cfg), c.feature_dim).to(device)
-        self.actor_opt = torch.optim.AdamW(self._policy.parameters(), lr=c.lr, weight_decay=c.weight_decay)
-        self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=c.critic_lr, weight_decay=c.weight_decay)
-        # The actor's schedule counts its own iterations: it starts after the critic warm-up,
-        # so it has that many fewer to reach its end (its warm-up counts actor iterations too).
-        actor_iterations = max(1, cfg.train.iterations - c.critic_warmup_iters)
-        actor_schedule = lr_multiplier(c.lr_schedule, actor_iterations, c.lr_warmup_iters)
-        critic_schedule = lr_multiplier(c.lr_schedule, cfg.train.iterations)
-        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(self.actor_opt, actor_schedule),
-                           torch.optim.lr_scheduler.LambdaLR(self.critic_opt, critic_schedule)]
-        self.generator = torch.Generator().manual_seed(cfg.seed)      # minibatch shuffling, image shifts
-        self.iteration = 0
-        self.skipped_updates = 0
-
-    @staticmethod
     def make_policy(cfg: Config, spec: EnvSpec) -> FlowPolicy:
         return make_flow_policy(cfg, spec)
 
-    @property
-    def policy(self) -> FlowPolicy:
-        return self._policy
-
-    def values(self, obs) -> torch.Tensor:
-        """V(o) for obs [T, N, ...] (or [K, ...]) -> [T, N] (or [K])."""
-        return critic_values(self.critic, obs)
+    def _grad_accumulation(self) -> int:
+        return self.c.grad_accumulation
 
     # ------------------------------------------------------------------ prepare
     def prepare(self, batches: list[Batch]) -> dict:
         c = self.c
         b = advantages_from_rollouts(batches, self.values, c.gamma, c.gae_lambda, c.reward_scale, self.device,
                                      c.bootstrap_truncated)
-        # Only the rows the env executed carry the ratio: the others never met a reward.
-        m = b["advantages"].shape[0]
-        b["row_mask"] = executed_row_mask(b.pop("executed_rows", None), m, self.cfg.env.horizon_steps,
-                                          self.cfg.env.act_steps, self.device)            # [M, Ta]
+        self._add_row_mask(b)                                                             # [M, Ta]
         if isinstance(b["obs"], dict) and c.augment:
             b["obs"]["rgb"] = self._shifted(b["obs"]["rgb"])
         if records_old_losses(self.cfg):              # async: the worker's per-row losses
@@ -264,57 +220,3 @@ class FPOPP(EnvStepAlgorithm):
                      "cfm_clamped_frac": (new > c.cfm_loss_clamp).float().mean() if c.cfm_loss_clamp > 0
                      else torch.zeros(())}
         return pg_loss + c.vf_coef * v_loss, stats
-
-    def update(self, b: dict) -> dict[str, float]:
-        c, m = self.c, b["advantages"].shape[0]
-        train_actor = self.iteration >= c.critic_warmup_iters
-        # Actor and critic each clipped by their own norm (the release clips both separately):
-        # a large critic gradient does not shrink the actor's step.
-        run = actor_critic_epochs(m, lambda idx, mb, actor: self._losses(b, idx, mb, actor), self.actor_opt,
-                                  self.critic_opt, epochs=c.epochs, minibatch_size=c.minibatch_size,
-                                  generator=self.generator, device=self.device, max_grad_norm=c.max_grad_norm,
-                                  train_actor=train_actor, target_kl=c.target_kl,
-                                  grad_accumulation=c.grad_accumulation)
-        self.skipped_updates += run.skipped
-        stats, actor_steps, critic_steps, early_stop = run.stats, run.actor_steps, run.critic_steps, run.early_stop
-        lrs = {"fpopp/actor_lr": self.actor_opt.param_groups[0]["lr"],
-               "fpopp/critic_lr": self.critic_opt.param_groups[0]["lr"]}
-        # The actor's schedule starts with its first step (after the critic warm-up).
-        for opt, sched in zip((self.actor_opt, self.critic_opt), self.schedulers):
-            if opt is self.critic_opt or train_actor:
-                sched.step()
-        self.iteration += 1
-        grad_norms = {f"fpopp/{k}": float(np.mean(stats[k])) if k in stats else float("nan")
-                      for k in ("grad_norm", "actor_grad_norm", "critic_grad_norm")}   # before clipping
-        # The metric names of the FPO++ paper's logs, unprefixed; the rest under fpopp/.
-        out = {k: float(np.mean(v)) for k, v in stats.items() if not k.endswith("grad_norm")}
-        out.update(lrs)
-        out.update(grad_norms)
-        out.update({"fpopp/explained_variance": explained_variance(b["returns"], b["values_old"]),
-                    "fpopp/actor_steps": actor_steps,
-                    "fpopp/critic_steps": critic_steps,
-                    "fpopp/early_stopped": float(early_stop), "fpopp/actor_frozen": float(not train_actor),
-                    "fpopp/skipped_updates": self.skipped_updates,
-                    "fpopp/advantage_mean": float(b["advantages"].mean()),
-                    "fpopp/advantage_std": float(b["advantages"].std()),
-                    "fpopp/return_mean": float(b["returns"].mean())})
-        return out
-
-    # ------------------------------------------------------------------ state
-    def state_dict(self) -> dict[str, Any]:
-        return {"policy": self._policy.state_dict(), "critic": self.critic.state_dict(),
-                "actor_opt": self.actor_opt.state_dict(), "critic_opt": self.critic_opt.state_dict(),
-                "schedulers": [s.state_dict() for s in self.schedulers],
-                "generator": self.generator.get_state(), "iteration": self.iteration,
-                "skipped_updates": self.skipped_updates}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._policy.load_state_dict(state["policy"])
-        self.critic.load_state_dict(state["critic"])
-        self.actor_opt.load_state_dict(state["actor_opt"])
-        self.critic_opt.load_state_dict(state["critic_opt"])
-        actor, critic = self.schedulers
-        self.resume_notes = tuple(load_scheduler(actor, state["schedulers"][0], "fpopp actor lr", "actor iteration")
-                                  + load_scheduler(critic, state["schedulers"][1], "fpopp critic lr"))
-        self.generator.set_state(state["generator"])
-        self.iteration, self.skipped_updates = state["iteration"], state["skipped_updates"]

@@ -45,20 +45,17 @@ from typing import Any, Literal, Optional
 import numpy as np
 import torch
 
-from flowrl_ray.algorithms.advantages import explained_variance, group_advantages, normalize
+from flowrl_ray.algorithms.advantages import group_advantages, normalize
 from flowrl_ray.algorithms.episodes import EpisodeAssembler, StartGroups, episode_obs
-from flowrl_ray.algorithms.base import EnvStepAlgorithm
-from flowrl_ray.models.flow_policy import (check_base_policy, check_flow_arch, executed_row_mask, image_shape,
-                                         load_base_policy)
+from flowrl_ray.algorithms.flow_actor_critic import FlowActorCritic
 from flowrl_ray.algorithms.losses import approx_kl, ppo_clip_objective, value_loss
-from flowrl_ray.algorithms.onpolicy import actor_critic_epochs, advantages_from_rollouts, critic_values
+from flowrl_ray.algorithms.onpolicy import advantages_from_rollouts
 from flowrl_ray.batch import Batch, map_obs
-from flowrl_ray.config import Config, ConfigError, FlowBCPretrainConfig, check, check_layer_sizes, check_minibatch_size
+from flowrl_ray.config import Config, ConfigError, check, check_layer_sizes
 from flowrl_ray.envs import EnvSpec
-from flowrl_ray.models.flow import FLOW_ARCH_DEFAULTS, FlowPolicy, Obs, ValueMLP, obs_batch_size
+from flowrl_ray.models.flow import FLOW_ARCH_DEFAULTS, FlowPolicy, Obs, obs_batch_size
+from flowrl_ray.models.flow_policy import image_shape
 from flowrl_ray.models.noisy_flow import NoiseStdNet, chain_entropy, chain_log_prob, noisy_flow_sample
-from flowrl_ray.optim import load_scheduler, lr_multiplier
-
 
 @dataclass
 class ReinFlowConfig:
@@ -185,22 +182,15 @@ def make_noisy_flow_policy(cfg: Config, spec: EnvSpec) -> NoisyFlowPolicy:
                            **{k: getattr(c, k) for k in FLOW_ARCH_DEFAULTS})
 
 
-class ReinFlow(EnvStepAlgorithm):
+class ReinFlow(FlowActorCritic):
     config_class = ReinFlowConfig
-    pretrain_config_class = FlowBCPretrainConfig
-    data_parallel = True              # runtime.num_learners > 1: actor_critic_epochs splits minibatches
+    prefix, title = "reinflow", "ReinFlow"
 
-    @staticmethod
-    def validate_config(cfg: Config) -> None:
+    @classmethod
+    def validate_config(cls, cfg: Config) -> None:
         c: ReinFlowConfig = cfg.algo
-        check_layer_sizes(c.hidden_sizes, "algo.hidden_sizes")
-        check_layer_sizes(c.critic_hidden_sizes, "algo.critic_hidden_sizes")
+        cls.check_flow_config(cfg)
         check_layer_sizes(c.noise_hidden_sizes, "algo.noise_hidden_sizes")
-        check_flow_arch(cfg)
-        check_minibatch_size(cfg, c.minibatch_size)
-        if cfg.env.family == "gym":
-            raise ConfigError("config key 'env.family': ReinFlow emits action chunks [horizon_steps, A]; "
-                              "the gym family takes single actions (use the robot family)")
         if c.advantage == "group" and getattr(cfg.env, "start_group", 1) < 2:
             raise ConfigError("config key 'algo.advantage': 'group' needs groups of episodes from one start "
                               "state: set env.start_group to the group size K >= 2 (a divisor of "
@@ -209,38 +199,12 @@ class ReinFlow(EnvStepAlgorithm):
             raise ConfigError(f"config key 'algo.min_noise_std': {c.min_noise_std} is above "
                               f"algo.max_noise_std {c.max_noise_std}")
 
-    @staticmethod
-    def preflight(cfg: Config, spec: EnvSpec) -> None:
-        check_base_policy(cfg)
-
     def __init__(self, cfg: Config, spec: EnvSpec, device: torch.device):
         super().__init__(cfg, spec, device)
         c: ReinFlowConfig = cfg.algo
-        self.c = c
-        self._policy = self.make_policy(cfg, spec).to(device)
-        if c.base_policy is not None:
-            self._policy.load_base(load_base_policy(c.base_policy)["policy"])
-        self.critic = ValueMLP(spec.obs_dim, c.critic_hidden_sizes, image_shape(cfg), c.feature_dim).to(device)
-        noise_params = list(self._policy.noise.parameters())
-        flow_params = [p for n, p in self._policy.named_parameters() if not n.startswith("noise.")]
-        # one optimiser for the actor (its grad norm is clipped as one), the velocity and the
-        # noise network in two groups with their own learning rates
-        self.actor_opt = torch.optim.AdamW(
-            [{"params": flow_params, "lr": c.lr},
-             {"params": noise_params, "lr": c.noise_lr if c.noise_lr is not None else c.lr}],
-            weight_decay=c.weight_decay)
-        self.critic_opt = torch.optim.AdamW(self.critic.parameters(), lr=c.critic_lr, weight_decay=c.weight_decay)
-        actor_iterations = max(1, cfg.train.iterations - c.critic_warmup_iters)
-        actor_schedule = lr_multiplier(c.lr_schedule, actor_iterations, c.lr_warmup_iters)
-        critic_schedule = lr_multiplier(c.lr_schedule, cfg.train.iterations)
-        self.schedulers = [torch.optim.lr_scheduler.LambdaLR(self.actor_opt, actor_schedule),
-                           torch.optim.lr_scheduler.LambdaLR(self.critic_opt, critic_schedule)]
         # s: 1, or the release's 1 / ((K + 1) Ta Da)
         self.scale = 1.0 if c.logprob_scale == "joint" else \
             1.0 / ((c.flow_steps + 1) * cfg.env.act_steps * spec.action_dim)
-        self.generator = torch.Generator().manual_seed(cfg.seed)      # minibatch shuffling
-        self.iteration = 0
-        self.skipped_updates = 0
         self.groups = self.assembler = None
         if c.advantage == "group":                    # whole episodes, whole start groups
             self.assembler = EpisodeAssembler(step_keys=("chains", "logp_old", "executed_rows", "start_seed"))
@@ -250,13 +214,24 @@ class ReinFlow(EnvStepAlgorithm):
     def make_policy(cfg: Config, spec: EnvSpec) -> NoisyFlowPolicy:
         return make_noisy_flow_policy(cfg, spec)
 
-    @property
-    def policy(self) -> NoisyFlowPolicy:
-        return self._policy
+    def _load_base(self, state: dict[str, torch.Tensor]) -> None:
+        self._policy.load_base(state)                 # the noise network keeps its init
 
-    def values(self, obs) -> torch.Tensor:
-        """V(o) for obs [T, N, ...] (or [K, ...]) -> [T, N] (or [K])."""
-        return critic_values(self.critic, obs)
+    def _actor_param_groups(self) -> list[dict]:
+        # one optimiser for the actor (its grad norm is clipped as one), the velocity and the
+        # noise network in two groups with their own learning rates
+        c = self.c
+        noise_params = list(self._policy.noise.parameters())
+        flow_params = [p for n, p in self._policy.named_parameters() if not n.startswith("noise.")]
+        return [{"params": flow_params, "lr": c.lr},
+                {"params": noise_params, "lr": c.noise_lr if c.noise_lr is not None else c.lr}]
+
+    def _actor_trains(self) -> bool:
+        return super()._actor_trains() or self.c.advantage == "group"      # no critic to warm up
+
+    def _learning_rates(self) -> dict[str, float]:
+        return {"actor_lr": self.actor_opt.param_groups[0]["lr"], "noise_lr": self.actor_opt.param_groups[1]["lr"],
+                "critic_lr": self.critic_opt.param_groups[0]["lr"]}
 
     # ------------------------------------------------------------------ prepare
     def prepare(self, batches: list[Batch]) -> dict | None:
@@ -268,9 +243,7 @@ class ReinFlow(EnvStepAlgorithm):
         else:
             b = advantages_from_rollouts(batches, self.values, c.gamma, c.gae_lambda, c.reward_scale, self.device,
                                          c.bootstrap_truncated)
-        m = b["advantages"].shape[0]
-        b["row_mask"] = executed_row_mask(b.pop("executed_rows", None), m, self.cfg.env.horizon_steps,
-                                          self.cfg.env.act_steps, self.device)            # [M, Ta]
+        self._add_row_mask(b)                                                             # [M, Ta]
         if "logp_old" in b:                            # async: the worker's per-row log-probs
             b["logp_old"] = (b["logp_old"] * b["row_mask"]).sum(-1)                        # [M]
         else:                                          # sync: these weights sampled the batch
@@ -339,58 +312,22 @@ class ReinFlow(EnvStepAlgorithm):
     def update(self, b: dict | None) -> dict[str, float]:
         if b is None:                                  # advantage group: the groups still running
             return {f"reinflow/{n}": v for n, v in self.groups.stats.items()}
-        c, m = self.c, b["advantages"].shape[0]
-        train_actor = self.iteration >= c.critic_warmup_iters or c.advantage == "group"   # no critic to warm up
-        run = actor_critic_epochs(m, lambda idx, mb, actor: self._losses(b, idx, mb, actor), self.actor_opt,
-                                  self.critic_opt, epochs=c.epochs, minibatch_size=c.minibatch_size,
-                                  generator=self.generator, device=self.device, max_grad_norm=c.max_grad_norm,
-                                  train_actor=train_actor, target_kl=c.target_kl)
-        self.skipped_updates += run.skipped
-        stats = run.stats
-        lrs = {"reinflow/actor_lr": self.actor_opt.param_groups[0]["lr"],
-               "reinflow/noise_lr": self.actor_opt.param_groups[1]["lr"],
-               "reinflow/critic_lr": self.critic_opt.param_groups[0]["lr"]}
-        for opt, sched in zip((self.actor_opt, self.critic_opt), self.schedulers):
-            if opt is self.critic_opt or train_actor:
-                sched.step()
-        self.iteration += 1
-        out = {k: float(np.mean(v)) for k, v in stats.items() if not k.endswith("grad_norm")}
-        out.update(lrs)
-        out.update({f"reinflow/{k}": float(np.mean(stats[k])) if k in stats else float("nan")
-                    for k in ("grad_norm", "actor_grad_norm", "critic_grad_norm")})
-        out.update({"reinflow/explained_variance": explained_variance(b["returns"], b["values_old"]),
-                    "reinflow/actor_steps": run.actor_steps, "reinflow/critic_steps": run.critic_steps,
-                    "reinflow/early_stopped": float(run.early_stop), "reinflow/actor_frozen": float(not train_actor),
-                    "reinflow/skipped_updates": self.skipped_updates,
-                    "reinflow/advantage_mean": float(b["advantages"].mean()),
-                    "reinflow/advantage_std": float(b["advantages"].std()),
-                    "reinflow/return_mean": float(b["returns"].mean())})
-        if c.advantage == "group":                     # no critic: no explained variance or returns
+        return super().update(b)
+
+    def _finish_metrics(self, out: dict[str, float], b: dict) -> None:
+        if self.c.advantage == "group":                # no critic: no explained variance or returns
             for key in ("reinflow/explained_variance", "reinflow/return_mean"):
                 out.pop(key)
             out.update(b["group_stats"])
-        return out
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        return {"policy": self._policy.state_dict(), "critic": self.critic.state_dict(),
-                "actor_opt": self.actor_opt.state_dict(), "critic_opt": self.critic_opt.state_dict(),
-                "schedulers": [s.state_dict() for s in self.schedulers],
-                "generator": self.generator.get_state(), "iteration": self.iteration,
-                "skipped_updates": self.skipped_updates,
+        return {**super().state_dict(),
                 **({"assembler": self.assembler.state_dict(), "groups": self.groups.state_dict()}
                    if self.groups is not None else {})}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._policy.load_state_dict(state["policy"])
-        self.critic.load_state_dict(state["critic"])
-        self.actor_opt.load_state_dict(state["actor_opt"])
-        self.critic_opt.load_state_dict(state["critic_opt"])
-        actor, critic = self.schedulers
-        self.resume_notes = tuple(load_scheduler(actor, state["schedulers"][0], "reinflow actor lr", "actor iteration")
-                                  + load_scheduler(critic, state["schedulers"][1], "reinflow critic lr"))
-        self.generator.set_state(state["generator"])
-        self.iteration, self.skipped_updates = state["iteration"], state["skipped_updates"]
+        super().load_state_dict(state)
         if self.groups is not None and "groups" in state:
             self.assembler.load_state_dict(state["assembler"])
             self.groups.load_state_dict(state["groups"])
