@@ -38,21 +38,23 @@ from ray.exceptions import GetTimeoutError, RayError
 from flowrl_ray.batch import BatchMeta
 from flowrl_ray.config import Config, ConfigError
 from flowrl_ray.runtime.actors import RolloutWorker, ScoringWorker
+from flowrl_ray.runtime.handles import EvalMedia, ResumableLearner, WorkerPool
 
 
 class Rollouts(ABC):
     """The strategy's contract (see the module docstring). ``worker_class`` is the Ray actor the
-    Trainer starts ``runtime.num_workers`` of; the Trainer keeps the workers, their restarts
-    (``Trainer._restart_worker``), the wait for batches (``Trainer._collect``) and the learner."""
+    Trainer starts ``runtime.num_workers`` of. A strategy is handed narrow parts of the driver
+    (``runtime/handles.py``): the worker pool (its actors, their restarts, the wait for batches),
+    the learner's calls, the evaluation's media and the counters; it never sees the Trainer."""
 
     worker_class = None
     #: whether sampled batches stay usable when the learner is replaced (group algorithms keep
     #: what their update needs on the learner that generated them)
     batches_outlive_learner = True
 
-    def __init__(self, trainer):
-        """trainer: the ``Trainer`` that drives this strategy (not imported here: it imports this)."""
-        self.trainer, self.cfg = trainer, trainer.cfg
+    def __init__(self, cfg: Config, workers: WorkerPool, learner: ResumableLearner, media: EvalMedia, counters):
+        """counters: the Trainer's ``Counters`` (iteration, learner restarts, dropped batches)."""
+        self.cfg, self.workers, self.learner, self.media, self.counters = cfg, workers, learner, media, counters
 
     @staticmethod
     def check_config(cfg: Config, family) -> None:
@@ -92,8 +94,8 @@ def _by_worker(metas: list[BatchMeta], refs: list) -> tuple[list[BatchMeta], lis
 class EnvStepRollouts(Rollouts):
     worker_class = RolloutWorker
 
-    def __init__(self, trainer):
-        super().__init__(trainer)
+    def __init__(self, *parts):
+        super().__init__(*parts)
         self.weights_ref = None
         self.version = 0
         self._inflight: dict = {}     # meta ref -> (worker index, batch ref, None), async mode
@@ -114,40 +116,40 @@ class EnvStepRollouts(Rollouts):
     # ------------------------------------------------------------------ weights
     def publish(self) -> int:
         """One ray.put of the new weights (by the learner); every worker gets the same ref."""
-        refs, self.version = self.trainer._learner_call("publish")
+        refs, self.version = self.learner.call("publish")
         self.weights_ref = refs[0]
         self._update_pending = False
-        for w in self.trainer.workers:
+        for w in self.workers:
             w.set_weights.remote(self.weights_ref, self.version)
         return self.version
 
     def worker_restarted(self, index: int) -> None:
-        self.trainer.workers[index].set_weights.remote(self.weights_ref, self.version)
+        self.workers[index].set_weights.remote(self.weights_ref, self.version)
 
     def checkpoint_part(self) -> dict:
         """The published weights, which ``eval``, ``serve`` and the protocol load."""
-        return {"policy": self.trainer._learner_call("policy_weights")}
+        return {"policy": self.learner.call("policy_weights")}
 
     # ------------------------------------------------------------------ sampling
     def _issue(self, index: int) -> None:
-        meta_ref, batch_ref = self.trainer.workers[index].sample.remote()
+        meta_ref, batch_ref = self.workers[index].sample.remote()
         self._inflight[meta_ref] = (index, batch_ref, None)
 
     def sample(self) -> tuple[list[BatchMeta], list]:
-        t, rt = self.trainer, self.cfg.runtime
-        n = len(t.workers)
+        rt = self.cfg.runtime
+        n = len(self.workers)
         if rt.mode == "sync":
             self._inflight = {}
             for i in range(n):
                 self._issue(i)
-            metas, refs = t._collect(self._inflight, n)
+            metas, refs = self.workers.collect(self._inflight, n)
             self._inflight = {}
             return _by_worker(metas, refs)
         # async: every worker samples ahead as far as pacing allows (_refill); the update takes
         # each worker's oldest batch
         self._refill()
         while self._inflight and any(not self._ready[i] for i in range(n)):
-            for meta, ref in zip(*t._collect(self._inflight, 1)):
+            for meta, ref in zip(*self.workers.collect(self._inflight, 1)):
                 self._ready[meta.worker_id].append((meta, ref))
             self._refill()                                   # the worker samples on (or a restarted one)
         metas, refs = [], []
@@ -156,7 +158,7 @@ class EnvStepRollouts(Rollouts):
                 continue
             meta, ref = self._ready[i].popleft()
             if self.version - meta.policy_version > rt.max_staleness:   # pacing makes this never happen
-                t.counters.dropped_batches += 1
+                self.counters.dropped_batches += 1
                 continue
             metas.append(meta)
             refs.append(ref)
@@ -169,7 +171,7 @@ class EnvStepRollouts(Rollouts):
         used by the update after the one in progress (if any) and after the worker's batches that
         wait, and then be that many versions old; it may start when that is <= max_staleness."""
         busy = {index for index, _, _ in self._inflight.values()}
-        for i in range(len(self.trainer.workers)):
+        for i in range(len(self.workers)):
             lag = int(self._update_pending) + len(self._ready[i])
             if i not in busy and lag <= self.cfg.runtime.max_staleness:
                 self._issue(i)
@@ -183,26 +185,25 @@ class EnvStepRollouts(Rollouts):
     def evaluate(self) -> dict:
         """``eval.episodes`` episodes shared among the workers (their own eval envs), the first
         ``eval.video.episodes`` filmed where an evaluation is due for videos."""
-        t = self.trainer
-        episodes, n = self.cfg.eval.episodes, len(t.workers)
+        episodes, n = self.cfg.eval.episodes, len(self.workers)
         shares = [episodes // n + (i < episodes % n) for i in range(n)]
         # Videos of the first eval.video.episodes episodes, taken from the first workers' shares.
-        wanted = t._video_episodes()
+        wanted = self.media.video_episodes()
         videos = [min(s, max(0, wanted - sum(shares[:i]))) for i, s in enumerate(shares)]
-        refs = {t.workers[i].evaluate.remote(s, videos[i]): i for i, s in enumerate(shares) if s > 0}
+        refs = {self.workers[i].evaluate.remote(s, videos[i]): i for i, s in enumerate(shares) if s > 0}
         returns, lengths, successes, recorded = [], [], [], []
         for ref, i in refs.items():
             try:
                 result = ray.get(ref, timeout=self.cfg.runtime.sample_timeout_s)
             except (RayError, GetTimeoutError) as e:
-                t._restart_worker(i, f"during evaluation: {type(e).__name__}")
+                self.workers.restart(i, f"during evaluation: {type(e).__name__}")
                 continue
             returns += result["episode_returns"]
             lengths += result["episode_lengths"]
             successes += result.get("episode_successes", [])
             recorded += result.get("videos", [])
         if recorded:
-            t._write_videos(recorded)
+            self.media.write_videos(recorded)
         if not returns:
             return {}
         out = {"eval/return_mean": float(np.mean(returns)), "episode_reward": float(np.mean(returns)),
@@ -217,8 +218,8 @@ class GroupRollouts(Rollouts):
     worker_class = ScoringWorker
     batches_outlive_learner = False
 
-    def __init__(self, trainer):
-        super().__init__(trainer)
+    def __init__(self, *parts):
+        super().__init__(*parts)
         # async mode: generations whose scoring is in flight, oldest first (each
         # (meta ref -> (worker index, batch ref, chunk ref), chunks)), made before the update they feed
         self._ahead: collections.deque = collections.deque()
@@ -234,47 +235,46 @@ class GroupRollouts(Rollouts):
 
     def publish(self) -> int:
         """Scorers hold no model: only the learner's version is read."""
-        return self.trainer._learner_call("policy_version")
+        return self.learner.call("policy_version")
 
     def _start(self, mode: str, snapshots: int = 0) -> tuple[dict, int]:
         """The learner samples, the workers start scoring one chunk each (and picturing the
         samples with ids below `snapshots`, returned in their metas); -> (the scoring calls in
-        flight, the number of chunks), for ``Trainer._collect``, which replaces a scorer that
+        flight, the number of chunks), for ``WorkerPool.collect``, which replaces a scorer that
         fails and has its chunk scored again by the new one."""
-        t = self.trainer
-        chunk_refs = t._learner_call("generate", len(t.workers), mode, snapshots)
+        chunk_refs = self.learner.call("generate", len(self.workers), mode, snapshots)
         pending = {}
         for i, chunk in enumerate(chunk_refs):
-            index = i % len(t.workers)
-            meta_ref, batch_ref = t.workers[index].score.remote(chunk)
+            index = i % len(self.workers)
+            meta_ref, batch_ref = self.workers[index].score.remote(chunk)
             pending[meta_ref] = (index, batch_ref, chunk)
         return pending, len(chunk_refs)
 
     def _score(self, mode: str, snapshots: int = 0) -> tuple[list[BatchMeta], list]:
-        return _by_worker(*self.trainer._collect(*self._start(mode, snapshots)))
+        return _by_worker(*self.workers.collect(*self._start(mode, snapshots)))
 
     def sample(self) -> tuple[list[BatchMeta], list]:
         if self.cfg.runtime.mode == "sync":
             return self._score("train")
         # async: this update takes the oldest generation; the next ones are generated now, with
         # the weights of this update's start, and scored while it runs (none past the last update)
-        t = self.trainer
+        c = self.counters
         while True:
             if not self._ahead:
                 self._generate_ahead()
             (pending, chunks), learner = self._ahead.popleft()
-            metas, refs = _by_worker(*t._collect(pending, chunks))
-            updates_left = self.cfg.train.iterations - t.counters.iteration - 1
+            metas, refs = _by_worker(*self.workers.collect(pending, chunks))
+            updates_left = self.cfg.train.iterations - c.iteration - 1
             while len(self._ahead) < min(self.cfg.runtime.max_staleness, updates_left):
                 self._generate_ahead()
-            if learner == t.counters.learner_restarts:
+            if learner == c.learner_restarts:
                 return metas, refs
             # the learner that generated these samples died since (it kept what their update
             # needs): learner_restarted() emptied the queue; sample again from the new one
 
     def _generate_ahead(self) -> None:
         started = self._start("train")
-        self._ahead.append((started, self.trainer.counters.learner_restarts))   # which learner holds it
+        self._ahead.append((started, self.counters.learner_restarts))   # which learner holds it
 
     def learner_restarted(self) -> None:
         """A new learner holds none of the generations in flight: they are sampled again."""
@@ -286,12 +286,11 @@ class GroupRollouts(Rollouts):
             ray.wait(calls, num_returns=len(calls), timeout=self.cfg.runtime.sample_timeout_s)
 
     def evaluate(self) -> dict:
-        t = self.trainer
-        snapshots = self.cfg.eval.snapshots.episodes if t._snapshots_due() else 0
+        snapshots = self.media.snapshots()
         metas, refs = self._score("eval", snapshots)
         if snapshots:
-            t._save_snapshots(metas)
-        return t._learner_call("eval_metrics", refs) if refs else {}
+            self.media.save_snapshots(metas)
+        return self.learner.call("eval_metrics", refs) if refs else {}
 
 
 def rollout_strategy(algorithm_cls: type) -> type[Rollouts]:

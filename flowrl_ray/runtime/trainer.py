@@ -22,11 +22,9 @@ from pathlib import Path
 
 import numpy as np
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from flowrl_ray.algorithms import get_algorithm
 from flowrl_ray.algorithms.base import Algorithm
-from flowrl_ray.batch import BatchMeta
 from flowrl_ray.checkpoint import latest_checkpoint, load_latest, save_checkpoint
 from flowrl_ray.config import Config, save_config
 from flowrl_ray.envs import EnvSpec, env_family
@@ -34,29 +32,15 @@ from flowrl_ray.errors import TrainingError, UserError
 from flowrl_ray.metrics import read_metrics, truncate_metrics
 from flowrl_ray.progress import Progress
 from flowrl_ray.runtime.cluster import init_ray
-from flowrl_ray.runtime.learner_group import LearnerDied, LearnerGroup
+from flowrl_ray.runtime.learner_group import LearnerGroup
 from flowrl_ray.runtime.dashboard import RunGauges, metrics_endpoint
 from flowrl_ray.runtime.metrics import MetricsLogger
+from flowrl_ray.runtime.handles import EvalMedia, ResumableLearner, SamplesLost, WorkerPool
 from flowrl_ray.runtime.rollouts import rollout_strategy
 from flowrl_ray.runtime.tracking import open_trackers, preflight
 from flowrl_ray.utils import atomic_write_text
 
 RETURN_WINDOW = 100   # episode_return_mean averages the last 100 finished training episodes
-
-
-def media_due(cfg: Config, media, iteration: int) -> bool:
-    """Whether the evaluation at `iteration` takes the pictures `media` (eval.video or
-    eval.snapshots) asks for: at every `every`-th evaluation (the one at start, iteration 0, counts
-    as the 0th; the one at iteration i as the (i // eval.interval)-th) and at the last iteration's."""
-    if not media.episodes:
-        return False
-    number = iteration // cfg.eval.interval if cfg.eval.interval else 0
-    return number % media.every == 0 or iteration == cfg.train.iterations
-
-
-def snapshots_due(cfg: Config, iteration: int) -> bool:
-    """eval.snapshots at the evaluation of `iteration` (see media_due)."""
-    return media_due(cfg, cfg.eval.snapshots, iteration)
 
 
 def progress_units(cfg: Config) -> dict:
@@ -97,11 +81,6 @@ def _success_summary(rows: list[dict]) -> dict:
     return out
 
 
-class SamplesLost(Exception):
-    """The learner that generated this iteration's samples died (group algorithms keep what the
-    update needs on the learner): the iteration is sampled again by the resumed learner."""
-
-
 class Trainer:
     def __init__(self, cfg: Config, run_dir: str | os.PathLike, resume: bool = False,
                  tune_trial: bool = False, tensorboard: bool = True, quiet: bool = False):
@@ -117,17 +96,16 @@ class Trainer:
         if not tune_trial:          # a trial's W&B / MLflow run belongs to Tune's callbacks
             preflight(cfg.logging)
         self.counters = Counters()
-        self.workers: list = []
+        self.strategy = strategy
+        self.workers = WorkerPool(strategy.worker_class, cfg, self.spec, self.counters, self._log)
         self.version = 0
         self._started_ray = False
-        self.rollouts = strategy(self)
 
     # ------------------------------------------------------------------ setup
-    def _new_worker(self, index: int, restarts: int = 0):
-        rt = self.cfg.runtime
-        return self.rollouts.worker_class.options(
-            num_cpus=rt.num_cpus_per_worker, num_gpus=rt.num_gpus_per_worker,
-            name=None).remote(self.cfg, self.spec, index, restarts)
+    @property
+    def learners(self) -> LearnerGroup:
+        """The learner group now serving (a new one after a learner restart)."""
+        return self.learning.group
 
     @property
     def learner(self):
@@ -137,11 +115,11 @@ class Trainer:
     def setup(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._started_ray = init_ray(self.cfg)
-        self.learners = LearnerGroup(self.cfg, self.spec)
+        self.learning = ResumableLearner(self.cfg, self.spec, self.run_dir, self.counters, self._log)
         if self.learners.size > 1:
             self._log(f"learner group: {self.learners.size} ranks ({self.learners.backend}, "
                       f"{self.cfg.runtime.learner_placement} placement)")
-        self.workers = [self._new_worker(i) for i in range(self.cfg.runtime.num_workers)]
+        self.workers.start()
         # the newest checkpoint that loads whole (a damaged newer one is named and skipped)
         found = load_latest(self.run_dir, self._log) if self.resume else None
         if found is not None:
@@ -150,21 +128,27 @@ class Trainer:
             truncate_metrics(self.run_dir, 0)
         # On resume this records the overrides given then (e.g. a longer train.iterations).
         save_config(self.cfg, self.run_dir / "config.yaml")
-        self.version = self.rollouts.publish()
         trackers = [] if self.tune_trial else open_trackers(self.cfg, self.run_dir, self.resume)
         for tracker in trackers:
             self._log(("continuing " if self.resume else "logging to ") + tracker.where)
         self.logger = MetricsLogger(self.run_dir, self.cfg.name, tensorboard=self.tensorboard,
                                     tune=self.tune_trial, purge_step=self.counters.env_steps or None,
                                     trackers=trackers)
+        # The strategy gets the driver's parts, and they tell it of a replaced worker or learner.
+        media = EvalMedia(self.cfg, self.run_dir, self.counters, self.logger, self._log)
+        self.rollouts = self.strategy(self.cfg, self.workers, self.learning, media, self.counters)
+        self.workers.on_restart = self.rollouts.worker_restarted
+        self.learning.on_restart = self.rollouts.learner_restarted
+        self.learning.batches_outlive_learner = self.rollouts.batches_outlive_learner
+        self.version = self.rollouts.publish()
         # Tune trials share the config's name: their run tag adds the trial's directory (its id).
         run_tag = f"{self.cfg.name}/{self.run_dir.name}" if self.tune_trial else self.cfg.name
         self.gauges = RunGauges(run_tag, self.cfg.algorithm, self.cfg.env.id)
         self._log(f"Ray dashboard metrics: ray_flowrl_* gauges tagged run={run_tag} at {metrics_endpoint()}")
 
     def _restore(self, ckpt: dict) -> None:
-        c = ckpt["trainer"]
-        self.counters = Counters(**c)
+        for key, value in vars(Counters(**ckpt["trainer"])).items():   # in place: the parts hold it
+            setattr(self.counters, key, value)
         notes = self.learners.call("set_state", ckpt["learner"])
         states = ckpt.get("workers") or []
         try:
@@ -182,121 +166,16 @@ class Trainer:
         if not self.quiet:
             print(f"[flowrl_ray] {msg}", flush=True)
 
-    # ------------------------------------------------------------------ fault tolerance
-    def _restart_worker(self, index: int, reason: str) -> None:
-        c = self.counters
-        if c.worker_restarts >= self.cfg.runtime.max_worker_restarts:
-            raise TrainingError(f"rollout worker {index} failed ({reason}) and the restart budget "
-                                f"runtime.max_worker_restarts={self.cfg.runtime.max_worker_restarts} is spent")
-        c.worker_restarts += 1
-        self._log(f"rollout worker {index} failed ({reason}); restarting "
-                  f"({c.worker_restarts}/{self.cfg.runtime.max_worker_restarts})")
-        try:
-            ray.kill(self.workers[index], no_restart=True)
-        except Exception:  # noqa: BLE001 - it may be gone already
-            pass
-        self.workers[index] = self._new_worker(index, restarts=c.worker_restarts)
-        self.rollouts.worker_restarted(index)
-
-    def _collect(self, pending: dict, needed: int) -> tuple[list[BatchMeta], list]:
-        """Wait for `needed` batches among `pending` (meta ref -> (worker index, batch ref,
-        chunk ref or None)); failed or timed-out workers are restarted, and a chunk to score is
-        given once more to the restarted worker. Returns (metas, batch refs)."""
-        metas, batch_refs = [], []
-        deadline = time.monotonic() + self.cfg.runtime.sample_timeout_s
-        while pending and len(metas) < needed:
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:                                   # timed out: replace the stragglers
-                for ref, (index, _, _) in list(pending.items()):
-                    self._restart_worker(index, f"no batch within {self.cfg.runtime.sample_timeout_s}s")
-                    del pending[ref]
-                break
-            ref = ready[0]
-            index, batch_ref, chunk = pending.pop(ref)
-            try:
-                meta: BatchMeta = ray.get(ref)
-            except (RayActorError, RayError) as e:
-                self._restart_worker(index, type(e).__name__)
-                if chunk is not None:
-                    meta_ref, retry_ref = self.workers[index].score.remote(chunk)
-                    pending[meta_ref] = (index, retry_ref, None)
-                continue
-            metas.append(meta)
-            batch_refs.append(batch_ref)
-        return metas, batch_refs
-
     # ------------------------------------------------------------------ the loop
     def _learner_call(self, method: str, *args):
-        """A learner method (on the group's ranks, see LearnerGroup.call); if a learner has died,
-        a new group resumes from the last checkpoint's learner state and the call is made again
-        (batch refs stay valid)."""
-        try:
-            return self.learners.call(method, *args)
-        except LearnerDied:
-            c, found = self.counters, load_latest(self.run_dir, self._log)
-            if found is None or c.learner_restarts >= self.cfg.runtime.max_learner_restarts:
-                raise TrainingError("the learner died and " + ("there is no checkpoint to resume it from"
-                                    if found is None else "runtime.max_learner_restarts is spent")) from None
-            c.learner_restarts += 1
-            self._log(f"learner died during {method}; resuming it from {found[0].name}")
-            self.learners.close()
-            self.learners = LearnerGroup(self.cfg, self.spec)
-            self.learners.call("set_state", found[1]["learner"])
-            self.rollouts.learner_restarted()
-            if method == "update" and not self.rollouts.batches_outlive_learner:
-                raise SamplesLost from None
-            return self.learners.call(method, *args)
-
-    def _save_snapshots(self, metas: list[BatchMeta]) -> None:
-        """Pictures the scorers made at this evaluation (in their metas): the env family writes
-        them under media/, each goes to the metrics sinks. A picture never fails the run."""
-        c = self.counters
-        items = [item for m in metas for item in m.extra.get("snapshots", [])]
-        for error in (e for m in metas for e in m.extra.get("snapshot_errors", [])):
-            self._log(f"a scorer could not picture {error}")
-        try:
-            written = env_family(self.cfg.env.family).save_snapshots(items, self.run_dir / "media",
-                                                                     f"iter_{c.iteration:04d}")
-            for path, caption in written:
-                self.logger.log_media(path, c.env_steps, caption)
-            if written:
-                self._log(f"evaluation pictures: {len(written)} PNG(s) in "
-                          f"{written[0][0].parent.relative_to(self.run_dir)}/ ({len(items)} samples pictured)")
-        except Exception as e:  # noqa: BLE001 - a picture must not fail the run
-            self._log(f"could not write the evaluation pictures: {type(e).__name__}: {e}")
-
-    def _snapshots_due(self) -> bool:
-        return snapshots_due(self.cfg, self.counters.iteration)
-
-    def _video_episodes(self) -> int:
-        """Episodes to film at this evaluation: eval.video.episodes at the evaluations numbered
-        0 (eval.at_start), every, 2 * every, ... (number = iteration // eval.interval) and at
-        the last iteration; 0 otherwise."""
-        video = self.cfg.eval.video
-        return video.episodes if media_due(self.cfg, video, self.counters.iteration) else 0
-
-    def _write_videos(self, videos: list[dict]) -> None:
-        """runs/<name>/videos/iter_<i>_<k>_<success|failure>.mp4, each also to the media sinks."""
-        from flowrl_ray.video import save_videos, video_caption
-        c = self.counters
-        try:
-            paths = save_videos(videos, self.run_dir / "videos", c.iteration)
-            for path, v in zip(paths, videos):
-                self.logger.log_media(path, c.env_steps, video_caption(c.iteration, v))
-        except Exception as e:  # noqa: BLE001 - a video must not fail the run
-            self._log(f"could not write the evaluation videos: {e}")
-            return
-        self._log(f"videos: {', '.join(str(p.relative_to(self.run_dir)) for p in paths)}")
+        """A learner method (on the group's ranks, see LearnerGroup.call), made again on a
+        group resumed from the last checkpoint if a learner has died (ResumableLearner)."""
+        return self.learning.call(method, *args)
 
     def checkpoint(self) -> Path | None:
         self.rollouts.drain()                    # async: let in-flight samples land first
         learner_state = self._learner_call("get_state")
-        worker_states = []
-        for i, w in enumerate(self.workers):
-            try:
-                worker_states.append(ray.get(w.get_state.remote(), timeout=self.cfg.runtime.sample_timeout_s))
-            except (RayError, GetTimeoutError):
-                worker_states.append(None)
+        worker_states = self.workers.states()
         payload = {"trainer": vars(self.counters).copy(), "learner": learner_state,
                    "workers": worker_states, "config": self.cfg.to_dict(),
                    **self.rollouts.checkpoint_part()}
@@ -430,13 +309,9 @@ class Trainer:
             self.logger.close()
         if hasattr(self, "gauges"):
             self.gauges.close()          # flowrl_run_active 0; the series expire (dashboard.py)
-        for w in self.workers:
-            try:
-                ray.kill(w)
-            except Exception:  # noqa: BLE001
-                pass
-        if hasattr(self, "learners"):
-            self.learners.close()
+        self.workers.close()
+        if hasattr(self, "learning"):
+            self.learning.close()
         if self._started_ray:
             ray.shutdown()
 

@@ -156,7 +156,7 @@ def test_snapshots_on_an_env_step_task_or_beyond_the_eval_set_is_a_config_error(
 
 
 def test_pictures_are_taken_at_every_kth_evaluation_and_the_last():
-    from flowrl_ray.runtime.trainer import snapshots_due
+    from flowrl_ray.runtime.handles import snapshots_due
     from unit.algorithms.test_fed_grpo import _config
     data = _config()
     data["train"]["iterations"] = 25

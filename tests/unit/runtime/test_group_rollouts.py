@@ -20,33 +20,44 @@ def _config(**runtime):
 Meta = namedtuple("Meta", "worker_id generation")
 
 
-class FakeTrainer:
-    """What GroupRollouts uses of the Trainer, without Ray: the learner's generate and the wait
-    for the scorers (each generation's chunks "scored" at once, tagged with the generation)."""
+class FakeParts:
+    """What GroupRollouts is handed, without Ray: the learner's generate and a pool whose wait for
+    the scorers returns each generation's chunks "scored" at once, tagged with the generation."""
 
     def __init__(self, cfg):
         self.cfg, self.counters = cfg, SimpleNamespace(iteration=0, learner_restarts=0)
-        self.generated, self.workers = [], [SimpleNamespace(score=SimpleNamespace(remote=self._score))] * 2
+        self.generated = []
+        self.workers = FakePool()
+        self.learner = SimpleNamespace(call=self._call)
 
-    def _learner_call(self, method, num_chunks, mode, snapshots=0):
+    def _call(self, method, num_chunks, mode, snapshots=0):
         assert method == "generate"
         self.generated.append((mode, self.counters.iteration))
         return [(len(self.generated) - 1, i) for i in range(num_chunks)]
+
+    def strategy(self):
+        from flowrl_ray.runtime.rollouts import GroupRollouts
+        return GroupRollouts(self.cfg, self.workers, self.learner, None, self.counters)
+
+
+class FakePool(list):
+    def __init__(self):
+        super().__init__([SimpleNamespace(score=SimpleNamespace(remote=self._score))] * 2)
 
     @staticmethod
     def _score(chunk):
         return Meta(worker_id=chunk[1], generation=chunk[0]), chunk
 
-    def _collect(self, pending, needed):
+    @staticmethod
+    def collect(pending, needed):
         metas = [m for m in pending][:needed]
         return metas, [pending[m][1] for m in metas]
 
 
 @pytest.mark.parametrize("staleness", [0, 1, 2])
 def test_async_group_rollouts_generate_ahead_at_most_max_staleness(staleness):
-    from flowrl_ray.runtime.rollouts import GroupRollouts
-    t = FakeTrainer(_config(mode="async", max_staleness=staleness))
-    rollouts = GroupRollouts(t)
+    t = FakeParts(_config(mode="async", max_staleness=staleness))
+    rollouts = t.strategy()
     used = []
     for it in range(12):
         metas, refs = rollouts.sample()
@@ -62,9 +73,8 @@ def test_async_group_rollouts_generate_ahead_at_most_max_staleness(staleness):
 
 
 def test_sync_group_rollouts_generate_each_iteration_for_its_own_update():
-    from flowrl_ray.runtime.rollouts import GroupRollouts
-    t = FakeTrainer(_config())
-    rollouts = GroupRollouts(t)
+    t = FakeParts(_config())
+    rollouts = t.strategy()
     for _ in range(3):
         rollouts.sample()
         assert not rollouts._ahead
@@ -76,18 +86,17 @@ def test_samples_of_a_learner_that_died_are_sampled_again():
     """The learner dies while generating ahead (the call is made again on a new learner, which
     holds none of the old generations): the samples in hand came from the dead one, so the
     iteration is sampled again from the new learner, never prepared with another generation."""
-    from flowrl_ray.runtime.rollouts import GroupRollouts
-    t = FakeTrainer(_config(mode="async", max_staleness=1))
-    rollouts = GroupRollouts(t)
-    generate = t._learner_call
+    t = FakeParts(_config(mode="async", max_staleness=1))
+    rollouts = t.strategy()
+    generate = t.learner.call
 
     def dies_at_iteration_2(*args):
         if t.counters.iteration == 2 and t.counters.learner_restarts == 0:
-            t.counters.learner_restarts = 1        # what Trainer._learner_call does on LearnerDied
+            t.counters.learner_restarts = 1        # what ResumableLearner.call does on LearnerDied
             rollouts.learner_restarted()
         return generate(*args)
 
-    t._learner_call = dies_at_iteration_2
+    t.learner.call = dies_at_iteration_2
     used = []
     for _ in range(4):
         metas, _ = rollouts.sample()

@@ -37,7 +37,7 @@ def test_each_builtin_algorithm_is_one_kind_with_its_strategy(name):
 
 def test_the_strategy_contract_is_abstract():
     with pytest.raises(TypeError):
-        Rollouts(None)
+        Rollouts(None, None, None, None, None)
 
 
 class NotAnAlgorithm:
