@@ -35,7 +35,7 @@ def run_flowrl(config_path, steps: int, seed: int, overrides=(), eval_episodes: 
     import ray
 
     import flowrl_ray.runtime.trainer as trainer_mod
-    from flowrl_ray.checkpoint import load_policy
+    from flowrl_ray.runtime.policy import load_policy
     from flowrl_ray.config import load_config
     from flowrl_ray.envs import env_family
     from flowrl_ray.envs.rollout import EnvRunner

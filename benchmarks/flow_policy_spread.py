@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     import numpy as np
     import torch
 
-    from flowrl_ray.checkpoint import load_policy
+    from flowrl_ray.runtime.policy import load_policy
     try:
         variants = dict(parse_variant(text) for text in args.variant)
     except UsageError as e:

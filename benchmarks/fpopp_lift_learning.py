@@ -52,7 +52,7 @@ def main() -> None:
     p.add_argument("overrides", nargs="*", help="config overrides (key.sub=value) for every run")
     args = p.parse_args()
     os.chdir(REPO_ROOT)
-    from flowrl_ray.checkpoint import load_policy
+    from flowrl_ray.runtime.policy import load_policy
     from flowrl_ray.config import load_config
 
     cfg = load_config(args.config, args.overrides)

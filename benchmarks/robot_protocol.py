@@ -276,7 +276,7 @@ def evaluate_all(variants: dict[str, list[Path]], base_override: str | None, epi
     sampling rules ``rules``.
     Returns (bases: id -> outcomes [+ "ood": set -> outcomes], variants: name -> runs with
     outcomes [+ "ood"])."""
-    from flowrl_ray.checkpoint import load_policy
+    from flowrl_ray.runtime.policy import load_policy
 
     plan, bases = {}, {}
     for name, dirs in variants.items():

@@ -104,27 +104,3 @@ def load_latest(run_dir: str | os.PathLike, log: Callable[[str], None] | None = 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     # tensors, containers and numpy arrays only: a file naming anything else is refused (utils)
     return load_torch_file(path)
-
-
-def load_policy(run_dir: str | os.PathLike):
-    """(config, env spec, policy in eval mode) from a run directory's latest checkpoint."""
-    from flowrl_ray.algorithms import get_algorithm
-    from flowrl_ray.config import ConfigError, load_config
-    from flowrl_ray.envs import env_family
-
-    run_dir = Path(run_dir)
-    if not (run_dir / "config.yaml").is_file():
-        raise ConfigError(f"{run_dir} is not a run directory (no config.yaml)")
-    cfg = load_config(run_dir / "config.yaml")
-    algorithm = get_algorithm(cfg.algorithm)
-    if not hasattr(algorithm, "make_policy"):
-        raise ConfigError(f"{run_dir} is a {cfg.algorithm} run: its model samples on the learner "
-                          f"(a group algorithm) and has no env-step policy to load; "
-                          f"`flowrl-ray eval {run_dir}` evaluates it")
-    found = load_latest(run_dir)
-    if found is None:
-        raise ConfigError(f"{run_dir} has no checkpoint yet")
-    spec = env_family(cfg.env.family).spec(cfg.env)
-    policy = algorithm.make_policy(cfg, spec)
-    policy.load_state_dict(found[1]["policy"])
-    return cfg, spec, policy.eval()

@@ -147,7 +147,8 @@ def _learning_result(summary: dict) -> str:
 def cmd_eval(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from flowrl_ray.checkpoint import latest_checkpoint, load_policy
+    from flowrl_ray.checkpoint import latest_checkpoint
+    from flowrl_ray.runtime.policy import load_policy
     from flowrl_ray.envs import env_family
     from flowrl_ray.envs.rollout import EnvRunner
     from flowrl_ray.progress import CountProgress

@@ -175,7 +175,8 @@ def action_bounds(cfg) -> tuple[np.ndarray, np.ndarray]:
 
 def policy_info(run_dir: str | Path) -> tuple[Any, dict]:
     """(policy, facts the server reports) from a run directory's latest checkpoint."""
-    from flowrl_ray.checkpoint import load_latest, load_policy
+    from flowrl_ray.checkpoint import load_latest
+    from flowrl_ray.runtime.policy import load_policy
     run_dir = Path(run_dir)
     cfg, spec, policy = load_policy(run_dir)
     # Version and iteration of that checkpoint (a run still training may add a newer one

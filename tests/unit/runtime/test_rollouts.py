@@ -9,7 +9,7 @@ import torch
 
 from flowrl_ray.algorithms import BUILTIN_ALGORITHMS, get_algorithm
 from flowrl_ray.algorithms.base import EnvStepAlgorithm, GroupAlgorithm
-from flowrl_ray.checkpoint import load_policy
+from flowrl_ray.runtime.policy import load_policy
 from flowrl_ray.config import ConfigError, config_from_dict, save_config
 from flowrl_ray.runtime.actors import RolloutWorker, ScoringWorker
 from flowrl_ray.runtime.rollouts import EnvStepRollouts, GroupRollouts, Rollouts, rollout_strategy
