@@ -49,7 +49,7 @@ def demo_states(cfg, n_states: int):
     import numpy as np
 
     from flowrl_ray.envs import env_family
-    from flowrl_ray.envs.robomimic_data import iter_demos
+    from flowrl_ray.envs.robot.robomimic_data import iter_demos
     from flowrl_ray.envs.robot import obs_keys
     from flowrl_ray.pretrain.flow_bc import chunk_dataset
     if cfg.env.obs_mode != "low_dim":

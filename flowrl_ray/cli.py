@@ -19,7 +19,7 @@ from flowrl_ray.errors import TrainingError, UserError
 EXIT_USER_ERROR = 2
 #: env families whose ``<family>.cli`` module adds verbs (``add_verbs(subparsers)``): module -> (its
 #: verbs, the extra that installs its packages)
-FAMILY_VERBS = {"flowrl_ray.envs.robot": (("demos",), "robot"),
+FAMILY_VERBS = {"flowrl_ray.envs.robot": (("demos", "import-reinflow"), "robot"),
                 "flowrl_ray.envs.forms": (("forms",), "forms"),
                 "flowrl_ray.envs.molecules": (("import-edm", "qm9-pack"), "mol")}
 
@@ -168,7 +168,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     family = env_family(cfg.env.family)
     perturbation = None
     if args.perturb:
-        cfg, perturbation = _perturbed_config(args.run_dir, cfg, args.perturb)
+        from flowrl_ray.envs.robot.perturb import perturbed_config
+        try:
+            cfg, perturbation = perturbed_config(args.run_dir, cfg, args.perturb)
+        except ConfigError as e:
+            raise UserError(f"--perturb: {e}") from None
     if args.video:
         if not hasattr(family, "check_video"):
             raise UserError(f"--video: videos are rendered for robot tasks only, not env.family "
@@ -198,35 +202,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
                                                             result["videos"])]
     print(json.dumps(out))
     return 0
-
-
-def _perturbed_config(run_dir: str, cfg, items: list[str]):
-    """(the run's config with env.perturb set, {"name": ..., changed key: value}) from
-    ``--perturb`` items: one set of the OOD suite (``placement``) or ``key=value`` changes of
-    ``env.perturb`` (``action_noise_std=0.05``), read through the config loader."""
-    import dataclasses
-
-    from flowrl_ray.envs.robot.config import PerturbConfig
-    from flowrl_ray.envs import env_family
-    from flowrl_ray.envs.robot import perturb
-    if cfg.env.family != "robot":
-        raise UserError(f"--perturb: perturbed scenes are for robot tasks, not env.family {cfg.env.family!r}")
-    names = [i for i in items if "=" not in i]
-    if names and len(items) > 1:
-        raise UserError(f"--perturb: one suite set ({', '.join(perturb.OOD_SUITE)}) or key=value items, got {items}")
-    try:
-        if names:
-            overrides = [f"env.perturb.{k}={json.dumps(v)}"
-                         for k, v in dataclasses.asdict(perturb.preset(names[0])).items()]
-        else:
-            overrides = [f"env.perturb.{item}" for item in items]
-        new = load_config(Path(run_dir) / "config.yaml", overrides)
-        env_family("robot").check_config(new.env)
-    except ConfigError as e:
-        raise UserError(f"--perturb: {e}") from None
-    default = PerturbConfig()
-    changed = {k: v for k, v in dataclasses.asdict(new.env.perturb).items() if v != getattr(default, k)}
-    return dataclasses.replace(cfg, env=new.env), {"name": names[0] if names else "custom", **changed}
 
 
 def _write_eval_videos(cfg, run_dir: str, iteration: int, videos: list[dict]) -> list[Path]:
@@ -377,40 +352,6 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
     data["pretrain"] = section
     cfg = config_from_dict(data)
     print(json.dumps(pretrain(cfg, progress=True)), flush=True)
-    return 0
-
-
-def cmd_import_reinflow(args: argparse.Namespace) -> int:
-    """A ReinFlow / ReFlow pretraining checkpoint -> a flowrl-ray base policy (and, with --task,
-    the statistics file the robot env normalises with)."""
-    import io
-
-    import torch
-
-    from flowrl_ray.import_reinflow import (config_overrides, import_reinflow_checkpoint,
-                                                   write_norm_dataset)
-    from flowrl_ray.utils import atomic_write_bytes
-    if args.flow_steps <= 0:
-        raise UserError(f"--flow-steps: must be > 0, got {args.flow_steps}")
-    if args.norm_out is not None and args.task is None:
-        raise UserError("--norm-out: the statistics file names its task; give --task too")
-    ckpt = import_reinflow_checkpoint(args.checkpoint, args.normalization, use_ema=args.ema,
-                                      activation=args.activation, flow_steps=args.flow_steps)
-    out = Path(args.out)
-    norm_out = None
-    if args.task is not None:
-        norm_out = Path(args.norm_out) if args.norm_out else out.with_name(f"{out.stem}.norm.hdf5")
-        write_norm_dataset(ckpt, args.task, norm_out)
-        ckpt["dataset"] = str(norm_out)
-    buf = io.BytesIO()
-    torch.save(ckpt, buf)
-    atomic_write_bytes(out, buf.getvalue())
-    summary = {"out": str(out), "weights": ckpt["source"]["weights"], "epoch": ckpt["source"]["epoch"],
-               "arch": ckpt["arch"], "sampler": ckpt["sampler"],
-               "parameters": sum(v.numel() for v in ckpt["policy"].values()),
-               "norm_dataset": None if norm_out is None else str(norm_out),
-               "overrides": config_overrides(ckpt, out, norm_out)}
-    print(json.dumps(summary), flush=True)
     return 0
 
 
@@ -576,31 +517,6 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--seed", type=int, help="default: the config's seed")
     pr.set_defaults(func=cmd_pretrain)
 
-    ir = sub.add_parser("import-reinflow", help="turn a ReinFlow / ReFlow pretrained flow policy into a base policy",
-                        description="Convert a checkpoint written by the ReinFlow release's ReFlow pretraining "
-                                    "(state_N.pt / best.pt / last.pt: {'model', 'ema', ...}, a FlowMLP under "
-                                    "'network.') and its normalization.npz into the checkpoint algo.base_policy "
-                                    "loads: the velocity network's weights mapped to this package's names, the "
-                                    "architecture (hidden sizes, time dim, chunk, residual or plain MLP, the "
-                                    "release's time embedding and activation) and the statistics. With --task, "
-                                    "also write a statistics-only robomimic hdf5 for env.dataset, so the robot "
-                                    "env normalises as the release did. Prints a JSON summary with the config "
-                                    "overrides that fine-tune the base with the release's network and sampler. "
-                                    "See docs/import_reinflow.md.")
-    ir.add_argument("checkpoint", help="the release's pretraining checkpoint (.pt)")
-    ir.add_argument("--normalization", required=True, metavar="NPZ",
-                    help="the release's normalization.npz (obs_min, obs_max, action_min, action_max)")
-    ir.add_argument("--out", required=True, help="the flowrl-ray checkpoint to write, e.g. pretrained/can_reflow.pt")
-    ir.add_argument("--ema", action="store_true",
-                    help="take the EMA weights (what the release evaluates and fine-tunes from) instead of "
-                         "the raw ones")
-    ir.add_argument("--activation", help="the FlowMLP's activation_type, e.g. ReLU or Mish (default: read from "
-                    "<run>/.hydra/config.yaml beside the checkpoint's folder)")
-    ir.add_argument("--task", help="lift | can | square: also write the statistics file for env.dataset")
-    ir.add_argument("--norm-out", help="the statistics file's path (default <out stem>.norm.hdf5)")
-    ir.add_argument("--flow-steps", type=int, default=4,
-                    help="the Euler steps the overrides suggest (default 4, the release's state-policy fine-tuning)")
-    ir.set_defaults(func=cmd_import_reinflow)
 
     for family, (verbs, extra) in FAMILY_VERBS.items():   # each env family's own verbs
         try:

@@ -32,7 +32,7 @@ from typing import Any, ClassVar, Literal, Optional
 import yaml
 
 from flowrl_ray.errors import ConfigError  # noqa: F401 - defined there, raised and re-exported here
-from flowrl_ray.registry import env_family, get_algorithm
+from flowrl_ray.registry import check_family_kind, env_family, get_algorithm
 
 
 def check(gt: float | None = None, ge: float | None = None, le: float | None = None,
@@ -474,6 +474,7 @@ def config_from_dict(data: dict) -> Config:
     check_logging(cfg.logging)
     cfg.env.resolve(cfg)
     algorithm_cls.validate_config(cfg)
+    check_family_kind(cfg.env.family, env_family(cfg.env.family), algorithm_cls.rollout_kind, cfg.algorithm)
     check_snapshots(cfg, algorithm_cls.rollout_kind)
     return cfg
 

@@ -9,6 +9,7 @@ import difflib
 import importlib
 
 from types import ModuleType
+from typing import Any, Protocol, runtime_checkable
 
 from flowrl_ray.errors import ConfigError
 
@@ -44,6 +45,43 @@ def get_algorithm(name: str) -> type:
     return cls
 
 
+@runtime_checkable
+class EnvStepFamily(Protocol):
+    """What an env-step family's module provides (for env-step algorithms; flowrl_ray.envs says
+    what each returns): optional extras are ``config_class``, ``check_config``, ``check_video``,
+    ``job_env_vars``."""
+
+    def spec(self, env_cfg) -> Any: ...               # a flowrl_ray.envs.EnvSpec
+
+    def make_vector_env(self, env_cfg, num_envs: int, **kwargs) -> Any: ...
+
+    def snapshot(self, vec) -> bytes: ...
+
+    def read_snapshot(self, blob: bytes) -> dict: ...
+
+    def restore(self, blob: bytes) -> Any: ...
+
+
+@runtime_checkable
+class ScoringFamily(Protocol):
+    """What a scoring family's module provides (for group algorithms): optional extras are
+    ``save_snapshots`` (pictures at an evaluation) and ``build_section``."""
+
+    def spec(self, env_cfg) -> Any: ...               # a flowrl_ray.envs.EnvSpec
+
+    def make_scorer(self, env_cfg, seed: int, worker_id: int) -> Any: ...
+
+
+#: the two contracts, by the rollout kind of the algorithms they serve
+FAMILY_KINDS = {"env_step": EnvStepFamily, "group": ScoringFamily}
+
+
+def missing_members(module: ModuleType, contract: type) -> list[str]:
+    """The contract's functions that ``module`` does not provide."""
+    members = [name for name in vars(contract) if not name.startswith("_")]
+    return [name for name in members if not callable(getattr(module, name, None))]
+
+
 #: built-in family name -> module; any other name is imported as a module path (a plugin family)
 BUILTIN_FAMILIES = {"gym": "flowrl_ray.envs.gym", "robot": "flowrl_ray.envs.robot", "forms": "flowrl_ray.envs.forms",
                     "molecules": "flowrl_ray.envs.molecules"}
@@ -56,6 +94,23 @@ def env_family(name: str) -> ModuleType:
         raise ConfigError(f"config key 'env.family': unknown env family {name!r} (built in: "
                           f"{', '.join(BUILTIN_FAMILIES)}; plugins as 'package.module')")
     try:
-        return importlib.import_module(module_name)
+        module = importlib.import_module(module_name)
     except ImportError as e:
         raise ConfigError(f"config key 'env.family': cannot import {module_name!r}: {e}") from None
+    if not any(isinstance(module, contract) for contract in FAMILY_KINDS.values()):
+        lacks = "; ".join(f"as {'an env-step' if kind == 'env_step' else 'a scoring'} family it lacks "
+                          f"{', '.join(missing_members(module, contract))}" for kind, contract in FAMILY_KINDS.items())
+        raise ConfigError(f"config key 'env.family': {module_name!r} is not an env family: {lacks} "
+                          f"(flowrl_ray.registry.EnvStepFamily / ScoringFamily)")
+    return module
+
+
+def check_family_kind(name: str, module: ModuleType, rollout_kind: str, algorithm: str) -> None:
+    """The family of ``env.family`` serves the algorithm's kind of rollouts; ConfigError naming
+    the key otherwise (an env-step algorithm on a scoring family, or the reverse)."""
+    contract = FAMILY_KINDS[rollout_kind]
+    if not isinstance(module, contract):
+        needed = "an env-step family (its workers step envs)" if rollout_kind == "env_step" else \
+            "a scoring family (its workers score what the learner samples)"
+        raise ConfigError(f"config key 'env.family': algorithm {algorithm!r} needs {needed}; {name!r} lacks "
+                          f"{', '.join(missing_members(module, contract))}")

@@ -19,7 +19,9 @@ key by key; the others take the base section, with family settings in ``env.kwar
 family (``build_section``).
 Any family may provide ``job_env_vars(env_cfg) -> dict``: environment variables a cluster job
 running it needs (MuJoCo's headless renderer); the job generator (``jobs/generate.py``) reads it.
-Adapters return numpy; policies run torch.
+Adapters return numpy; policies run torch. The two contracts are typing Protocols,
+``flowrl_ray.registry.EnvStepFamily`` and ``ScoringFamily``: a module named as ``env.family`` must
+satisfy one, and the one the algorithm's kind needs (checked when a config is built).
 """
 
 from __future__ import annotations

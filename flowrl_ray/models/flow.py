@@ -13,7 +13,7 @@ likelihood surrogate and FlowSAR's energy; :func:`euler_sample` is every flow po
 
 The velocity network has a few architecture options (:data:`FLOW_ARCH_DEFAULTS`; the defaults are
 this package's network, unchanged) so that the ReinFlow / ReFlow release's ``FlowMLP`` is
-represented exactly (:mod:`flowrl_ray.import_reinflow` converts its checkpoints):
+represented exactly (:mod:`flowrl_ray.envs.robot.import_reinflow` converts its checkpoints):
 ``time_embedding`` (:data:`TIME_EMBEDDINGS`), ``velocity_mlp`` (:data:`VELOCITY_MLPS`) and
 ``velocity_activation``; the sampler has the release's time grid and per-step clipping as options
 (:data:`TIME_GRIDS`). The release uses the same time convention as this package (t = 0 noise,

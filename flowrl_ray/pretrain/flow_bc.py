@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from flowrl_ray.config import Config, ConfigError, FlowBCPretrainConfig
-from flowrl_ray.envs.robomimic_data import NormStats, iter_demos
+from flowrl_ray.envs.robot.robomimic_data import NormStats, iter_demos
 from flowrl_ray.envs.robot.config import RobotEnvConfig
 from flowrl_ray.optim import minibatches, optimizer_step
 from flowrl_ray.utils import atomic_write_bytes, atomic_write_text, torch_threads

@@ -12,7 +12,7 @@ from flowrl_ray import cli                                                   # n
 from flowrl_ray.models.flow_policy import load_base_policy, make_flow_policy, policy_arch  # noqa: E402
 from flowrl_ray.algorithms.fpopp import FPOPP                                # noqa: E402
 from flowrl_ray.config import ConfigError, config_from_dict  # noqa: E402
-from flowrl_ray.envs import robomimic_data as rd                             # noqa: E402
+from flowrl_ray.envs.robot import robomimic_data as rd                             # noqa: E402
 from flowrl_ray.envs import robot                                            # noqa: E402
 from flowrl_ray.envs.robot.experts import collect_demos                      # noqa: E402
 from flowrl_ray.pretrain.flow_bc import pretrain_flow_policy as pretrain  # noqa: E402

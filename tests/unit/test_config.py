@@ -331,9 +331,9 @@ def test_a_saved_config_of_another_family_with_the_robot_keys_at_their_defaults_
     data = load_config(PENDULUM).to_dict()
     old = {**data, "env": {**data["env"], **ROBOT_KEYS_BEFORE_SECTIONS}}
     assert config_from_dict(old) == load_config(PENDULUM)
-    for family_id in (("forms", "forms-benchmark"), ("molecules", "qm9")):
+    for algorithm, family, env_id in (("flow_grpo", "forms", "forms-benchmark"), ("fed_grpo", "molecules", "qm9")):
         assert set(ROBOT_KEYS_BEFORE_SECTIONS).isdisjoint(vars(config_from_dict(
-            {"algorithm": "ppo", "env": {"family": family_id[0], "id": family_id[1], **ROBOT_KEYS_BEFORE_SECTIONS}}).env))
+            {"algorithm": algorithm, "env": {"family": family, "id": env_id, **ROBOT_KEYS_BEFORE_SECTIONS}}).env))
     changed = {**old, "env": {**old["env"], "image_size": 96}}
     with pytest.raises(ConfigError, match=r"'env\.image_size': a robot-family setting; env family 'gym'"):
         config_from_dict(changed)
@@ -346,9 +346,11 @@ def test_a_plugin_env_family_declares_its_own_section(tmp_path, monkeypatch):
     (pkg / "grid.py").write_text(
         "from dataclasses import dataclass\n"
         "from flowrl_ray.config import EnvConfig\n"
+        "from flowrl_ray.envs.gym import spec, make_vector_env, snapshot, read_snapshot, restore\n"
         "@dataclass\nclass GridEnvConfig(EnvConfig):\n    size: int = 5\n"
         "config_class = GridEnvConfig\n")
-    (pkg / "broken.py").write_text("config_class = dict\n")
+    (pkg / "broken.py").write_text("from flowrl_ray.envs.gym import spec, make_vector_env, snapshot, read_snapshot, restore\n"
+                                   "config_class = dict\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     cfg = config_from_dict({"env": {"family": "my_families.grid", "id": "Grid-v0", "size": 9}})
     assert type(cfg.env).__name__ == "GridEnvConfig" and cfg.env.size == 9
@@ -358,3 +360,23 @@ def test_a_plugin_env_family_declares_its_own_section(tmp_path, monkeypatch):
         config_from_dict({"env": {"family": "my_families.broken", "id": "A-v0"}})
     with pytest.raises(ConfigError, match=r"'env\.family'.*unknown env family 'nope'"):
         config_from_dict({"env": {"family": "nope"}})
+
+
+def test_an_env_family_is_checked_against_its_contract_and_the_algorithms_kind(tmp_path, monkeypatch):
+    """A module that is neither kind of family is refused when it is named, naming what it lacks;
+    a family of the other kind than the algorithm's rollouts is refused naming the key."""
+    (tmp_path / "half_families").mkdir()
+    (tmp_path / "half_families" / "__init__.py").write_text("")
+    (tmp_path / "half_families" / "spec_only.py").write_text("def spec(env_cfg):\n    return None\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"'env.family': 'half_families.spec_only' is not an env family: as an env-step "
+                                          r"family it lacks make_vector_env, snapshot, read_snapshot, restore; "
+                                          r"as a scoring family it lacks make_scorer"):
+        config_from_dict({"algorithm": "ppo", "env": {"family": "half_families.spec_only", "id": "x"}})
+    with pytest.raises(ConfigError, match=r"'env.family': algorithm 'ppo' needs an env-step family .*'forms' lacks "
+                                          r"make_vector_env, snapshot, read_snapshot, restore"):
+        config_from_dict({"algorithm": "ppo", "env": {"family": "forms", "id": "forms-benchmark"}})
+    with pytest.raises(ConfigError, match=r"'env.family': algorithm 'flowrl_test_plugins.token_bandit:TokenGRPO' "
+                                          r"needs a scoring family .*'gym' lacks make_scorer"):
+        config_from_dict({"algorithm": "flowrl_test_plugins.token_bandit:TokenGRPO",
+                          "env": {"family": "gym", "id": "Pendulum-v1"}})

@@ -9,7 +9,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "flowrl_ray"
 #: the top-level module or sub-package -> its layer, lowest first (docs/architecture.md)
 LAYERS = [("errors", "utils", "batch", "stats", "optim", "video"),
           ("registry", "config", "checkpoint", "metrics", "progress", "plotting", "resume"),
-          ("models",), ("envs",), ("import_reinflow",), ("algorithms",), ("pretrain",), ("runtime",), ("cli",)]
+          ("models",), ("envs",), ("algorithms",), ("pretrain",), ("runtime",), ("cli",)]
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 
 

@@ -11,7 +11,7 @@ pytest.importorskip("robosuite")
 
 from flowrl_ray import cli                                                   # noqa: E402
 from flowrl_ray.config import ConfigError  # noqa: E402
-from flowrl_ray.envs import robomimic_data as rd                             # noqa: E402
+from flowrl_ray.envs.robot import robomimic_data as rd                             # noqa: E402
 from flowrl_ray.envs import robot                                            # noqa: E402
 from flowrl_ray.envs.robot.config import RobotEnvConfig                       # noqa: E402
 from flowrl_ray.envs.robot.env import RobotEnv                               # noqa: E402

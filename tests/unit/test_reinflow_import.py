@@ -21,7 +21,7 @@ from flowrl_ray.algorithms.fpopp import FPOPP
 from flowrl_ray.config import ConfigError, apply_overrides, config_from_dict
 from flowrl_ray.envs import EnvSpec
 from flowrl_ray.models.flow import FlowPolicy
-from flowrl_ray.import_reinflow import (ReinFlowImportError, config_overrides, import_reinflow_checkpoint,
+from flowrl_ray.envs.robot.import_reinflow import (ReinFlowImportError, config_overrides, import_reinflow_checkpoint,
                                                write_norm_dataset)
 
 OBS_DIM, ACTION_DIM, HORIZON, TIME_DIM = 23, 7, 4, 16          # the can task's low-dim widths

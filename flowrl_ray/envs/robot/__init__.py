@@ -32,7 +32,7 @@ import numpy as np
 
 from flowrl_ray.config import ConfigError
 from flowrl_ray.envs import EnvSpec, load_snapshot, snapshot_classes
-from flowrl_ray.envs.robomimic_data import NormStats, env_args, read_stats
+from flowrl_ray.envs.robot.robomimic_data import NormStats, env_args, read_stats
 from flowrl_ray.envs.robot import perturb
 from flowrl_ray.envs.robot.config import PerturbConfig, RobotEnvConfig
 from flowrl_ray.envs.robot.env import (ACTION_DIM, CAMERAS, LOW_DIM_KEYS, PROPRIO_KEYS, TASKS,

@@ -66,7 +66,7 @@ import numpy as np
 from flowrl_ray.config import ConfigError
 from flowrl_ray.envs.robot.config import RobotEnvConfig
 from flowrl_ray.envs.gym import get_mujoco_state, rescale_action, set_mujoco_state
-from flowrl_ray.envs.robomimic_data import NormStats
+from flowrl_ray.envs.robot.robomimic_data import NormStats
 from flowrl_ray.envs.robot import perturb
 
 PROPRIO_KEYS = ("robot0_eef_pos", "robot0_eef_quat", "robot0_gripper_qpos")

@@ -21,7 +21,7 @@ import numpy as np
 from scipy.spatial.transform import Rotation
 
 from flowrl_ray.envs.robot.config import RobotEnvConfig
-from flowrl_ray.envs.robomimic_data import (ROBOSUITE_ENV_TYPE, DemoWriter, compute_stats,
+from flowrl_ray.envs.robot.robomimic_data import (ROBOSUITE_ENV_TYPE, DemoWriter, compute_stats,
                                              write_stats)
 from flowrl_ray.envs.robot.env import LOW_DIM_KEYS, RobotEnv, get_task
 from flowrl_ray.progress import CountProgress

@@ -175,3 +175,30 @@ def noisy_row(env, row: np.ndarray) -> np.ndarray:
     if std == 0.0:
         return row
     return np.clip(row + env.perturb_rng.normal(0.0, std, row.shape), -1.0, 1.0)
+
+
+def perturbed_config(run_dir, cfg, items: list[str]):
+    """(the run's config with env.perturb set, {"name": ..., changed key: value}) from
+    ``flowrl-ray eval --perturb`` items: one set of the OOD suite (``placement``) or ``key=value``
+    changes of ``env.perturb`` (``action_noise_std=0.05``), read through the config loader;
+    ConfigError (one line) for what the robot family refuses."""
+    import dataclasses
+    import json
+    from pathlib import Path
+
+    from flowrl_ray.config import load_config
+    from flowrl_ray.envs.robot import check_config
+    if cfg.env.family != "robot":
+        raise ConfigError(f"perturbed scenes are for robot tasks, not env.family {cfg.env.family!r}")
+    names = [i for i in items if "=" not in i]
+    if names and len(items) > 1:
+        raise ConfigError(f"one suite set ({', '.join(OOD_SUITE)}) or key=value items, got {items}")
+    if names:
+        overrides = [f"env.perturb.{k}={json.dumps(v)}" for k, v in dataclasses.asdict(preset(names[0])).items()]
+    else:
+        overrides = [f"env.perturb.{item}" for item in items]
+    new = load_config(Path(run_dir) / "config.yaml", overrides)
+    check_config(new.env)
+    default = PerturbConfig()
+    changed = {k: v for k, v in dataclasses.asdict(new.env.perturb).items() if v != getattr(default, k)}
+    return dataclasses.replace(cfg, env=new.env), {"name": names[0] if names else "custom", **changed}

@@ -9,7 +9,7 @@ pytest.importorskip("robosuite")
 
 from flowrl_ray.config import ConfigError, config_from_dict  # noqa: E402
 from flowrl_ray.envs import env_family                                       # noqa: E402
-from flowrl_ray.envs import robomimic_data as rd                             # noqa: E402
+from flowrl_ray.envs.robot import robomimic_data as rd                             # noqa: E402
 from flowrl_ray.envs import robot                                            # noqa: E402
 
 

@@ -13,7 +13,7 @@ import torch
 
 from flowrl_ray.envs import load_snapshot, snapshot_classes
 from flowrl_ray.envs.gym import EnvConfig
-from flowrl_ray.envs.robomimic_data import NormStats
+from flowrl_ray.envs.robot.robomimic_data import NormStats
 from flowrl_ray.envs.robot.config import PerturbConfig, RobotEnvConfig
 from flowrl_ray.utils import TRUST_FILES_ENV, restricted_loads
 

@@ -292,7 +292,7 @@ def write_norm_dataset(ckpt: dict, task: str, path: str | Path) -> Path:
     the imported statistics (``stats/``, read by the robot env), with the release's 1e-6 folded
     into obs_max so that the env's 2 (x - min) / (max - min) - 1 is the release's normalisation.
     Low-dim observations only (the release's state order is the robot env's)."""
-    from flowrl_ray.envs.robomimic_data import ROBOSUITE_ENV_TYPE, DemoWriter, NormStats, write_stats
+    from flowrl_ray.envs.robot.robomimic_data import ROBOSUITE_ENV_TYPE, DemoWriter, NormStats, write_stats
     from flowrl_ray.envs.robot.env import LOW_DIM_KEYS, PROPRIO_DIM, get_task
     t = get_task(task)
     norm = ckpt["normalization"]
