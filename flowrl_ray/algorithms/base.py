@@ -114,10 +114,11 @@ class GroupAlgorithm(Algorithm):
     ``generate(num_chunks, "eval")``, scored the same way, summarised by ``eval_metrics``.
     Scorers hold no model, so nothing is published; the model is in ``state_dict()``.
 
-    ``generate`` keeps what the update needs in ``pending``; ``prepare`` and ``eval_metrics`` read
-    it. In asynchronous mode (``runtime.mode=async``) the runtime generates the next groups before
-    the update on the previous ones, keeps each "train" generation's ``pending`` and puts it back
-    before its scored samples are prepared: the update may then train on samples of a policy up to
+    ``generate`` keeps what the update needs in ``pending`` (the last generation); ``eval_metrics``
+    reads it, and ``prepare(batches, generation)`` is given the generation its batches scored. In
+    asynchronous mode (``runtime.mode=async``) the runtime generates the next groups before the
+    update on the previous ones, keeps each "train" generation's ``pending`` and passes it to the
+    ``prepare`` of its scored samples: the update may then train on samples of a policy up to
     ``runtime.max_staleness`` versions old, with their behaviour log-probs.
     """
 
@@ -128,6 +129,11 @@ class GroupAlgorithm(Algorithm):
     def generate(self, num_chunks: int, mode: str) -> list[dict]:
         """Sample for ``mode`` ("train": this iteration's groups; "eval": the evaluation set);
         -> at most ``num_chunks`` chunks of samples for the scorers (the family's format)."""
+
+    @abstractmethod
+    def prepare(self, batches: list[Batch], generation: dict | None = None) -> Any:
+        """The update's inputs from the scored ``batches`` of ``generation`` (the ``pending`` that
+        ``generate`` kept for those samples; None: the last generation's)."""
 
     @abstractmethod
     def eval_metrics(self, batches: list[Batch]) -> dict[str, float]:

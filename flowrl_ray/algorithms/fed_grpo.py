@@ -374,14 +374,14 @@ class FEDGRPO(GroupAlgorithm):
                 chunks.append(chunk)
         return chunks
 
-    def _scores(self, batches: list[Batch]) -> dict[str, Any]:
-        """The scorers' outputs in row order of the whole batch (every rank's rows in a learner
-        group; rows a failed worker never scored keep NaN / "")."""
-        n = self.pending["n"]
+    def _scores(self, batches: list[Batch], gen: dict) -> dict[str, Any]:
+        """The scorers' outputs for generation ``gen``'s samples, in row order of the whole batch
+        (every rank's rows in a learner group; rows a failed worker never scored keep NaN / "")."""
+        n = gen["n"]
         numeric = SCORE_KEYS
         out: dict[str, Any] = {k: torch.full((n,), float("nan")) for k in numeric}
         out["smiles"], out["reason"] = [""] * n, ["not_scored"] * n
-        k_steps = len(self.pending["x0_steps"])
+        k_steps = len(gen["x0_steps"])
         out["shaping_energy_reward"] = torch.full((n, k_steps), float("nan"))
         out["shaping_force_reward"] = torch.full((n, k_steps), float("nan"))
         for b in batches:
@@ -395,21 +395,24 @@ class FEDGRPO(GroupAlgorithm):
                 out["smiles"][i], out["reason"][i] = str(b["smiles"][j]), str(b["reason"][j])
         return out
 
-    def prepare(self, batches: list[Batch]) -> dict:
-        c, traj = self.c, self.pending["trajectory"]
-        s = self._scores(batches)
+    def prepare(self, batches: list[Batch], generation: dict | None = None) -> dict:
+        """Advantages of the scored samples of ``generation`` (what ``generate`` kept for them;
+        None: the last generation)."""
+        gen = self.pending if generation is None else generation
+        c, traj = self.c, gen["trajectory"]
+        s = self._scores(batches, gen)
         scored = ~torch.isnan(s["force_reward"])
         # A row nobody scored (its worker died twice) gets the group's mean: advantage 0.
-        force = _fill_with_group_mean(s["force_reward"], self.pending["group_index"])
-        energy = _fill_with_group_mean(s["energy_reward"], self.pending["group_index"])
-        stability = _fill_with_group_mean(s["stability_reward"], self.pending["group_index"])
-        group_index = self.pending["group_index"]
+        force = _fill_with_group_mean(s["force_reward"], gen["group_index"])
+        energy = _fill_with_group_mean(s["energy_reward"], gen["group_index"])
+        stability = _fill_with_group_mean(s["stability_reward"], gen["group_index"])
+        group_index = gen["group_index"]
         # normalize_over: valid -> force and energy statistics of each group's scored, valid members
         valid = (scored & (s["valid"] == 1)) if c.normalize_over == "valid" else None
         k = traj["t"].shape[0]
         if c.shaping.mode == "pbrs_return_to_go":
             steps = traj["t"].cpu()
-            scheduled = torch.isin(steps, torch.as_tensor(self.pending["x0_steps"], dtype=steps.dtype))
+            scheduled = torch.isin(steps, torch.as_tensor(gen["x0_steps"], dtype=steps.dtype))
             potentials = torch.zeros(len(force), k)
             potentials[:, scheduled] = torch.nan_to_num(s["shaping_energy_reward"])
             returns = pbrs_returns(potentials, energy, steps, scheduled, c.shaping.gamma)
@@ -417,7 +420,7 @@ class FEDGRPO(GroupAlgorithm):
                                       c.adv_clip_max, stability, c.stability_adv_weight, valid)    # [B, K]
         elif c.shaping.mode == "delta":
             steps = traj["t"].cpu()
-            sched = torch.as_tensor(self.pending["x0_steps"], dtype=steps.dtype)               # [m], descending
+            sched = torch.as_tensor(gen["x0_steps"], dtype=steps.dtype)               # [m], descending
             f_ts = delta_traces(torch.nan_to_num(s["shaping_force_reward"]), force, sched, c.shaping.gamma)
             if c.shaping.only_energy_reshape:
                 f_ts[:, :-1] = 0.0                                                             # force terminal-only
@@ -438,8 +441,8 @@ class FEDGRPO(GroupAlgorithm):
             adv = group_center(adv, group_index, members=scored).clamp(-c.adv_clip_max, c.adv_clip_max)
         adv = torch.where(scored[:, None], adv, torch.zeros_like(adv))
         # the whole batch's advantages (every group is whole on its rank); this rank's rows train
-        return {"trajectory": traj, "advantages": adv[self.pending["rows"]].to(self.device), "scores": s,
-                "rows": self.pending["rows"], "n": self.pending["n"], "all_advantages": adv}
+        return {"trajectory": traj, "advantages": adv[gen["rows"]].to(self.device), "scores": s,
+                "rows": gen["rows"], "n": gen["n"], "all_advantages": adv}
 
     # ------------------------------------------------------------------ update
     def update(self, p: dict) -> dict[str, float]:
@@ -525,7 +528,7 @@ class FEDGRPO(GroupAlgorithm):
         return out
 
     def eval_metrics(self, batches: list[Batch]) -> dict[str, float]:
-        s = self._scores(batches)
+        s = self._scores(batches, self.pending)
         out = {f"eval/{k}": v for k, v in molecule_summary(s).items()}
         out.update({"eval/return_mean": out["eval/force_reward_mean"], "eval/episodes": float(self.pending["n"])})
         return out

@@ -327,8 +327,9 @@ class FlowGRPO(GroupAlgorithm):
                  "texts": [texts[i] for i in part]}
                 for part in np.array_split(np.arange(len(rows)), num_chunks) if len(part)]
 
-    def _rewards(self, batches: list[Batch]) -> dict[str, torch.Tensor]:
-        n = self.pending["n"]
+    def _rewards(self, batches: list[Batch], gen: dict) -> dict[str, torch.Tensor]:
+        """The scores of generation ``gen``'s samples, by their ids in the batch."""
+        n = gen["n"]
         keys = ("rewards", "task_completion", "field_accuracy", "execution_completeness", "unparseable_lines")
         out = {k: torch.zeros(n) for k in keys}
         out["valid"] = torch.ones(n, dtype=torch.bool)
@@ -345,18 +346,19 @@ class FlowGRPO(GroupAlgorithm):
         out["reasons"] = reasons
         return out
 
-    def prepare(self, batches: list[Batch]) -> dict:
+    def prepare(self, batches: list[Batch], generation: dict | None = None) -> dict:
         """Advantages of the scored batch: the rollouts' group advantages [N] (the whole batch:
         every group is whole on its rank) and, for ``advantage: line``, per completion token of
         this rank's rows [B_r, Lg] (:func:`line_advantages`). ``advantage_shuffle``: first the
         outcomes (reward and scored lines) are permuted among the valid members of each group,
-        so every rollout keeps its tokens but is credited with a peer's outcome."""
-        c = self.c
-        scores = self._rewards(batches)
-        rewards, valid, rows = scores["rewards"], scores["valid"], self.pending["rows"]
+        so every rollout keeps its tokens but is credited with a peer's outcome. ``generation``:
+        what ``generate`` kept for these samples (None: the last generation)."""
+        c, gen = self.c, self.pending if generation is None else generation
+        scores = self._rewards(batches, gen)
+        rewards, valid, rows = scores["rewards"], scores["valid"], gen["rows"]
         slot_right = token_slot = None
         if c.advantage == "line":
-            slot_right, token_slot = self._line_outcomes()                    # [B_r, C], [B_r, Lg]
+            slot_right, token_slot = self._line_outcomes(gen)                 # [B_r, C], [B_r, Lg]
         if c.advantage_shuffle:
             perm = self._within_group_permutation(valid)                       # [N] batch rows
             rewards = rewards[perm]
@@ -371,15 +373,15 @@ class FlowGRPO(GroupAlgorithm):
                                         valid=valid[rows]).to(self.device)
         # the whole batch's advantages and scores (every group is whole on its rank); the
         # trajectory is this rank's rows (``rows``: their places in the batch)
-        return {"trajectory": self.pending["trajectory"], "advantages": adv.to(self.device),
-                "token_advantages": token_adv, "rows": rows, "generate_s": self.pending["generate_s"], **scores}
+        return {"trajectory": gen["trajectory"], "advantages": adv.to(self.device),
+                "token_advantages": token_adv, "rows": rows, "generate_s": gen["generate_s"], **scores}
 
-    def _line_outcomes(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def _line_outcomes(self, gen: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's rows' scored lines (:mod:`flowrl_ray.envs.forms.credit`): slot_right
         [B_r, C] float (1: the script writes slot c's gold action; C: the most slots of a task)
         and token_slot [B_r, Lg] long (the slot of each completion token's line, -1: none)."""
         from flowrl_ray.envs.forms.credit import gold_slots, line_outcomes
-        traj, tasks, texts = self.pending["trajectory"], self.pending["tasks"], self.pending["texts"]
+        traj, tasks, texts = gen["trajectory"], gen["tasks"], gen["texts"]
         completion = traj["tokens"][-1][:, traj["prompt_len"]:].cpu()                   # [B_r, Lg]
         lines = token_lines(completion, self._newlines, self._stop)                     # [B_r, Lg]
         keys = [[s.key for s in gold_slots(t, self.catalog)] for t in tasks]
@@ -668,7 +670,7 @@ class FlowGRPO(GroupAlgorithm):
     def eval_metrics(self, batches: list[Batch]) -> dict[str, float]:
         """Greedy generations on held-out tasks: overall and per held-out kind (new values on
         training forms, forms never seen in training)."""
-        s = self._rewards(batches)
+        s = self._rewards(batches, self.pending)
         sampled = torch.as_tensor(self.pending.get("sampled", [False] * len(s["rewards"])))
         greedy = ~sampled
         out = {"eval/return_mean": float(s["rewards"][greedy].mean()), "eval/episodes": int(greedy.sum()),

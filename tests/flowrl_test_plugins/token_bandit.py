@@ -102,19 +102,20 @@ class TokenGRPO(GroupAlgorithm):
         return [{"ids": part, "prompts": prompts.numpy()[part], "tokens": tokens.numpy()[part]}
                 for part in np.array_split(ids, num_chunks)]
 
-    def _rewards(self, batches: list[Batch]) -> torch.Tensor:
-        rewards = torch.zeros(len(self.pending["prompts"]))
+    def _rewards(self, batches: list[Batch], gen: dict) -> torch.Tensor:
+        rewards = torch.zeros(len(gen["prompts"]))
         for b in batches:
             ids = torch.as_tensor(b["ids"])
             # the scored tokens are the generation this update reads (async mode keeps several)
-            if not torch.equal(torch.as_tensor(b["tokens"]), self.pending["tokens"][ids]):
+            if not torch.equal(torch.as_tensor(b["tokens"]), gen["tokens"][ids]):
                 raise AssertionError("scored samples do not match the generation being prepared")
             rewards[ids] = torch.as_tensor(b["rewards"])
         return rewards
 
-    def prepare(self, batches):
-        rewards = self._rewards(batches)
-        return dict(self.pending, rewards=rewards, adv=group_advantages(rewards, self.cfg.algo.group_size))
+    def prepare(self, batches, generation=None):
+        gen = self.pending if generation is None else generation
+        rewards = self._rewards(batches, gen)
+        return dict(gen, rewards=rewards, adv=group_advantages(rewards, self.cfg.algo.group_size))
 
     def update(self, p):
         self.updates += 1
@@ -135,7 +136,7 @@ class TokenGRPO(GroupAlgorithm):
         return {"token_grpo/reward_mean": float(p["rewards"].mean()), "token_grpo/ratio_start_dev": ratios[0]}
 
     def eval_metrics(self, batches):
-        rewards = self._rewards(batches)
+        rewards = self._rewards(batches, self.pending)
         return {"eval/return_mean": float(rewards.mean()), "eval/episodes": len(rewards)}
 
     def state_dict(self):
