@@ -11,9 +11,13 @@ import importlib
 import json
 import sys
 import time
+import typing
+from dataclasses import fields
 from pathlib import Path
+from typing import Literal
 
-from flowrl_ray.config import ConfigError, apply_overrides, config_from_dict, load_config, read_yaml
+from flowrl_ray.config import (PRETRAIN_SECTIONS, ConfigError, apply_overrides, config_from_dict, load_config,
+                               read_yaml)
 from flowrl_ray.errors import TrainingError, UserError
 
 EXIT_USER_ERROR = 2
@@ -322,15 +326,43 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 #: `flowrl-ray pretrain` flags: each sets the key of the same name in the config's typed
 #: `pretrain:` section (flowrl_ray.config), whose schema the algorithm chooses
-PRETRAIN_FLAGS = ("dataset", "out", "epochs", "steps", "batch_size", "lr", "eval_episodes",
-                  "tasks_per_form", "copy_aux", "eval_samples", "curve_every", "curve_samples",
-                  "checkpoint_every", "max_minutes", "resume", "init_from", "qm9", "device", "seed")
+#: who reads a pretraining section, as the flags' help names them
+PRETRAIN_LABELS = {"flow_bc": "robot", "text_sft": "language model", "edm_qm9": "EDM"}
+
+
+def pretrain_flags() -> dict[str, list]:
+    """Every key of the built-in pretraining sections -> [(section class, its field, its type)],
+    in the order the sections declare them: `flowrl-ray pretrain` takes each as --key-name."""
+    flags: dict[str, list] = {}
+    for section in PRETRAIN_SECTIONS:
+        hints = typing.get_type_hints(section)
+        for f in fields(section):
+            flags.setdefault(f.name, []).append((section, f, hints[f.name]))
+    return flags
+
+
+def add_pretrain_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per pretraining key, its type, choices and help from the sections' fields."""
+    for name, owners in pretrain_flags().items():
+        hint = owners[0][2]                                   # Optional[X] -> X
+        tp = hint if typing.get_origin(hint) is Literal else \
+            next(a for a in (typing.get_args(hint) or (hint,)) if a is not type(None))
+        if tp is bool:
+            kwargs = {"action": "store_true", "default": None}
+        elif typing.get_origin(tp) is Literal:
+            kwargs = {"choices": list(typing.get_args(tp))}
+        else:
+            kwargs = {"type": tp}
+        texts = [f.metadata.get("help", "") + ("" if f.default is None or tp is bool else f"; default {f.default}")
+                 for _, f, _ in owners]
+        labels = [PRETRAIN_LABELS.get(section.method, section.method) for section, _, _ in owners]
+        text = texts[0] if len(set(texts)) == 1 and len(owners) == len(PRETRAIN_SECTIONS) else \
+            " | ".join(f"{label}: {t}" for label, t in zip(labels, texts))      # what each section means by it
+        parser.add_argument("--" + name.replace("_", "-"), help=text, **kwargs)
 
 
 def cmd_pretrain(args: argparse.Namespace) -> int:
     """The config's `pretrain:` section, with the flags given on top, run by flowrl_ray.pretrain."""
-    from dataclasses import fields
-
     from flowrl_ray.algorithms import get_algorithm
     from flowrl_ray.pretrain import pretrain
     data = apply_overrides(read_yaml(args.config), args.overrides)
@@ -341,7 +373,7 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
                         f"fpopp, reinflow, flowsar, flow_grpo and fed_grpo)")
     keys = [f.name for f in fields(schema)]
     section = dict(data.get("pretrain") or {})
-    for flag in PRETRAIN_FLAGS:
+    for flag in pretrain_flags():
         value = getattr(args, flag)
         if value is None:
             continue
@@ -470,51 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("config")
     pr.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. algo.hidden_sizes=[256,256] "
                     "or pretrain.epochs=20")
-    pr.add_argument("--dataset", help="robot: robomimic hdf5 (default env.dataset)")
-    pr.add_argument("--out", help="checkpoint path (default algo.base_policy / sft_checkpoint / base_model)")
-    pr.add_argument("--epochs", type=int, help="robot: passes (default 50); language model: passes instead "
-                    "of --steps")
-    pr.add_argument("--batch-size", type=int,
-                    help="default 256 (robot), 32 (language model), 64 (EDM; with --resume: the checkpoint's)")
-    pr.add_argument("--lr", type=float, help="default 1e-3 (EDM: 1e-4; with --resume: the checkpoint's)")
-    pr.add_argument("--eval-episodes", type=int,
-                    help="robot: then evaluate in the env: success with zero and random sampling (default 0)")
-    pr.add_argument("--steps", type=int, help="optimiser steps, default 2000 (EDM for FED-GRPO configs, the "
-                    "language model of Flow-GRPO configs)")
-    pr.add_argument("--tasks-per-form", type=int,
-                    help="language model: tasks drawn per training form for SFT, default 200 "
-                         "(the sft task set: its own values, disjoint from the RL and evaluation tasks)")
-    pr.add_argument("--copy-aux", type=float, metavar="F",
-                    help="language model: add F auxiliary 'repeat the quoted value' pairs per task pair "
-                         "(default 0)")
-    pr.add_argument("--eval-samples", type=int,
-                    help="EDM: then sample N molecules and report EDM's stability, validity and uniqueness "
-                         "(default 1000; 0: skip)")
-    pr.add_argument("--curve-every", type=int, metavar="N",
-                    help="EDM: every N steps sample --curve-samples molecules from the EMA weights, log "
-                         "their stability and validity (metrics.jsonl, <stem>.stability.png) and write "
-                         "the checkpoint")
-    pr.add_argument("--curve-samples", type=int, help="EDM: molecules per curve point (default 200)")
-    pr.add_argument("--init-from", metavar="PATH",
-                    help="language model: start from this SFT checkpoint directory's weights and tokenizer "
-                         "(trains it further; default: a new tokenizer and model); EDM: start a new run from "
-                         "this base checkpoint's weights (e.g. one written by import-edm)")
-    pr.add_argument("--qm9", metavar="FILE",
-                    help="EDM: train on this pack of QM9's train split (written by `flowrl-ray qm9-pack`) "
-                         "instead of the qm9pack package")
-    pr.add_argument("--checkpoint-every", type=int, metavar="N",
-                    help="EDM and language model: also write the checkpoint every N steps (for --resume after "
-                         "a stop)")
-    pr.add_argument("--max-minutes", type=float, metavar="M",
-                    help="EDM and language model: stop at the first checkpoint (language model: step) after M "
-                         "minutes of this invocation (the run stays resumable with --resume; default 0: no limit)")
-    pr.add_argument("--resume", action="store_true", default=None,
-                    help="EDM and language model: continue the unfinished run whose checkpoint is at the output "
-                         "path (weights, optimiser, schedule, data order) up to its budget; EDM: a new run "
-                         "when there is none")
-    pr.add_argument("--device", choices=["auto", "cpu", "cuda"],
-                    help="EDM: where to train (default auto: CUDA when there is one)")
-    pr.add_argument("--seed", type=int, help="default: the config's seed")
+    add_pretrain_flags(pr)
     pr.set_defaults(func=cmd_pretrain)
 
 

@@ -36,9 +36,10 @@ from flowrl_ray.registry import check_family_kind, env_family, get_algorithm
 
 
 def check(gt: float | None = None, ge: float | None = None, le: float | None = None,
-          lt: float | None = None) -> dict:
-    """Field metadata with numeric bounds, checked by :func:`validate`."""
-    return {k: v for k, v in dict(gt=gt, ge=ge, le=le, lt=lt).items() if v is not None}
+          lt: float | None = None, help: str | None = None) -> dict:
+    """Field metadata with numeric bounds, checked by :func:`validate`, and the key's one-line
+    help where a command-line flag is made from it (``flowrl-ray pretrain``)."""
+    return {k: v for k, v in dict(gt=gt, ge=ge, le=le, lt=lt, help=help).items() if v is not None}
 
 
 def check_layer_sizes(sizes: Any, key: str) -> None:
@@ -219,13 +220,14 @@ class FlowBCPretrainConfig:
     FlowSAR): writes the checkpoint ``algo.base_policy`` loads."""
     method: ClassVar[str] = "flow_bc"
     writes: ClassVar[str] = "base_policy"
-    dataset: Optional[str] = None       # robomimic hdf5; None: env.dataset
-    out: Optional[str] = None           # None: algo.base_policy
-    epochs: int = field(default=50, metadata=check(gt=0))
-    batch_size: int = field(default=256, metadata=check(gt=0))
-    lr: float = field(default=1e-3, metadata=check(gt=0))
-    eval_episodes: int = field(default=0, metadata=check(ge=0))   # then success by zero / random sampling
-    seed: Optional[int] = field(default=None, metadata=check(ge=0))   # None: the config's seed
+    dataset: Optional[str] = field(default=None, metadata=check(help="the robomimic hdf5 (None: env.dataset)"))
+    out: Optional[str] = field(default=None, metadata=check(help="the checkpoint (None: algo.base_policy)"))
+    epochs: int = field(default=50, metadata=check(gt=0, help="passes over the demos"))
+    batch_size: int = field(default=256, metadata=check(gt=0, help="pairs per step"))
+    lr: float = field(default=1e-3, metadata=check(gt=0, help="Adam's learning rate"))
+    eval_episodes: int = field(default=0, metadata=check(
+        ge=0, help="then evaluate in the env: success by zero and by random sampling"))
+    seed: Optional[int] = field(default=None, metadata=check(ge=0, help="None: the config's seed"))
 
 
 @dataclass
@@ -234,18 +236,24 @@ class TextSFTPretrainConfig:
     gold action script): writes the checkpoint directory ``algo.sft_checkpoint`` loads."""
     method: ClassVar[str] = "text_sft"
     writes: ClassVar[str] = "sft_checkpoint"
-    out: Optional[str] = None           # None: algo.sft_checkpoint
-    steps: Optional[int] = field(default=None, metadata=check(gt=0))    # None and no epochs: 2000
-    epochs: Optional[int] = field(default=None, metadata=check(gt=0))   # passes instead of steps
-    batch_size: int = field(default=32, metadata=check(gt=0))
-    lr: float = field(default=1e-3, metadata=check(gt=0))
-    tasks_per_form: int = field(default=200, metadata=check(gt=0))    # the sft task set per training form
-    copy_aux: float = field(default=0.0, metadata=check(ge=0))         # 'repeat the quoted value' pairs per pair
-    init_from: Optional[str] = None     # an SFT checkpoint directory to train further (None: a new model)
-    checkpoint_every: int = field(default=0, metadata=check(ge=0))    # write the checkpoint every N steps
-    max_minutes: float = field(default=0.0, metadata=check(ge=0))     # stop this invocation after M minutes
-    resume: bool = False                # continue the unfinished run at `out`
-    seed: Optional[int] = field(default=None, metadata=check(ge=0))
+    out: Optional[str] = field(default=None, metadata=check(help="the checkpoint directory (None: algo.sft_checkpoint)"))
+    steps: Optional[int] = field(default=None, metadata=check(gt=0, help="optimiser steps (None and no epochs: 2000)"))
+    epochs: Optional[int] = field(default=None, metadata=check(gt=0, help="passes, instead of steps"))
+    batch_size: int = field(default=32, metadata=check(gt=0, help="task pairs per step"))
+    lr: float = field(default=1e-3, metadata=check(gt=0, help="AdamW's peak learning rate"))
+    tasks_per_form: int = field(default=200, metadata=check(
+        gt=0, help="tasks drawn per training form (the sft task set: its own values, disjoint from RL and evaluation)"))
+    copy_aux: float = field(default=0.0, metadata=check(
+        ge=0, help="auxiliary 'repeat the quoted value' pairs per task pair"))
+    init_from: Optional[str] = field(default=None, metadata=check(
+        help="an SFT checkpoint directory whose weights and tokenizer are trained further (None: a new model)"))
+    checkpoint_every: int = field(default=0, metadata=check(
+        ge=0, help="also write the checkpoint every N steps (for --resume after a stop)"))
+    max_minutes: float = field(default=0.0, metadata=check(
+        ge=0, help="stop at the first step after M minutes of this invocation (resumable; 0: no limit)"))
+    resume: bool = field(default=False, metadata=check(
+        help="continue the unfinished run whose checkpoint is at the output path, exactly"))
+    seed: Optional[int] = field(default=None, metadata=check(ge=0, help="None: the config's seed"))
 
     def __post_init__(self):
         if self.steps is not None and self.epochs is not None:
@@ -258,20 +266,33 @@ class EDMPretrainConfig:
     """EDM on QM9's train split for FED-GRPO: writes the checkpoint ``algo.base_model`` loads."""
     method: ClassVar[str] = "edm_qm9"
     writes: ClassVar[str] = "base_model"
-    out: Optional[str] = None           # None: algo.base_model
-    steps: int = field(default=2000, metadata=check(gt=0))            # optimiser steps in all
-    batch_size: Optional[int] = field(default=None, metadata=check(gt=0))   # None: 64, resumed: the checkpoint's
-    lr: Optional[float] = field(default=None, metadata=check(gt=0))         # None: 1e-4, resumed: the checkpoint's
-    eval_samples: int = field(default=1000, metadata=check(ge=0))     # molecules for EDM's metrics at the end
-    curve_every: int = field(default=0, metadata=check(ge=0))         # a stability point every N steps
-    curve_samples: int = field(default=200, metadata=check(gt=0))
-    checkpoint_every: int = field(default=0, metadata=check(ge=0))
-    max_minutes: float = field(default=0.0, metadata=check(ge=0))     # end this invocation after M minutes
-    resume: bool = False                # continue the run whose checkpoint is at `out`
-    init_from: Optional[str] = None     # a base checkpoint whose weights start a new run (None: new weights)
-    qm9: Optional[str] = None           # a train-split pack (`flowrl-ray qm9-pack`) instead of qm9pack
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    seed: Optional[int] = field(default=None, metadata=check(ge=0))
+    out: Optional[str] = field(default=None, metadata=check(help="the checkpoint (None: algo.base_model)"))
+    steps: int = field(default=2000, metadata=check(gt=0, help="optimiser steps in all"))
+    batch_size: Optional[int] = field(default=None, metadata=check(
+        gt=0, help="molecules per step (None: 64; resumed: the checkpoint's)"))
+    lr: Optional[float] = field(default=None, metadata=check(
+        gt=0, help="AdamW's learning rate (None: 1e-4; resumed: the checkpoint's)"))
+    eval_samples: int = field(default=1000, metadata=check(
+        ge=0, help="then sample N molecules for EDM's stability, validity and uniqueness (0: skip)"))
+    curve_every: int = field(default=0, metadata=check(
+        ge=0, help="every N steps sample the EMA weights for a stability point and write the checkpoint"))
+    curve_samples: int = field(default=200, metadata=check(gt=0, help="molecules per curve point"))
+    checkpoint_every: int = field(default=0, metadata=check(ge=0, help="also write the checkpoint every N steps"))
+    max_minutes: float = field(default=0.0, metadata=check(
+        ge=0, help="end this invocation at the first checkpoint after M minutes (resumable; 0: no limit)"))
+    resume: bool = field(default=False, metadata=check(
+        help="continue the run whose checkpoint is at the output path (a new run when there is none)"))
+    init_from: Optional[str] = field(default=None, metadata=check(
+        help="a base checkpoint whose weights start a new run (e.g. one import-edm wrote)"))
+    qm9: Optional[str] = field(default=None, metadata=check(
+        help="a pack of QM9's train split (`flowrl-ray qm9-pack`) instead of the qm9pack package"))
+    device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata=check(
+        help="where to train (auto: CUDA when there is one)"))
+    seed: Optional[int] = field(default=None, metadata=check(ge=0, help="None: the config's seed"))
+
+
+#: the built-in pretraining sections, whose keys ``flowrl-ray pretrain`` takes as flags
+PRETRAIN_SECTIONS = (FlowBCPretrainConfig, TextSFTPretrainConfig, EDMPretrainConfig)
 
 
 @dataclass

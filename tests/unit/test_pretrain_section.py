@@ -100,3 +100,23 @@ def test_the_entry_point_runs_the_schemas_method_with_the_section(path, function
     (c, kw), = calls
     assert c is cfg and kw["progress"] is False
     assert {k: kw[k] for k in expected} == expected
+
+
+def test_every_key_of_every_pretraining_section_is_a_flag_with_its_type_and_help():
+    """The flags are made from the sections' fields: a key added to a section is a flag at once,
+    typed (ints, floats, a switch, choices) and with each section's help."""
+    import dataclasses
+
+    from flowrl_ray.cli import build_parser
+    parser = build_parser()
+    pretrain = next(a for a in parser._subparsers._group_actions[0].choices.values() if a.prog.endswith("pretrain"))
+    options = {a.dest: a for a in pretrain._actions if a.option_strings}
+    keys = {f.name for s in (FlowBCPretrainConfig, TextSFTPretrainConfig, EDMPretrainConfig)
+            for f in dataclasses.fields(s)}
+    assert keys == set(options) - {"help"}
+    assert options["steps"].type is int and options["lr"].type is float and options["copy_aux"].type is float
+    assert options["resume"].nargs == 0 and options["device"].choices == ["auto", "cpu", "cuda"]
+    assert "language model: optimiser steps" in options["steps"].help and "EDM: optimiser steps in all" in \
+        options["steps"].help and options["seed"].help == "None: the config's seed"
+    args = parser.parse_args(["pretrain", "c.yaml", "--tasks-per-form", "7", "--resume", "--max-minutes", "1.5"])
+    assert (args.tasks_per_form, args.resume, args.max_minutes, args.steps) == (7, True, 1.5, None)
