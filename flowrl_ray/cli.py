@@ -389,9 +389,7 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
 
 # --------------------------------------------------------------------------- parser
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="flowrl-ray", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
+def _add_train(sub) -> None:
 
     t = sub.add_parser("train", help="train a policy on a local or existing Ray cluster",
                        description="Train with the algorithm and env a config names. Starts a private local "
@@ -414,6 +412,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--address", help=ADDRESS_HELP)
     t.set_defaults(func=cmd_train)
 
+
+def _add_eval(sub) -> None:
     e = sub.add_parser("eval", help="evaluate a run's latest checkpoint",
                        description="Run episodes with the latest checkpoint's policy (deterministic by "
                                    "default) and print return statistics (and success rate, for robot "
@@ -437,6 +437,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "<success|failure>.mp4")
     e.set_defaults(func=cmd_eval)
 
+
+def _add_tune(sub) -> None:
     tu = sub.add_parser("tune", help="hyperparameter sweep with Ray Tune",
                         description="Sweep config keys (grid or random) over several seeds. Each trial is a "
                                     "full Trainer inside its own placement group. Writes results.csv and "
@@ -457,6 +459,8 @@ def build_parser() -> argparse.ArgumentParser:
     tu.add_argument("--address", help=ADDRESS_HELP)
     tu.set_defaults(func=cmd_tune)
 
+
+def _add_compare(sub) -> None:
     c = sub.add_parser("compare", help="run several configs with the same seeds; table + plot",
                        description="Run every CONFIG with the same N seeds (seed, seed+1, ...) on one Ray, then "
                                    "write comparison.md/.csv (final return mean ± std, area under the learning "
@@ -468,6 +472,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--address", help=ADDRESS_HELP)
     c.set_defaults(func=cmd_compare)
 
+
+def _add_serve(sub) -> None:
     s = sub.add_parser("serve", help="serve a trained policy over HTTP with Ray Serve",
                        description="Deploy the run's latest checkpoint with Ray Serve. POST /act with "
                                    '{"observation": [...]} returns {"action": [...]}; GET /healthz answers.')
@@ -477,6 +483,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--address", help=ADDRESS_HELP)
     s.set_defaults(func=cmd_serve)
 
+
+def _add_plot(sub) -> None:
     pl = sub.add_parser("plot", help="draw learning curves (PNG) of one or more runs",
                         description="Overlay runs; runs of the same config name (seeds) become mean +- std bands.")
     pl.add_argument("run_dirs", nargs="+")
@@ -486,6 +494,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--out", help="PNG path (default RUN_DIR/plots/<y>.png)")
     pl.set_defaults(func=cmd_plot)
 
+
+def _add_pretrain(sub) -> None:
     pr = sub.add_parser("pretrain", help="supervised start of a policy: flow-matching BC from robot demos, "
                                          "masked-diffusion SFT of a Flow-GRPO language model, or EDM on QM9",
                         description="Runs the pretraining of the config's algorithm with the settings of its "
@@ -506,6 +516,16 @@ def build_parser() -> argparse.ArgumentParser:
     pr.set_defaults(func=cmd_pretrain)
 
 
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="flowrl-ray", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="verb", required=True, metavar="VERB")
+    _add_train(sub)
+    _add_eval(sub)
+    _add_tune(sub)
+    _add_compare(sub)
+    _add_serve(sub)
+    _add_plot(sub)
+    _add_pretrain(sub)
     for family, (verbs, extra) in FAMILY_VERBS.items():   # each env family's own verbs
         try:
             importlib.import_module(f"{family}.cli").add_verbs(sub)
