@@ -104,11 +104,11 @@ def test_pretraining_stops_at_a_checkpoint_after_max_minutes_and_resumes_with_it
     from flowrl_ray.pretrain.edm_qm9 import pretrain_edm
     cfg = config_from_dict(_config())
     whole, parts = tmp_path / "whole.pt", tmp_path / "parts.pt"
-    pretrain_edm(cfg, out=whole, steps=4, batch_size=4, lr=1e-3, progress=False)
+    pretrain_edm(cfg, out=whole, steps=4, batch_size=4, lr=1e-3, eval_samples=0, progress=False)
     first = pretrain_edm(cfg, out=parts, steps=4, batch_size=4, lr=1e-3, checkpoint_every=1,
-                         max_minutes=1e-9, progress=False)
+                         max_minutes=1e-9, eval_samples=0, progress=False)
     assert first["steps"] == 1 and torch.load(parts, weights_only=False)["steps"] == 1
-    pretrain_edm(cfg, out=parts, steps=4, resume=True, progress=False)
+    pretrain_edm(cfg, out=parts, steps=4, resume=True, eval_samples=0, progress=False)
     a, b = (torch.load(p, weights_only=False) for p in (whole, parts))
     assert (b["steps"], b["batch_size"], b["lr"]) == (4, 4, 1e-3)
     for name, value in a["state_dict"].items():
@@ -123,8 +123,8 @@ def test_pretraining_resumed_from_its_checkpoint_is_the_uninterrupted_run(tmp_pa
     cfg = config_from_dict(_config())
     whole, parts = tmp_path / "whole.pt", tmp_path / "parts.pt"
     kw = dict(batch_size=4, lr=1e-3, curve_every=2, curve_samples=2, progress=False)
-    pretrain_edm(cfg, out=whole, steps=4, **kw)
-    pretrain_edm(cfg, out=parts, steps=2, **kw)
+    pretrain_edm(cfg, out=whole, steps=4, eval_samples=0, **kw)
+    pretrain_edm(cfg, out=parts, steps=2, eval_samples=0, **kw)
     summary = pretrain_edm(cfg, out=parts, steps=4, resume=True, eval_samples=2, **kw)
     a, b = (torch.load(p, weights_only=False) for p in (whole, parts))
     assert a["steps"] == b["steps"] == summary["steps"] == 4
@@ -172,7 +172,7 @@ def test_pretraining_from_a_base_on_a_qm9_pack_starts_at_the_bases_weights_and_r
     from flowrl_ray.pretrain.edm_qm9 import pretrain_edm
     cfg = config_from_dict(_config())
     pack, base, cont, fresh = _pack(tmp_path / "train.npz"), *(tmp_path / f"{s}.pt" for s in ("base", "cont", "fresh"))
-    kw = dict(batch_size=4, qm9=pack, progress=False)
+    kw = dict(batch_size=4, qm9=pack, eval_samples=0, progress=False)
     pretrain_edm(cfg, out=base, steps=3, lr=1e-3, **kw)
     summary = pretrain_edm(cfg, out=cont, steps=2, lr=1e-12, init_from=base, seed=5, **kw)
     pretrain_edm(cfg, out=fresh, steps=2, lr=1e-12, seed=5, **kw)
