@@ -188,6 +188,26 @@ def warn_if_cut(lm, tasks: list, catalog, max_prompt_len: int, gen_length: int, 
     return prompts, answers
 
 
+@dataclass
+class _Update:
+    """What one update carries between its parts (:meth:`FlowGRPO.update`)."""
+    adv: torch.Tensor                 # [B] the whole batch's group advantages
+    valid: torch.Tensor               # [B] bool
+    unmasked: torch.Tensor            # [S, B_r, L] this rank's rows: the tokens each step unmasked
+    token_adv: torch.Tensor | None    # [B_r, L] per-token advantages (advantage: line)
+    epochs: list                      # per epoch: [(minibatch, picked steps)], one optimiser step each
+    owned: list                       # per minibatch: the batch rows this rank holds
+    minibatches: list                 # per minibatch: their rows in this rank's trajectory
+    counts: torch.Tensor              # [n_mb, S] valid rows unmasking at each step, over every rank
+    old: dict = field(default_factory=dict)      # (minibatch, step) -> old token log-probs [mb, L]
+    ref: dict = field(default_factory=dict)      # (minibatch, step) -> reference token log-probs
+    ratios: list = field(default_factory=list)
+    stats: dict = field(default_factory=dict)
+    sampler_gap: float = 0.0          # |recomputed - sampler's| old log-prob: numerics only
+    old_s: float = 0.0
+    reference_s: float = 0.0
+
+
 class FlowGRPO(GroupAlgorithm):
     config_class = FlowGRPOConfig
     pretrain_config_class = TextSFTPretrainConfig
@@ -479,95 +499,108 @@ class FlowGRPO(GroupAlgorithm):
         return pg, ratio, (k3(log_ratio) * on).sum(-1), clipped
 
     def update(self, p: dict) -> dict[str, float]:
-        c, traj, t0 = self.c, p["trajectory"], time.perf_counter()
+        """Epochs of optimiser steps over the plan's minibatches (:meth:`_update_plan`): each step
+        is the mean over its minibatch's valid rows and picked unmasking steps of the surrogate
+        plus ``kl_coeff`` times the KL to the reference (module docstring)."""
+        t0 = time.perf_counter()
+        u = self._layout(p)
+        model = self.lm.model
+        model.train()
+        self._old_log_probs(model, p["trajectory"], u)
+        u.old_s = time.perf_counter() - t0
+        acc = Accumulator([self.opt], self.c.max_grad_norm)       # one optimiser step per plan entry
+        acc.zero_grad()
+        for plan in u.epochs:
+            for mb, picked in plan:
+                self._minibatch_step(model, p["trajectory"], u, acc, mb, picked, first_epoch=plan is u.epochs[0])
+        self.iteration += 1
+        return self._update_metrics(p, u, t0)
+
+    def _layout(self, p: dict) -> "_Update":
+        """The update's minibatches of this rank's rows, their advantages and the row counts of
+        each (minibatch, step) over every rank (a step's loss is the mean over them)."""
+        c = self.c
         adv = p["advantages"].double()                                        # [B] the whole batch
-        batch, ranks = adv.shape[0], world()[1]
+        batch = adv.shape[0]
         valid = p.get("valid", torch.ones(batch, dtype=torch.bool)).to(adv.device)
-        unmasked = traj["unmasked"]                                            # [S, B_r, L] this rank's rows
-        steps = unmasked.shape[0]
+        unmasked = p["trajectory"]["unmasked"]                                 # [S, B_r, L] this rank's rows
         token_adv = p.get("token_advantages")                                  # [B_r, Lg] or None
         if token_adv is not None:                                             # at the sequence's places
             token_adv = F.pad(token_adv.double(), (unmasked.shape[2] - token_adv.shape[1], 0))   # [B_r, L]
-        plan_rows, epochs = self._update_plan(batch // c.group_size, steps)   # minibatches of batch rows
+        plan_rows, epochs = self._update_plan(batch // c.group_size, unmasked.shape[0])   # minibatches of batch rows
         # In a learner group each rank takes its rows of every minibatch (all of them on one
         # learner): ``minibatches`` are its trajectory's rows, ``owned`` the batch rows they are.
         place = torch.full((batch,), -1, dtype=torch.long)
         place[p.get("rows", torch.arange(batch))] = torch.arange(unmasked.shape[1])
         owned = [r[place[r] >= 0] for r in plan_rows]
         minibatches = [place[r] for r in owned]
-        # rows that unmasked at step s (valid ones) per minibatch, over every rank: a step's
-        # loss is the mean over them
+        # rows that unmasked at step s (valid ones) per minibatch, over every rank
         counts = reduce_sum(torch.stack([(unmasked[:, r].any(-1) & valid[o]).double().sum(-1)
                                          for r, o in zip(minibatches, owned)]))            # [n_mb, S]
-        model = self.lm.model
-        model.train()
-        # Old log-probs (per token) of every (minibatch, step) the update uses, computed before
-        # any step on exactly the rows the loss will see (so rho = 1 holds to the last bit). The
-        # first optimiser step of the first epoch comes before any step: its own forward pass gives them.
-        first_mb, first_steps = epochs[0][0]
-        old: dict[tuple[int, int], torch.Tensor] = {}
-        ref: dict[tuple[int, int], torch.Tensor] = {}         # the frozen reference per token [mb, L]: on first use
-        with torch.no_grad():
-            for key in sorted({(m, s) for plan in epochs for m, ss in plan for s in ss}):
-                if (key[0] != first_mb or key[1] not in first_steps) and len(minibatches[key[0]]):
-                    old[key] = self._token_log_probs(model, traj, key[1], minibatches[key[0]])
-        old_s, reference_s = time.perf_counter() - t0, 0.0
-        sampler_gap = 0.0                  # |recomputed - sampler's| old log-prob: numerics only
-        ratios: list[torch.Tensor] = []
-        stats: dict[str, list[float]] = {}
-        acc = Accumulator([self.opt], c.max_grad_norm)            # one optimiser step per plan entry
-        acc.zero_grad()
-        for plan in epochs:
-            for mb, picked in plan:
-                rows = minibatches[mb]
-                a, keep = adv[owned[mb]], valid[owned[mb]]
-                total = 0.0
-                for s in picked:
-                    if counts[mb, s] == 0:
-                        continue
-                    if not len(rows):                          # a rank without rows here: its share is 0
-                        continue
-                    on = unmasked[s][rows]                                            # [mb, L] this step's tokens
-                    weight = (on.any(-1) & keep).double()                             # valid rows that unmasked at s
-                    weight = weight / counts[mb, s] / len(picked)                     # mean over rows and steps
-                    if c.kl_coeff > 0 and (mb, s) not in ref:              # before the graph is built:
-                        t_ref = time.perf_counter()
-                        ref[mb, s] = self._reference_log_probs(traj, s, rows)  # (adapters switch)
-                        reference_s += time.perf_counter() - t_ref
-                    token_logp = self._token_log_probs(model, traj, s, rows)  # [mb, L] with gradients
-                    if (mb, s) not in old:                                     # no step taken yet
-                        old[mb, s] = token_logp.detach()
-                    if plan is epochs[0]:
-                        gap = (old[mb, s].sum(-1) - traj["logp"][s][rows].double()).abs()[on.any(-1)]
-                        sampler_gap = max(sampler_gap, float(gap.max()) if gap.numel() else 0.0)
-                    pg, ratio, approx, clipped = self._surrogate(
-                        token_logp, old[mb, s], on, a, None if token_adv is None else token_adv[rows])
-                    kl = (kl_penalty(token_logp, ref[mb, s], c.kl_estimator) if c.kl_coeff > 0
-                          else torch.zeros_like(pg))
-                    loss = ((pg + c.kl_coeff * kl) * weight).sum()
-                    if not acc.backward(loss):                  # non-finite: the step is skipped
-                        break
-                    total += float(loss.detach())
-                    with torch.no_grad():
-                        w = weight * len(picked)
-                        ratios.append(ratio.detach()[on & (w > 0)[:, None]] if ratio.ndim == 2 else ratio.detach()[w > 0])
-                        for k, v in {"pg_loss": (pg * w).sum(), "kl": (kl * w).sum(), "approx_kl": (approx * w).sum(),
-                                     "clipfrac": (clipped * w).sum()}.items():
-                            stats.setdefault(k, []).append(float(v))
-                finite_loss = acc.finite
-                if not finite_loss:
-                    with torch.no_grad():          # still before any step: the old log-probs it left out
-                        for key in [(mb, t) for t in picked if (mb, t) not in old and plan is epochs[0]]:
-                            old[key] = self._token_log_probs(model, traj, key[1], rows)
-                (norm,), stepped = acc.step()                                   # one optimiser: one norm
-                self.skipped_updates += not stepped
-                if stepped:
-                    stats.setdefault("grad_norm", []).append(norm)
-                if finite_loss:
-                    stats.setdefault("loss", []).append(total)
-        self.iteration += 1
-        if ranks > 1:                                  # the whole minibatches' statistics, over the ranks
-            entries = sum(int(counts[m, t] > 0) for plan in epochs for m, ss in plan for t in ss)
+        return _Update(adv, valid, unmasked, token_adv, epochs, owned, minibatches, counts)
+
+    @torch.no_grad()
+    def _old_log_probs(self, model, traj: dict, u: "_Update") -> None:
+        """Old log-probs (per token) of every (minibatch, step) the update uses, computed before
+        any step on exactly the rows the loss will see (so rho = 1 holds to the last bit). The
+        first optimiser step of the first epoch comes before any step: its own forward pass gives them."""
+        first_mb, first_steps = u.epochs[0][0]
+        for key in sorted({(m, s) for plan in u.epochs for m, ss in plan for s in ss}):
+            if (key[0] != first_mb or key[1] not in first_steps) and len(u.minibatches[key[0]]):
+                u.old[key] = self._token_log_probs(model, traj, key[1], u.minibatches[key[0]])
+
+    def _minibatch_step(self, model, traj: dict, u: "_Update", acc: Accumulator, mb: int, picked: list[int],
+                        first_epoch: bool) -> None:
+        """One optimiser step on minibatch ``mb``: the gradients of its ``picked`` steps, each
+        weighted by 1 / (its valid unmasking rows) / (the steps picked), accumulated then applied."""
+        c, rows = self.c, u.minibatches[mb]
+        a, keep = u.adv[u.owned[mb]], u.valid[u.owned[mb]]
+        total = 0.0
+        for s in picked:
+            if u.counts[mb, s] == 0 or not len(rows):          # a rank without rows here: its share is 0
+                continue
+            on = u.unmasked[s][rows]                                                  # [mb, L] this step's tokens
+            weight = (on.any(-1) & keep).double()                                     # valid rows that unmasked at s
+            weight = weight / u.counts[mb, s] / len(picked)                           # mean over rows and steps
+            if c.kl_coeff > 0 and (mb, s) not in u.ref:             # before the graph is built:
+                t_ref = time.perf_counter()
+                u.ref[mb, s] = self._reference_log_probs(traj, s, rows)      # (adapters switch)
+                u.reference_s += time.perf_counter() - t_ref
+            token_logp = self._token_log_probs(model, traj, s, rows)         # [mb, L] with gradients
+            if (mb, s) not in u.old:                                          # no step taken yet
+                u.old[mb, s] = token_logp.detach()
+            if first_epoch:
+                gap = (u.old[mb, s].sum(-1) - traj["logp"][s][rows].double()).abs()[on.any(-1)]
+                u.sampler_gap = max(u.sampler_gap, float(gap.max()) if gap.numel() else 0.0)
+            pg, ratio, approx, clipped = self._surrogate(
+                token_logp, u.old[mb, s], on, a, None if u.token_adv is None else u.token_adv[rows])
+            kl = kl_penalty(token_logp, u.ref[mb, s], c.kl_estimator) if c.kl_coeff > 0 else torch.zeros_like(pg)
+            loss = ((pg + c.kl_coeff * kl) * weight).sum()
+            if not acc.backward(loss):                          # non-finite: the step is skipped
+                break
+            total += float(loss.detach())
+            with torch.no_grad():
+                w = weight * len(picked)
+                u.ratios.append(ratio.detach()[on & (w > 0)[:, None]] if ratio.ndim == 2 else ratio.detach()[w > 0])
+                for k, v in {"pg_loss": (pg * w).sum(), "kl": (kl * w).sum(), "approx_kl": (approx * w).sum(),
+                             "clipfrac": (clipped * w).sum()}.items():
+                    u.stats.setdefault(k, []).append(float(v))
+        finite_loss = acc.finite
+        if not finite_loss:
+            with torch.no_grad():                  # still before any step: the old log-probs it left out
+                for key in [(mb, t) for t in picked if (mb, t) not in u.old and first_epoch]:
+                    u.old[key] = self._token_log_probs(model, traj, key[1], rows)
+        (norm,), stepped = acc.step()                                   # one optimiser: one norm
+        self.skipped_updates += not stepped
+        if stepped:
+            u.stats.setdefault("grad_norm", []).append(norm)
+        if finite_loss:
+            u.stats.setdefault("loss", []).append(total)
+
+    def _update_metrics(self, p: dict, u: "_Update", t0: float) -> dict[str, float]:
+        stats, ratios, sampler_gap, epochs = u.stats, u.ratios, u.sampler_gap, u.epochs
+        if world()[1] > 1:                             # the whole minibatches' statistics, over the ranks
+            entries = sum(int(u.counts[m, t] > 0) for plan in epochs for m, ss in plan for t in ss)
             stats, sampler_gap = self._reduce_stats(stats, entries, sum(len(e) for e in epochs), sampler_gap, ratios)
             ratios = []
         ratio_stats = stats.pop("_ratios", {})
@@ -581,17 +614,18 @@ class FlowGRPO(GroupAlgorithm):
         out.update({"kl": out.get("flow_grpo/kl", float("nan")), "clipfrac": out.get("flow_grpo/clipfrac", float("nan")),
                     "approx_kl": out.get("flow_grpo/approx_kl", float("nan")),
                     "flow_grpo/advantage_abs_mean": float(p["advantages"].abs().mean()),
-                    "flow_grpo/steps": float(steps), "flow_grpo/steps_per_minibatch": float(len(epochs[0][0][1])),
+                    "flow_grpo/steps": float(u.unmasked.shape[0]),
+                    "flow_grpo/steps_per_minibatch": float(len(epochs[0][0][1])),
                     "flow_grpo/optimizer_steps": float(sum(len(e) for e in epochs)),
                     "flow_grpo/sampler_logp_gap": sampler_gap,
                     "flow_grpo/skipped_updates": float(self.skipped_updates),
                     # where an iteration's learner time goes (the scoring is the rest of sample_time_s)
                     "flow_grpo/generate_s": float(p.get("generate_s", float("nan"))),
-                    "flow_grpo/update_s": time.perf_counter() - t0, "flow_grpo/update_old_logp_s": old_s,
-                    "flow_grpo/update_reference_s": reference_s})
-        if token_adv is not None:
-            on_any = unmasked.any(0)                                          # [B_r, L] completion tokens
-            out["flow_grpo/token_advantage_abs_mean"] = float(token_adv[on_any].abs().mean())
+                    "flow_grpo/update_s": time.perf_counter() - t0, "flow_grpo/update_old_logp_s": u.old_s,
+                    "flow_grpo/update_reference_s": u.reference_s})
+        if u.token_adv is not None:
+            on_any = u.unmasked.any(0)                                        # [B_r, L] completion tokens
+            out["flow_grpo/token_advantage_abs_mean"] = float(u.token_adv[on_any].abs().mean())
         return out
 
     def policy_gradient(self, p: dict, steps: list[int] | None = None) -> torch.Tensor:
