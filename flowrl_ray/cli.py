@@ -499,7 +499,7 @@ def _add_pretrain(sub) -> None:
     pr = sub.add_parser("pretrain", help="supervised start of a policy: flow-matching BC from robot demos, "
                                          "masked-diffusion SFT of a Flow-GRPO language model, or EDM on QM9",
                         description="Runs the pretraining of the config's algorithm with the settings of its "
-                                    "`pretrain:` section (defaults in flowrl_ray/config.py); each flag sets "
+                                    "`pretrain:` section (defaults in flowrl_ray/config/schema.py); each flag sets "
                                     "the key of the same name. Robot configs (fpopp, reinflow, flowsar): "
                                     "flow-matching behaviour cloning of the config's flow policy on a "
                                     "robomimic dataset (env.dataset or --dataset); writes the checkpoint that "

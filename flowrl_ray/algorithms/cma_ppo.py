@@ -33,7 +33,7 @@ from flowrl_ray.models.cma import CMAPolicy
 
 @dataclass
 class CMAPPOConfig:
-    #: earlier or paper names of keys, accepted and mapped to the one name (config.py)
+    #: earlier or paper names of keys, accepted and mapped to the one name (config/compat.py)
     ALIASES = {"lam": "gae_lambda", "n_updates": "epochs", "batch_size": "minibatch_size"}
     gamma: float = field(default=0.99, metadata=check(ge=0, le=1))
     gae_lambda: float = field(default=0.95, metadata=check(ge=0, le=1))

@@ -83,7 +83,7 @@ class ShapingConfig:
 
 @dataclass
 class FEDGRPOConfig:
-    #: earlier or paper names of keys, accepted and mapped to the one name (config.py)
+    #: earlier or paper names of keys, accepted and mapped to the one name (config/compat.py)
     ALIASES = {"learning_rate": "lr", "clip_range": "clip", "kl_penalty_weight": "kl_coeff",
                "gradient_accumulation_steps": "grad_accumulation"}
     model: EDMModelConfig = field(default_factory=EDMModelConfig)

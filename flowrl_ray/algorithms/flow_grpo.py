@@ -71,7 +71,7 @@ KL_ESTIMATORS = ("step", "token")
 
 @dataclass
 class FlowGRPOConfig:
-    #: earlier or paper names of keys, accepted and mapped to the one name (config.py)
+    #: earlier or paper names of keys, accepted and mapped to the one name (config/compat.py)
     ALIASES = {"learning_rate": "lr", "clip_range": "clip", "grad_clip": "max_grad_norm"}
     model: MaskedLMConfig = field(default_factory=MaskedLMConfig)
     sft_checkpoint: Optional[str] = None       # `flowrl-ray pretrain` output: start and KL reference

@@ -59,7 +59,7 @@ from flowrl_ray.models.noisy_flow import NoiseStdNet, chain_entropy, chain_log_p
 
 @dataclass
 class ReinFlowConfig:
-    #: earlier or paper names of keys, accepted and mapped to the one name (config.py)
+    #: earlier or paper names of keys, accepted and mapped to the one name (config/compat.py)
     ALIASES = {"actor_lr": "lr", "actor_lr_warmup_iters": "lr_warmup_iters"}
     base_policy: Optional[str] = None   # a `flowrl-ray pretrain` checkpoint; None: random init
     # the flow policy (must match the base policy's; `flowrl-ray pretrain` reads the same keys)

@@ -82,7 +82,7 @@ def test_a_flag_the_method_does_not_take_is_refused_naming_what_it_takes(monkeyp
 
 
 @pytest.mark.parametrize("path, function, section, expected", [
-    ("fed_grpo/qm9_small.yaml", "pretrain_edm", {"steps": 7, "max_minutes": 2.5, "seed": 4},
+    ("fed_grpo/qm9_small.yaml", "EDMPretraining", {"steps": 7, "max_minutes": 2.5, "seed": 4},
      {"steps": 7, "max_minutes": 2.5, "seed": 4, "resume": False, "device": "auto", "eval_samples": 1000}),
     ("flow_grpo/forms_small.yaml", "pretrain_text", {"copy_aux": 0.5},       # no budget: 2,000 steps
      {"steps": 2000, "epochs": None, "copy_aux": 0.5, "tasks_per_form": 200, "seed": 0}),
@@ -95,7 +95,12 @@ def test_the_entry_point_runs_the_schemas_method_with_the_section(path, function
     cfg = load_config(REPO / "configs" / path, [f"pretrain.{k}={v}" for k, v in section.items()])
     module = importlib.import_module(f"flowrl_ray.pretrain.{cfg.pretrain.method}")
     calls = []
-    monkeypatch.setattr(module, function, lambda c, **kw: calls.append((c, kw)) or {"ran": function})
+    if function == "EDMPretraining":              # a class: built with the section, then run
+        from types import SimpleNamespace
+        monkeypatch.setattr(module, function, lambda c, p, seed, progress: SimpleNamespace(
+            run=lambda: calls.append((c, {**vars(p), "seed": seed, "progress": progress})) or {"ran": function}))
+    else:
+        monkeypatch.setattr(module, function, lambda c, **kw: calls.append((c, kw)) or {"ran": function})
     assert pretraining.pretrain(cfg, progress=False) == {"ran": function}
     (c, kw), = calls
     assert c is cfg and kw["progress"] is False
