@@ -49,3 +49,28 @@ def test_every_results_file_belongs_to_an_output_a_page_names():
 
     orphans = sorted(f.name for f in RESULTS.iterdir() if f.is_file() and not named(f.name))
     assert not orphans, f"in benchmarks/results/ but no page names their output: {orphans}"
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation dropped, spaces to hyphens."""
+    return {re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+            for m in re.finditer(r"^#+ (.*)$", page.read_text(), re.M)}
+
+
+def test_every_link_to_a_section_of_a_page_names_a_heading_it_has():
+    """Results sections get merged and renamed; a link to one of them must follow."""
+    assert _anchors_of_text("## FlowSAR on Lift (state): t_mid, beta and T") == {"flowsar-on-lift-state-t_mid-beta-and-t"}
+    broken = []
+    for page in PAGES:
+        for m in re.finditer(r"\]\(([^)#\s]*\.md)#([^)\s]+)\)", page.read_text()):
+            target = (page.parent / m.group(1)).resolve()
+            if target.is_file() and m.group(2) not in _anchors(target):
+                broken.append((page.relative_to(ROOT).as_posix(), f"{m.group(1)}#{m.group(2)}"))
+    assert not broken, broken
+
+
+def _anchors_of_text(text: str) -> set[str]:
+    import tempfile
+    with tempfile.NamedTemporaryFile("w", suffix=".md", delete=False) as f:
+        f.write(text + "\n")
+    return _anchors(Path(f.name))
