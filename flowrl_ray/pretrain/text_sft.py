@@ -97,14 +97,7 @@ def fit_sft(policy: "MaskedDiffusionLM", pairs: Sequence[tuple[str, str]], epoch
         raise ValueError("fit_sft needs at least one (prompt, answer) pair")
     if (epochs is None) == (steps is None):
         raise ValueError(f"fit_sft takes either epochs or steps, got epochs={epochs}, steps={steps}")
-    prompts = [p for p, _ in pairs]
-    answers = [a for _, a in pairs]
-    if gen_length is None:
-        gen_length = 1 + max(len(policy.tokenizer(a, add_special_tokens=False)["input_ids"])
-                             for a in answers)
-    ids, pmask = policy.encode_prompts(prompts, max_prompt_len)                # [N, Lp]
-    ans = policy.encode_answers(answers, gen_length)                          # [N, Lg]
-    amask = torch.ones_like(ans, dtype=torch.bool)
+    ids, pmask, ans, amask = _encode_pairs(policy, pairs, gen_length, max_prompt_len)   # [N, Lp], [N, Lg]
     n = len(pairs)
     steps_per_epoch = math.ceil(n / batch_size)
     total = steps if steps is not None else epochs * steps_per_epoch
@@ -144,13 +137,7 @@ def fit_sft(policy: "MaskedDiffusionLM", pairs: Sequence[tuple[str, str]], epoch
             sched.step()
             done = len(losses)
             if progress and (done % steps_per_epoch == 0 or done == total or done % 100 == 0):
-                elapsed = time.perf_counter() - start
-                recent = [v for v in losses[-min(steps_per_epoch, 100):] if math.isfinite(v)]
-                mean = sum(recent) / len(recent) if recent else float("nan")
-                eta = elapsed / (done - first) * (total - done)
-                print(f"[sft] step {done}/{total} (epoch {done / steps_per_epoch:.1f}) loss "
-                      f"{mean:.4f} lr {sched.get_last_lr()[0]:.2e} skipped {skipped} "
-                      f"({elapsed:.1f}s, eta {eta:.1f}s)", flush=True)
+                _print_progress(losses, total, first, steps_per_epoch, sched.get_last_lr()[0], skipped, start)
             out_of_time = max_seconds > 0 and time.perf_counter() - start >= max_seconds
             if on_checkpoint is not None and done < total and (
                     out_of_time or (checkpoint_every > 0 and done % checkpoint_every == 0)):
@@ -163,6 +150,30 @@ def fit_sft(policy: "MaskedDiffusionLM", pairs: Sequence[tuple[str, str]], epoch
         on_checkpoint(snapshot())
     return losses
 
+
+
+def _encode_pairs(policy: "MaskedDiffusionLM", pairs: Sequence[tuple[str, str]], gen_length: int | None,
+                  max_prompt_len: int | None) -> tuple[torch.Tensor, ...]:
+    """(prompt ids [N, Lp], prompt mask, answer ids [N, Lg] padded with [EOS], answer mask);
+    gen_length None: the longest answer + 1."""
+    prompts, answers = [p for p, _ in pairs], [a for _, a in pairs]
+    if gen_length is None:
+        gen_length = 1 + max(len(policy.tokenizer(a, add_special_tokens=False)["input_ids"]) for a in answers)
+    ids, pmask = policy.encode_prompts(prompts, max_prompt_len)
+    ans = policy.encode_answers(answers, gen_length)
+    return ids, pmask, ans, torch.ones_like(ans, dtype=torch.bool)
+
+
+def _print_progress(losses: list[float], total: int, first: int, steps_per_epoch: int, lr: float, skipped: int,
+                    start: float) -> None:
+    """One progress line: the step, the pass, the mean finite loss of the last pass (at most 100
+    steps), the learning rate, the skipped steps and the time left at this invocation's pace."""
+    done, elapsed = len(losses), time.perf_counter() - start
+    recent = [v for v in losses[-min(steps_per_epoch, 100):] if math.isfinite(v)]
+    mean = sum(recent) / len(recent) if recent else float("nan")
+    eta = elapsed / (done - first) * (total - done)
+    print(f"[sft] step {done}/{total} (epoch {done / steps_per_epoch:.1f}) loss {mean:.4f} lr {lr:.2e} "
+          f"skipped {skipped} ({elapsed:.1f}s, eta {eta:.1f}s)", flush=True)
 
 #: the training state of an unfinished SFT run, beside the model in its checkpoint directory
 STATE_FILE = "sft_state.pt"
@@ -200,11 +211,6 @@ def pretrain_text(cfg: Config, out: str | Path | None = None, epochs: int | None
     ``sft_run.json``), and ``resume`` continues it exactly (same pairs and settings, else a
     ``ConfigError`` naming the setting). A finished run's directory holds no training state.
     """
-    from dataclasses import asdict
-
-    from flowrl_ray.models.masked_diffusion import build_masked_lm, load_sft_checkpoint
-    from flowrl_ray.models.text_tokenizer import train_tokenizer
-
     if (epochs is None) == (steps is None):
         raise ValueError(f"pretrain_text takes either epochs or steps, got epochs={epochs}, steps={steps}")
     c = cfg.algo
@@ -220,33 +226,8 @@ def pretrain_text(cfg: Config, out: str | Path | None = None, epochs: int | None
                 "tasks_per_form": tasks_per_form, "copy_aux": copy_aux, "warmup_steps": warmup_steps,
                 "lr_schedule": lr_schedule, "min_lr_ratio": min_lr_ratio, "seed": seed,
                 "init_from": None if init_from is None else str(init_from)}
-    model_cfg = asdict(c.model)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    state, before_s = None, 0.0
-    if resume and out.is_dir() and not (out / STATE_FILE).is_file():
-        done = sum(1 for _ in (out / "sft_metrics.jsonl").open()) if (out / "sft_metrics.jsonl").is_file() else 0
-        raise ConfigError(f"config key 'pretrain.resume': {out} holds no unfinished run (no {STATE_FILE}; "
-                          f"{done} steps done); train it further with --init-from {out} and another --out")
-    if resume and (out / STATE_FILE).is_file():
-        saved = json.loads((out / SETTINGS_FILE).read_text())
-        for key, value in settings.items():
-            if saved.get(key) != value:
-                raise ConfigError(f"config key 'pretrain.{key}': --resume continues the run in {out}, "
-                                  f"started with {key}={saved.get(key)!r}; got {value!r}")
-        lm = load_sft_checkpoint(out, model_cfg, device=device)
-        state = torch.load(out / STATE_FILE, map_location="cpu", weights_only=True)
-        before_s = float(state.pop("train_s"))
-        if progress:
-            print(f"[sft] resuming {out} at step {state['step']}", flush=True)
-    elif init_from is not None:
-        lm = load_sft_checkpoint(init_from, model_cfg, device=device, sft_key="pretrain.init_from")
-    else:
-        tokenizer = None
-        if model_cfg["path"] is None and model_cfg["tokenizer_path"] is None:
-            texts = [t for pair in pairs for t in pair]
-            tokenizer = train_tokenizer(texts, model_cfg["vocab_size"])
-        torch.manual_seed(seed)
-        lm = build_masked_lm(model_cfg, tokenizer=tokenizer, seed=seed, device=device)
+    lm, state, before_s = _start_model(cfg, out, pairs, settings, resume, init_from, seed, device, progress)
     t0 = time.perf_counter()
 
     def elapsed() -> float:
@@ -271,6 +252,42 @@ def pretrain_text(cfg: Config, out: str | Path | None = None, epochs: int | None
             "first_loss": finite[0] if finite else None, "final_loss": finite[-1] if finite else None,
             "train_s": round(elapsed(), 1), "parameters": params, "device": str(lm.device),
             "loss_plot": str(out / "sft_loss.png")}
+
+
+def _start_model(cfg: Config, out: Path, pairs: list, settings: dict, resume: bool, init_from, seed: int,
+                 device: str, progress: bool) -> tuple["MaskedDiffusionLM", dict | None, float]:
+    """Where an SFT invocation starts -> (model, fit_sft's state or None, seconds trained before):
+    the unfinished run in ``out`` (``resume``: its settings must be these, else a ConfigError
+    naming the setting), an SFT checkpoint's weights and tokenizer (``init_from``), or a new
+    tokenizer and model."""
+    from dataclasses import asdict
+
+    from flowrl_ray.models.masked_diffusion import build_masked_lm, load_sft_checkpoint
+    from flowrl_ray.models.text_tokenizer import train_tokenizer
+    model_cfg = asdict(cfg.algo.model)
+    if resume and out.is_dir() and not (out / STATE_FILE).is_file():
+        done = sum(1 for _ in (out / "sft_metrics.jsonl").open()) if (out / "sft_metrics.jsonl").is_file() else 0
+        raise ConfigError(f"config key 'pretrain.resume': {out} holds no unfinished run (no {STATE_FILE}; "
+                          f"{done} steps done); train it further with --init-from {out} and another --out")
+    if resume and (out / STATE_FILE).is_file():
+        saved = json.loads((out / SETTINGS_FILE).read_text())
+        for key, value in settings.items():
+            if saved.get(key) != value:
+                raise ConfigError(f"config key 'pretrain.{key}': --resume continues the run in {out}, "
+                                  f"started with {key}={saved.get(key)!r}; got {value!r}")
+        lm = load_sft_checkpoint(out, model_cfg, device=device)
+        state = torch.load(out / STATE_FILE, map_location="cpu", weights_only=True)
+        before_s = float(state.pop("train_s"))
+        if progress:
+            print(f"[sft] resuming {out} at step {state['step']}", flush=True)
+        return lm, state, before_s
+    if init_from is not None:
+        return load_sft_checkpoint(init_from, model_cfg, device=device, sft_key="pretrain.init_from"), None, 0.0
+    tokenizer = None
+    if model_cfg["path"] is None and model_cfg["tokenizer_path"] is None:
+        tokenizer = train_tokenizer([t for pair in pairs for t in pair], model_cfg["vocab_size"])
+    torch.manual_seed(seed)
+    return build_masked_lm(model_cfg, tokenizer=tokenizer, seed=seed, device=device), None, 0.0
 
 
 def _write_checkpoint(lm: "MaskedDiffusionLM", out: Path, losses: list[float], extra: dict) -> None:
