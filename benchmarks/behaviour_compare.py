@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _common import write_json  # noqa: E402
 
 #: algorithm -> (config, overrides): small, synchronous, one worker
 RUNS = {
@@ -72,7 +74,7 @@ def run(tree: Path, out: Path, algorithms: list[str]) -> None:
     env = {**os.environ, "PYTHONPATH": str(tree), "MUJOCO_GL": os.environ.get("MUJOCO_GL", "egl")}
     commit = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
-    (out / "tree.json").write_text(json.dumps({"tree": str(tree), "commit": commit}))
+    write_json(out / "tree.json", {"tree": str(tree), "commit": commit})
     for algorithm in algorithms:
         config, _ = RUNS[algorithm]
         run_dir = out / algorithm

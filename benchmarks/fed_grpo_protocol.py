@@ -42,10 +42,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import command_line, git_revision, machine_info, md_table, write_json, write_results  # noqa: E402
+from _common import md_table, write_results  # noqa: E402
 from _robot import run_config  # noqa: E402
-from robot_protocol import (LEVEL, MIN_SEEDS, UsageError, add_shared_arguments, check_launch_args,  # noqa: E402
-                            collect_one_base, launch, log, metric_curve, parse_args, plot_run_curves)
+from robot_protocol import (LEVEL, UsageError, add_shared_arguments, check_launch_args, collect_one_base,  # noqa: E402
+                            launch_variants, log, metric_curve, parse_args, plot_run_curves, results_record,
+                            write_outputs)
 
 MIN_MOLECULES = 512
 #: (key, label, unit, scale): physics on the molecules the force field scored, the rest on all
@@ -218,12 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    if cfg is not None:
-        launched = launch(args, cfg, name, time.strftime("%Y%m%d-%H%M%S"))
-        variants[name] = [r["run_dir"] for r in launched]
-    for name, dirs in variants.items():
-        if len(dirs) < MIN_SEEDS:
-            log(f"variant {name} has {len(dirs)} seed(s); a protocol result needs >= {MIN_SEEDS}")
+    launch_variants(args, cfg, name, variants)
     if args.molecules < MIN_MOLECULES:
         log(f"{args.molecules} molecules; a protocol result needs >= {MIN_MOLECULES}")
 
@@ -250,19 +246,13 @@ def main(argv: list[str] | None = None) -> int:
             runs.append({"run_dir": str(d), "seed": rc.seed, "reasons": reasons(outcomes),
                          "outcomes": {k: v for k, v in outcomes.items() if k != "pictures"}, **run_info(d)})
         evaluated[name] = {"runs": runs, "summary": summarise(base, runs, args.n_boot)}
-    results = {"revision": git_revision(), "command": command_line(), "machine": machine_info(), "note": args.note,
-               "protocol": {"molecules": args.molecules, "eval_seed": args.eval_seed, "n_boot": args.n_boot,
-                            "level": LEVEL, "change": "mean over seeds of (policy - base), CI: percentile "
-                                                      "bootstrap over molecules, paired"},
-               "launched": {"config": args.config, "overrides": args.overrides, "seeds": args.seeds}
-               if cfg is not None else None,
-               "base": {"base_model": base_cfg.algo.base_model, "reasons": reasons(base),
-                        "outcomes": {k: v for k, v in base.items() if k != "pictures"}},
-               "variants": evaluated, "pictures": pics, "eval_time_s": round(time.perf_counter() - t0, 1)}
-    results["plots"] = plot(evaluated, results_dir, args.output)
-    write_json(results_dir / f"{args.output}.json", results)
-    report(results, results_dir, args.output)
-    return 0
+    results = results_record(
+        args, cfg, {"molecules": args.molecules, "eval_seed": args.eval_seed,
+                    "change": "mean over seeds of (policy - base), CI: percentile bootstrap over molecules, paired"},
+        base={"base_model": base_cfg.algo.base_model, "reasons": reasons(base),
+              "outcomes": {k: v for k, v in base.items() if k != "pictures"}},
+        variants=evaluated, pictures=pics, eval_time_s=round(time.perf_counter() - t0, 1))
+    return write_outputs(results, args, plot, report)
 
 
 if __name__ == "__main__":

@@ -47,10 +47,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import command_line, git_revision, machine_info, md_table, write_json, write_results  # noqa: E402
+from _common import md_table, write_results  # noqa: E402
 from _robot import run_config  # noqa: E402
-from robot_protocol import (LEVEL, MIN_SEEDS, UsageError, add_shared_arguments, check_launch_args,  # noqa: E402
-                            collect_one_base, launch, log, metric_curve, parse_args, plot_run_curves)
+from robot_protocol import (LEVEL, UsageError, add_shared_arguments, check_launch_args, collect_one_base,  # noqa: E402
+                            launch_variants, log, metric_curve, parse_args, plot_run_curves, results_record,
+                            write_outputs)
 
 METRICS = ("field_accuracy", "task_completion", "rewards")
 KINDS = ("all", "heldout_values", "heldout_forms")
@@ -249,14 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    launch_wall = {}
-    if cfg is not None:
-        launched = launch(args, cfg, name, time.strftime("%Y%m%d-%H%M%S"))
-        variants[name] = [r["run_dir"] for r in launched]
-        launch_wall = {str(r["run_dir"]): r["wall_s"] for r in launched}
-    for name, dirs in variants.items():
-        if len(dirs) < MIN_SEEDS:
-            log(f"variant {name} has {len(dirs)} seed(s); a protocol result needs >= {MIN_SEEDS}")
+    launch_wall = launch_variants(args, cfg, name, variants)
     if args.tasks < MIN_TASKS:
         log(f"{args.tasks} evaluation tasks; a protocol result needs >= {MIN_TASKS}")
 
@@ -286,18 +280,12 @@ def main(argv: list[str] | None = None) -> int:
             runs.append({"run_dir": str(d), "seed": rc.seed, "launch_wall_s": launch_wall.get(str(d)),
                          "outcomes": outcomes, **run_curve(d)})
         evaluated[name] = {"runs": runs, "summary": summarise(base, runs, args.n_boot)}
-    results = {"revision": git_revision(), "command": command_line(), "machine": machine_info(), "note": args.note,
-               "protocol": {"tasks": args.tasks, "n_boot": args.n_boot, "level": LEVEL, "band": "std across seeds",
-                            "gain": "mean over seeds of (policy - base), CI: percentile bootstrap over tasks, paired"},
-               "launched": {"config": args.config, "overrides": args.overrides, "seeds": args.seeds}
-               if cfg is not None else None,
-               "base": {"sft_checkpoint": run_config(first).algo.sft_checkpoint, "outcomes": base},
-               "reference": reference, "variants": evaluated, "eval_time_s": round(time.perf_counter() - t0, 1)}
-    results_dir = Path(args.results_dir)
-    results["plots"] = plot(evaluated, results_dir, args.output)
-    write_json(results_dir / f"{args.output}.json", results)
-    report(results, results_dir, args.output)
-    return 0
+    results = results_record(
+        args, cfg, {"tasks": args.tasks, "band": "std across seeds",
+                    "gain": "mean over seeds of (policy - base), CI: percentile bootstrap over tasks, paired"},
+        base={"sft_checkpoint": run_config(first).algo.sft_checkpoint, "outcomes": base},
+        reference=reference, variants=evaluated, eval_time_s=round(time.perf_counter() - t0, 1))
+    return write_outputs(results, args, plot, report)
 
 
 if __name__ == "__main__":

@@ -237,6 +237,40 @@ def launch(args, cfg, name: str, stamp: str) -> list[dict]:
     return sorted(finished, key=lambda r: args.seeds.index(r["seed"]))
 
 
+def launch_variants(args, cfg, name: str, variants: dict[str, list[Path]]) -> dict[str, float]:
+    """With a config given: launch its seeds as the variant ``name``; then warn of any variant with
+    fewer seeds than a protocol result needs. -> each launched run's wall seconds, by run dir."""
+    launch_wall = {}
+    if cfg is not None:
+        launched = launch(args, cfg, name, time.strftime("%Y%m%d-%H%M%S"))
+        variants[name] = [r["run_dir"] for r in launched]
+        launch_wall = {str(r["run_dir"]): r["wall_s"] for r in launched}
+    for variant, dirs in variants.items():
+        if len(dirs) < MIN_SEEDS:
+            log(f"variant {variant} has {len(dirs)} seed(s); a protocol result needs >= {MIN_SEEDS}")
+    return launch_wall
+
+
+def results_record(args, cfg, protocol: dict, launched_extra: dict | None = None, **parts) -> dict:
+    """What every protocol's JSON starts with: the revision, the command, the machine, the note,
+    the protocol's settings (with the bootstrap's size and level) and what was launched; then
+    ``parts`` (the base, the variants, ...)."""
+    return {"revision": git_revision(), "command": command_line(), "machine": machine_info(), "note": args.note,
+            "protocol": {**protocol, "n_boot": args.n_boot, "level": LEVEL},
+            "launched": {"config": args.config, "overrides": args.overrides, "seeds": args.seeds,
+                         **(launched_extra or {})} if cfg is not None else None,
+            **parts}
+
+
+def write_outputs(results: dict, args, plot, report) -> int:
+    """The protocol's plots, its JSON and its Markdown report under --results-dir; exit status 0."""
+    results_dir = Path(args.results_dir)
+    results["plots"] = plot(results["variants"], results_dir, args.output)
+    write_json(results_dir / f"{args.output}.json", results)
+    report(results, results_dir, args.output)
+    return 0
+
+
 def _last_line(path: Path) -> str:
     try:
         lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip()]
@@ -602,16 +636,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    launch_wall = {}
     if cfg is not None:
         ensure_demos_and_base(args.config, cfg, cfg.env.id, args.demos, args.pretrain_epochs, args.overrides)
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        launched = launch(args, cfg, name, stamp)
-        variants[name] = [r["run_dir"] for r in launched]
-        launch_wall = {str(r["run_dir"]): r["wall_s"] for r in launched}
-    for name, dirs in variants.items():
-        if len(dirs) < MIN_SEEDS:
-            log(f"variant {name} has {len(dirs)} seed(s); a protocol result needs >= {MIN_SEEDS}")
+    launch_wall = launch_variants(args, cfg, name if cfg is not None else "", variants)
 
     t0 = time.perf_counter()
     try:
@@ -621,24 +648,16 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    results = {"revision": git_revision(), "command": command_line(), "machine": machine_info(),
-               "note": args.note, "reference": args.reference,
-               "protocol": {"episodes": args.episodes, "eval_seed": EVAL_SEED, "eval_envs": EVAL_ENVS,
-                            "sampling": list(dict.fromkeys(args.sampling)), "n_boot": args.n_boot, "level": LEVEL,
-                            "band": "std across seeds",
-                            "gain": "mean over seeds of (policy success - base success), CI: percentile "
-                                    "bootstrap over episodes, paired"},
-               "launched": {"config": args.config, "overrides": args.overrides, "seeds": args.seeds,
-                            "parallel": args.parallel} if cfg is not None else None,
-               "bases": {bid: {"path": str(b["path"]), "setting": json.loads(bid), "outcomes": b["outcomes"],
-                               "ood": b.get("ood", {})}
-                         for bid, b in bases.items()},
-               "variants": evaluated, "eval_time_s": round(time.perf_counter() - t0, 1)}
-    results_dir = Path(args.results_dir)
-    results["plots"] = plot(evaluated, results_dir, args.output)
-    write_json(results_dir / f"{args.output}.json", results)
-    report(results, results_dir, args.output)
-    return 0
+    results = results_record(
+        args, cfg, {"episodes": args.episodes, "eval_seed": EVAL_SEED, "eval_envs": EVAL_ENVS,
+                    "sampling": list(dict.fromkeys(args.sampling)), "band": "std across seeds",
+                    "gain": "mean over seeds of (policy success - base success), CI: percentile bootstrap "
+                            "over episodes, paired"},
+        launched_extra={"parallel": args.parallel}, reference=args.reference,
+        bases={bid: {"path": str(b["path"]), "setting": json.loads(bid), "outcomes": b["outcomes"],
+                     "ood": b.get("ood", {})} for bid, b in bases.items()},
+        variants=evaluated, eval_time_s=round(time.perf_counter() - t0, 1))
+    return write_outputs(results, args, plot, report)
 
 
 if __name__ == "__main__":
