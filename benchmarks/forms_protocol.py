@@ -84,7 +84,7 @@ def evaluate_policy(run_dir: Path, tasks: int, label: str, base: bool = False, s
         batches = [scorer.score(chunk) for chunk in chunks]
     finally:
         scorer.close()
-    s = algo._rewards(batches)
+    s = algo._rewards(batches, algo.pending)
     pending = algo.pending               # with algo.eval_sampled the same tasks again, sampled: "sampled/<kind>"
     out = {"task_ids": [t.task_id for t in pending["tasks"]],
            "kinds": [("sampled/" if sampled else "") + kind for kind, sampled in
