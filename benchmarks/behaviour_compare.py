@@ -30,43 +30,41 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from _common import write_json  # noqa: E402
 
-#: algorithm -> (config, overrides): small, synchronous, one worker
+#: the files configs load, taken from this checkout (an older tree's ignored files may be absent)
+ROBOT = ["algo.base_policy=pretrained/lift_state_quickstart.pt", "env.dataset=demos/lift.hdf5"]
+#: algorithm -> (config, overrides, the overrides naming files): small, synchronous, one worker
 RUNS = {
     "ppo": ("configs/ppo/pendulum.yaml",
-            ["train.iterations=3", "runtime.envs_per_worker=2", "runtime.rollout_length=64", "algo.minibatch_size=64"]),
+            ["train.iterations=3", "runtime.envs_per_worker=2", "runtime.rollout_length=64", "algo.minibatch_size=64"],
+            []),
     "cma_ppo": ("configs/cma_ppo/pendulum.yaml",
                 ["train.iterations=3", "runtime.envs_per_worker=2", "runtime.rollout_length=64",
-                 "algo.minibatch_size=64"]),
+                 "algo.minibatch_size=64"], []),
     "fpopp": ("configs/fpopp/lift_state_quickstart.yaml",
               ["train.iterations=3", "runtime.envs_per_worker=2", "runtime.rollout_length=8",
-               "algo.minibatch_size=16", "algo.critic_warmup_iters=1"]),
+               "algo.minibatch_size=16", "algo.critic_warmup_iters=1"], ROBOT),
     "reinflow": ("configs/reinflow/lift_state_quickstart.yaml",
                  ["train.iterations=3", "runtime.envs_per_worker=2", "runtime.rollout_length=8",
-                  "algo.minibatch_size=16", "algo.critic_warmup_iters=1"]),
+                  "algo.minibatch_size=16", "algo.critic_warmup_iters=1"], ROBOT),
     "flowsar": ("configs/flowsar/lift_state_quickstart.yaml",
                 ["train.iterations=2", "runtime.envs_per_worker=2", "runtime.rollout_length=16",
-                 "algo.minibatch_size=32"]),
+                 "algo.minibatch_size=32"], ROBOT),
     "flow_grpo": ("configs/flow_grpo/forms_small.yaml",
-                  ["train.iterations=2", "algo.group_size=2", "algo.eval_sampled=false"]),
+                  ["train.iterations=2", "algo.group_size=2", "algo.eval_sampled=false"],
+                  ["algo.sft_checkpoint=pretrained/forms_small_sft"]),
     "fed_grpo": ("configs/fed_grpo/qm9_small.yaml",
-                 ["train.iterations=2", "algo.sample_group_size=1"]),
+                 ["train.iterations=2", "algo.sample_group_size=1"], ["algo.base_model=pretrained/qm9_small_edm.pt"]),
 }
 COMMON = ["runtime.num_workers=1", "runtime.mode=sync", "runtime.checkpoint_interval=0", "eval.at_start=true",
           "eval.episodes=2", "runtime.worker_niceness=0"]
-#: the files configs load, from this checkout (an older tree's ignored files may be absent)
-FILES = {"algo.base_policy": "pretrained/lift_state_quickstart.pt", "env.dataset": "demos/lift.hdf5",
-         "algo.sft_checkpoint": "pretrained/forms_small_sft", "algo.base_model": "pretrained/qm9_small_edm.pt"}
 TIMING = re.compile(r"(_s$|^time_s$|_per_s$|throughput|/device$|_seconds$)")
 
 
 def _overrides(algorithm: str) -> list[str]:
-    config, extra = RUNS[algorithm]
-    text = (ROOT / config).read_text()
-    robot = "family: robot" in text or "/lift_" in config
-    files = [f"{key}={ROOT / path}" for key, path in FILES.items()
-             if key.split(".")[1] + ":" in text or (robot and key == "env.dataset")]
+    _, extra, files = RUNS[algorithm]
     iterations = next(o.split("=")[1] for o in extra if o.startswith("train.iterations="))
-    return [*COMMON, *extra, *files, f"eval.interval={iterations}"]
+    paths = [f"{o.split('=')[0]}={ROOT / o.split('=')[1]}" for o in files]     # absolute: this checkout's
+    return [*COMMON, *extra, *paths, f"eval.interval={iterations}"]
 
 
 def run(tree: Path, out: Path, algorithms: list[str]) -> None:
@@ -76,7 +74,7 @@ def run(tree: Path, out: Path, algorithms: list[str]) -> None:
                             text=True).stdout.strip()
     write_json(out / "tree.json", {"tree": str(tree), "commit": commit})
     for algorithm in algorithms:
-        config, _ = RUNS[algorithm]
+        config = RUNS[algorithm][0]
         run_dir = out / algorithm
         cmd = [sys.executable, "-m", "flowrl_ray.cli", "train", str(tree / config), *_overrides(algorithm),
                "--run-dir", str(run_dir), "--no-tensorboard", "--address", "local"]

@@ -634,7 +634,7 @@ class FlowGRPO(GroupAlgorithm):
         given unmasking ``steps`` (default all), as one flat float64 vector over the trainable
         parameters: the direction the update's first step follows before clipping and Adam.
         Diagnostics (two disjoint batches' agreement); the weights are left as they were."""
-        traj, c = p["trajectory"], self.c
+        traj = p["trajectory"]
         rows = torch.arange(traj["unmasked"].shape[1])
         adv = p["advantages"].double()[p["rows"]]
         keep = p["valid"][p["rows"]].to(adv.device) if "valid" in p else torch.ones(len(rows), dtype=torch.bool)

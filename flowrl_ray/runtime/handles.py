@@ -8,8 +8,8 @@
     EvalMedia         what an evaluation films or pictures (eval.video, eval.snapshots) and where
                       it is written
 
-The Trainer builds them, wires the strategy's ``worker_restarted`` and ``learner_restarted`` into
-them, and keeps the loop, the checkpoints and the metrics. ``counters`` is the Trainer's
+The Trainer builds them and keeps the loop, the checkpoints and the metrics; the strategy built
+from them has them report to its ``worker_restarted`` and ``learner_restarted``. ``counters`` is the Trainer's
 ``Counters`` (plain data, the driver's part of a checkpoint): the pool and the learner count
 their restarts in it, so a resumed run keeps its restart budgets.
 """

@@ -53,8 +53,12 @@ class Rollouts(ABC):
     batches_outlive_learner = True
 
     def __init__(self, cfg: Config, workers: WorkerPool, learner: ResumableLearner, media: EvalMedia, counters):
-        """counters: the Trainer's ``Counters`` (iteration, learner restarts, dropped batches)."""
+        """counters: the Trainer's ``Counters`` (iteration, learner restarts, dropped batches). The
+        pool and the learner are told to report a replaced worker or learner to this strategy."""
         self.cfg, self.workers, self.learner, self.media, self.counters = cfg, workers, learner, media, counters
+        workers.on_restart = self.worker_restarted
+        learner.on_restart = self.learner_restarted
+        learner.batches_outlive_learner = self.batches_outlive_learner
 
     @staticmethod
     def check_config(cfg: Config, family) -> None:

@@ -134,12 +134,9 @@ class Trainer:
         self.logger = MetricsLogger(self.run_dir, self.cfg.name, tensorboard=self.tensorboard,
                                     tune=self.tune_trial, purge_step=self.counters.env_steps or None,
                                     trackers=trackers)
-        # The strategy gets the driver's parts, and they tell it of a replaced worker or learner.
+        # The strategy gets the driver's parts (and has them report a replaced worker or learner).
         media = EvalMedia(self.cfg, self.run_dir, self.counters, self.logger, self._log)
         self.rollouts = self.strategy(self.cfg, self.workers, self.learning, media, self.counters)
-        self.workers.on_restart = self.rollouts.worker_restarted
-        self.learning.on_restart = self.rollouts.learner_restarted
-        self.learning.batches_outlive_learner = self.rollouts.batches_outlive_learner
         self.version = self.rollouts.publish()
         # Tune trials share the config's name: their run tag adds the trial's directory (its id).
         run_tag = f"{self.cfg.name}/{self.run_dir.name}" if self.tune_trial else self.cfg.name
