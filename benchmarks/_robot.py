@@ -3,8 +3,9 @@
 summary from its metrics, and the evaluation of a policy on seeded episodes with zero-sampling
 (eps = 0, FPO++'s test-time rule) and random sampling (eps ~ N(0, I), what training rollouts use).
 
-"env steps" are policy steps: one action chunk each, i.e. up to ``env.act_steps`` low-level 20 Hz
-robosuite steps (fewer when the episode ends inside the chunk).
+Runs are measured in action chunks (one policy step each, up to ``env.act_steps`` 20 Hz robosuite
+steps, fewer when the episode ends inside the chunk) and in env steps (robosuite steps); runs made
+before env steps meant simulator steps logged chunks as ``env_steps`` and have no env-step count.
 """
 
 from __future__ import annotations
@@ -15,18 +16,20 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("MUJOCO_GL", "egl")
+from flowrl_ray.envs.rollout import EVAL_ENVS  # noqa: E402,F401  (8 envs: part of what fixes the episodes)
 FLOWRL = [sys.executable, "-m", "flowrl_ray.cli"]
 SAMPLING_RULES = ("zero", "random")
 EVAL_SEED = 12345        # the evaluation episodes' seed: env i starts from seed + EVAL_SEED_OFFSET + i
-EVAL_ENVS = 8            # envs stepping the evaluation episodes (part of what fixes the episodes)
 
 
 def make_eval_runner(cfg, policy):
-    """An EnvRunner with the evaluation seed and env count; ``runner.policy`` may be swapped
-    between evaluations (every ``evaluate`` re-seeds its envs and its action-noise generator)."""
+    """An EnvRunner with the evaluation seed; ``runner.policy`` may be swapped between
+    evaluations (every ``evaluate`` re-seeds its envs and their action-noise generators). Its
+    evaluations run on ``EVAL_ENVS`` (8) envs of their own, the layout of ``flowrl-ray eval`` and
+    of a run's periodic evaluation; the one training env is never stepped."""
     from flowrl_ray.envs import env_family
     from flowrl_ray.envs.rollout import EnvRunner
-    return EnvRunner(env_family(cfg.env.family), cfg.env, EVAL_ENVS, seed=EVAL_SEED, policy=policy.eval())
+    return EnvRunner(env_family(cfg.env.family), cfg.env, 1, seed=EVAL_SEED, policy=policy.eval())
 
 
 def _progress(label: str, episodes: int, every_s: float = 15.0):
@@ -141,10 +144,10 @@ def run_schedule(cfg) -> str:
 
 
 def run_summary(run_dir: Path) -> dict:
-    """Env steps, training wall-clock (``time_s``: the iterations' time, without Ray's start),
+    """Chunks and env steps (robosuite steps; None for a run that counted chunks as env steps), training wall-clock (``time_s``: the iterations' time, without Ray's start),
     iterations, the training success (last 100 training episodes, random sampling) first and
     last, its curve and the periodic-eval curve ([env steps, success] pairs), the training curve
-    against wall-clock minutes, the mean learner update and rollout seconds per iteration, up to the last
+    against wall-clock minutes ([chunks, success]), the mean learner update and rollout seconds per iteration, up to the last
     checkpoint (an interrupted run's policy is its last checkpoint's)."""
     from flowrl_ray.checkpoint import latest_checkpoint, load_checkpoint
     from flowrl_ray.metrics import read_metrics
@@ -152,11 +155,13 @@ def run_summary(run_dir: Path) -> dict:
     saved = load_checkpoint(latest_checkpoint(run_dir))["trainer"]["iteration"]
     rows = [r for r in rows if r["iteration"] <= saved]
     last = rows[-1]
-    train = [(r["env_steps"], r["success_rate"]) for r in rows if r.get("success_rate") is not None]
-    evals = [(r["env_steps"], r["eval/success_rate"]) for r in rows if r.get("eval/success_rate") is not None]
+    chunks = lambda r: r.get("chunks", r["env_steps"])      # noqa: E731  (older runs: env_steps counted chunks)
+    train = [(chunks(r), r["success_rate"]) for r in rows if r.get("success_rate") is not None]
+    evals = [(chunks(r), r["eval/success_rate"]) for r in rows if r.get("eval/success_rate") is not None]
     mean = lambda key: (sum(r[key] for r in rows if r.get(key) is not None)        # noqa: E731
                         / max(1, sum(r.get(key) is not None for r in rows)))
-    return {"env_steps": last["env_steps"], "time_s": last["time_s"], "iterations": last["iteration"],
+    return {"chunks": chunks(last), "env_steps": last["env_steps"] if "chunks" in last else None,
+            "time_s": last["time_s"], "iterations": last["iteration"],
             # seconds per iteration: the learner's update (prepare + update) and the rollouts
             "update_time_s": mean("learner/update_time_s"), "sample_time_s": mean("sample_time_s"),
             "train_curve_time": [(r["time_s"] / 60, r["success_rate"]) for r in rows

@@ -19,8 +19,8 @@ checkpoint) is then evaluated in this process on the same seeded episodes with z
 (eps = 0, FPO++'s test-time rule) and random sampling (eps ~ N(0, I), what training rollouts use).
 With ``--runs``, the base is each run's own ``algo.base_policy``.
 Results: ``benchmarks/results/fpopp_lift_learning.{md,json}`` and the runs' success curves. No
-assertion is made. "env steps" are policy steps (one action chunk each, `act_steps` (8 in the
-quickstart) low-level 20 Hz robosuite steps, fewer at the end of an episode).
+assertion is made. Runs are measured in action chunks (one policy step each, `act_steps` (8 in the
+quickstart) env steps, i.e. 20 Hz robosuite steps, fewer at the end of an episode) and env steps.
 """
 
 from __future__ import annotations
@@ -91,16 +91,18 @@ def main() -> None:
             for path, b in results["bases"].items()]
     for r in results["runs"]:
         rows.append([f"FPO++ {r['ratio_mode']}, N_mc {r['n_mc']}, actor lr {r['actor_lr']:g} ({r['run_dir']}, "
-                     f"base `{r['base_policy']}`)", f"{r['env_steps']:,} ({r['act_steps'] * r['env_steps']:,} low-level)",
+                     f"base `{r['base_policy']}`)", f"{r['chunks']:,} ("
+                     + (f"{r['env_steps']:,} env steps)" if r.get("env_steps") is not None
+                        else f"up to {r['act_steps'] * r['chunks']:,} env steps)"),
                      f"{r['time_s'] / 60:.1f} min", pct(r["final"]["zero"]), pct(r["final"]["random"]),
                      f"{pct(r['train_success_first'])} -> {pct(r['train_success_last'])}"])
     curves = "\n".join(f"- {r['run_dir']}: " + ", ".join(f"{s:,}: {pct(v)}" for s, v in r["eval_curve"])
                        for r in results["runs"])
     body = (f"Config `{args.config}`{' with ' + ' '.join(args.overrides) if args.overrides else ''}; every policy evaluated on the same {args.eval_episodes} seeded episodes per "
             f"sampling rule, in one process. Training success = last 100 training episodes (random sampling).\n\n"
-            + md_table(["policy", "env steps (chunks)", "fine-tuning wall-clock", "success, zero-sampling",
+            + md_table(["policy", "chunks (env steps)", "fine-tuning wall-clock", "success, zero-sampling",
                         "success, random sampling", "training success first -> last"], rows)
-            + "\n\nPeriodic eval during training (zero-sampling, 20 episodes; env steps: success):\n\n" + curves + "\n")
+            + "\n\nPeriodic eval during training (zero-sampling, 20 episodes; chunks: success):\n\n" + curves + "\n")
     write_results(args.output, "FPO++ fine-tuning on Lift (state) on this machine", body)
 
 

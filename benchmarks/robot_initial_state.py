@@ -52,10 +52,10 @@ NOISE_SEED_STEP = 7919       # repeat r > 0 draws its action noise from seed (pr
 
 
 def episode_keys(episodes: int, n_envs: int = EVAL_ENVS) -> list[tuple[int, int]]:
-    """The protocol's episode keys (env i, k-th episode on env i) in its order: env i runs
-    episodes // n + (i < episodes % n) episodes."""
-    n = min(n_envs, episodes)
-    return sorted((i, k) for i in range(n) for k in range(episodes // n + (i < episodes % n)))
+    """The protocol's episode keys (env i, k-th episode on env i) in its order: env i runs its
+    quota of the evaluation's layout (``eval_quotas``)."""
+    from flowrl_ray.envs.rollout import eval_quotas
+    return sorted((i, k) for i, quota in enumerate(eval_quotas(episodes, n_envs)) for k in range(quota))
 
 
 def initial_positions(cfg, episodes: int, seed: int = EVAL_SEED) -> list[list[float]]:

@@ -34,8 +34,8 @@ Reported (``<results-dir>/<output>.{json,md}``, ``<output>_train.png``, ``<outpu
 success per seed, the mean gain over the base with a 95 % bootstrap CI paired by episode
 (:func:`flowrl_ray.stats.paired_bootstrap_gain`), training success (last 100 training episodes,
 random sampling) and periodic-eval success vs env steps as the mean over seeds with a band of
-+- one standard deviation across seeds, env steps and wall-clock per run, the machine. "env steps"
-are chunk steps, each up to ``env.act_steps`` low-level 20 Hz robosuite steps. With
++- one standard deviation across seeds, chunks, env steps and wall-clock per run, the machine. A
+chunk is one policy step, up to ``env.act_steps`` env steps (20 Hz robosuite steps). With
 ``--reference NAME`` also each other variant's difference from that one: the mean over its seeds
 minus the mean over the reference's seeds, with the same episode-paired bootstrap CI (the
 reference's per-episode mean success takes the base's place). Variants with another env section
@@ -475,7 +475,7 @@ def metric_curve(rows: list[dict], key: str, x: str = "env_steps", scale: float 
 
 
 def plot(variants: dict, results_dir: Path, output: str) -> list[str]:
-    written = [plot_run_curves(variants, key, results_dir / f"{output}_{fname}.png", "env steps (chunks)",
+    written = [plot_run_curves(variants, key, results_dir / f"{output}_{fname}.png", "action chunks",
                                "success rate", title)
                for key, fname, title in (("train_curve", "train", "training success (last 100 episodes, random sampling)"),
                                          ("eval_curve", "eval", "periodic eval success (config's eval.sampling)"))]
@@ -542,7 +542,8 @@ def report(results: dict, results_dir: Path, output: str) -> None:
         for r in v["runs"]:
             wall = "-" if r["launch_wall_s"] is None else f"{r['launch_wall_s'] / 60:.1f} min"
             per_it = lambda k: "-" if r.get(k) is None else f"{r[k]:.1f} s"            # noqa: E731
-            runs.append([name, r["seed"], r["run_dir"], r["iterations"], r.get("schedule", "-"), f"{r['env_steps']:,}",
+            runs.append([name, r["seed"], r["run_dir"], r["iterations"], r.get("schedule", "-"), f"{r['chunks']:,}",
+                         "-" if r.get("env_steps") is None else f"{r['env_steps']:,}",
                          f"{r['time_s'] / 60:.1f} min", wall, per_it("update_time_s"), per_it("sample_time_s")])
     p = results["protocol"]
     body = (f"Protocol: every policy and its base evaluated in one process on the same {p['episodes']} seeded "
@@ -553,9 +554,10 @@ def report(results: dict, results_dir: Path, output: str) -> None:
             + (f"\n\n{results['note']}" if results.get("note") else "") + "\n\n"
             + md_table(["variant", "sampling", "seeds", "base", "success per seed", "mean", "gain [95 % CI], points"],
                        rows)
-            + "\n\nRuns (env steps = chunk steps, each up to `env.act_steps` robosuite steps; training = the "
+            + "\n\nRuns (chunks: action chunks, each up to `env.act_steps` env steps; env steps: robosuite steps, "
+              "- for a run that counted chunks as env steps; training = the "
               "iterations' time; launch = the whole `flowrl-ray train` process, Ray's start included):\n\n"
-            + md_table(["variant", "seed", "run", "iterations", "schedule", "env steps", "training", "launch",
+            + md_table(["variant", "seed", "run", "iterations", "schedule", "chunks", "env steps", "training", "launch",
                         "learner s/iteration", "rollout s/iteration"], runs)
             + reference_table(results["variants"], pct, pts)
             + ood_table(results["variants"], pct, pts)

@@ -18,11 +18,12 @@ import numpy as np
 class BatchMeta:
     policy_version: int
     worker_id: int
-    env_steps: int
+    env_steps: int       # simulator steps (a chunk's executed rows, each one step); samples for group rollouts
     episode_returns: list[float] = field(default_factory=list)
     episode_lengths: list[int] = field(default_factory=list)
     sample_time_s: float = 0.0
     extra: dict = field(default_factory=dict)   # family-specific episode stats (success, ...)
+    chunks: int = 0      # action chunks the policy emitted (envs that execute chunks); 0 elsewhere
 
 
 @dataclass

@@ -35,13 +35,11 @@ class CountProgress:
 class Progress:
     """One line per iteration with throughput and ETA (readable in job logs, no terminal tricks).
 
-    ``unit``: what env_steps counts: "steps", or "chunks" where the env executes an action chunk
-    per step (robot tasks: ``unit_note`` says how many robosuite steps one chunk runs)."""
+    Env steps are simulator steps; where the policy emits action chunks (robot tasks: each runs
+    up to ``env.act_steps`` simulator steps) the row's ``chunks`` follow in brackets."""
 
-    def __init__(self, total: int, label: str, start_iteration: int = 0, stream=None,
-                 unit: str = "steps", unit_note: str = ""):
+    def __init__(self, total: int, label: str, start_iteration: int = 0, stream=None):
         self.total, self.label, self.stream = total, label, stream or sys.stdout
-        self.unit, self.unit_note = unit, unit_note
         self.start_iteration, self.t0 = start_iteration, time.perf_counter()
 
     def update(self, row: dict) -> None:
@@ -50,12 +48,12 @@ class Progress:
         elapsed = time.perf_counter() - self.t0
         eta = elapsed / done * (self.total - it) if done > 0 else float("nan")
         ret = row.get("episode_return_mean")
-        note = f" ({self.unit_note})" if self.unit_note else ""
-        parts = [f"[{self.label}] it {it}/{self.total}", f"{self.unit} {row.get('env_steps', 0):,}{note}",
+        chunks = f" ({row['chunks']:,} chunks)" if row.get("chunks") else ""
+        parts = [f"[{self.label}] it {it}/{self.total}", f"env steps {row.get('env_steps', 0):,}{chunks}",
                  f"return {ret:.1f}" if isinstance(ret, (int, float)) else "return -"]
         if row.get("eval/return_mean") is not None:
             parts.append(f"eval {row['eval/return_mean']:.1f}")
-        parts += [f"{row.get('env_steps_per_s', 0):,.0f} {self.unit}/s",
+        parts += [f"{row.get('env_steps_per_s', 0):,.0f} env steps/s",
                   f"elapsed {format_duration(elapsed)}",
                   f"ETA {format_duration(eta)}" if math.isfinite(eta) else "ETA -"]
         if row.get("worker_restarts"):

@@ -135,6 +135,19 @@ def worker_seed(seed: int, worker_id: int, restarts: int = 0) -> int:
     return int(np.random.SeedSequence([seed, worker_id, restarts]).generate_state(1)[0] >> 2)
 
 
+def randn(shape: tuple, generator: torch.Generator | list[torch.Generator] | None = None,
+          dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``torch.randn(shape)``, where ``generator`` may also be a list of ``shape[0]`` generators,
+    one per row: row i then draws from generator i alone (as diffusers' ``randn_tensor``), so a
+    row's noise does not depend on which other rows share the batch. Evaluation gives each env its
+    own generator: an env's episodes are the same whichever process, and beside which envs, runs it."""
+    if isinstance(generator, (list, tuple)):
+        if len(generator) != shape[0]:
+            raise ValueError(f"{len(generator)} generators for {shape[0]} rows")
+        return torch.stack([torch.randn(tuple(shape[1:]), generator=g, dtype=dtype) for g in generator])
+    return torch.randn(shape, generator=generator, dtype=dtype)
+
+
 def default_device() -> torch.device:
     """The one place that picks the device: CUDA when present, else CPU."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")

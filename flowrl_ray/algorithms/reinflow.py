@@ -56,6 +56,7 @@ from flowrl_ray.envs import EnvSpec
 from flowrl_ray.models.flow import FLOW_ARCH_DEFAULTS, FlowPolicy, Obs, obs_batch_size
 from flowrl_ray.models.flow_policy import image_shape
 from flowrl_ray.models.noisy_flow import NoiseStdNet, chain_entropy, chain_log_prob, noisy_flow_sample
+from flowrl_ray.utils import randn
 
 @dataclass
 class ReinFlowConfig:
@@ -158,7 +159,7 @@ class NoisyFlowPolicy(FlowPolicy):
             record: bool = True) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         n = obs_batch_size(obs)
         shape = (n, *self.chunk_shape)
-        x0 = torch.zeros(shape) if deterministic else torch.randn(shape, generator=generator)
+        x0 = torch.zeros(shape) if deterministic else randn(shape, generator)
         noisy = record and not deterministic
         cond = self.encoder(obs)
         actions, chain = noisy_flow_sample(self.velocity, self.log_std, cond, x0, self.flow_steps,

@@ -18,6 +18,27 @@ from flowrl_ray.config import EnvConfig
 from flowrl_ray.utils import restricted_loads
 
 EVAL_SEED_OFFSET = 1_000_003
+EVAL_ENVS = 8      # an evaluation of E episodes runs on min(E, EVAL_ENVS) envs, wherever it runs
+
+
+def eval_quotas(episodes: int, envs: int = EVAL_ENVS) -> list[int]:
+    """The episodes each evaluation env runs: E episodes on min(E, envs) envs, env i taking
+    E // n of them and one more while i < E % n (a fixed quota: short episodes are not
+    over-represented)."""
+    n = min(episodes, envs)
+    return [episodes // n + (i < episodes % n) for i in range(n)]
+
+
+def eval_shares(episodes: int, workers: int, envs: int = EVAL_ENVS) -> list[list[int]]:
+    """The evaluation envs each of ``workers`` runs: env i goes to worker i % workers. Together
+    they are the layout of a one-process evaluation (``flowrl-ray eval``), so the periodic
+    evaluation and a standalone one play the same episodes (each worker its own scenes)."""
+    return [list(range(len(eval_quotas(episodes, envs))))[w::workers] for w in range(workers)]
+
+
+def _noise_seed(base: int, env: int) -> int:
+    """Evaluation env ``env``'s action-noise seed (numpy's SeedSequence of both)."""
+    return int(np.random.SeedSequence([base, env]).generate_state(1)[0])
 
 
 def _to_tensor(x: np.ndarray) -> torch.Tensor:
@@ -118,8 +139,12 @@ class EnvRunner:
                 self.episode_length[done] = 0
         for k, v in flatten_obs("last_obs", self.obs).items():
             buf[k] = np.array(v, v.dtype if v.dtype == np.uint8 else np.float32)
+        # env steps are simulator steps: a chunk counts the rows the env executed
+        chunked = "executed_rows" in buf
         meta = BatchMeta(policy_version=self.policy_version, worker_id=self.worker_id,
-                         env_steps=num_steps * n, episode_returns=returns, episode_lengths=lengths,
+                         env_steps=int(buf["executed_rows"].sum()) if chunked else num_steps * n,
+                         chunks=num_steps * n if chunked else 0,
+                         episode_returns=returns, episode_lengths=lengths,
                          sample_time_s=time.perf_counter() - start)
         if successes:
             meta.extra["successes"] = successes
@@ -127,14 +152,22 @@ class EnvRunner:
 
     def evaluate(self, episodes: int, deterministic: bool = True, video_episodes: int = 0,
                  video: tuple[str, int] = ("agentview", 256), on_episodes=None,
-                 noise_seed: int | None = None) -> dict:
+                 noise_seed: int | None = None, envs: list[int] | None = None,
+                 seed: int | None = None) -> dict:
         """Run `episodes` full episodes on separate, freshly seeded eval envs (training envs
         keep their state). Returns returns and lengths of each episode (and, for families that
         report success, ``episode_successes``) in the order they finished, and ``episode_keys``:
-        each episode's (env index, episode number on that env). Env i is reset with seed
-        ``seed + EVAL_SEED_OFFSET + i`` and its later episodes start from its own autoresets, so
-        a key names the same initial state for every policy evaluated with the same seed and
-        env count (the pairing of ``flowrl_ray.stats.paired_bootstrap_gain``).
+        each episode's (env index, episode number on that env). The episodes run on
+        min(episodes, EVAL_ENVS) envs with :func:`eval_quotas`, whatever this runner's training
+        env count; env i is reset with seed
+        ``seed + EVAL_SEED_OFFSET + i`` (``seed``: default this runner's) and its later episodes
+        start from its own autoresets, so a key names the same initial state for every policy
+        evaluated with the same seed and env count (the pairing of
+        ``flowrl_ray.stats.paired_bootstrap_gain``). Each env draws its action noise from its own
+        generator, so an env's episodes do not depend on the others.
+
+        envs: run only these envs of the layout (indices), each with its quota: a share of the
+        evaluation (:func:`eval_shares`), whose episodes are the one-process evaluation's.
 
         video_episodes: families that render (robot: ``video = (camera, size)``) record the
         first ``video_episodes`` episodes that start, and only those, returned as ``videos``:
@@ -142,32 +175,40 @@ class EnvRunner:
         "fps" (the env's ``control_freq``: real time), "return", "length" (env steps),
         "success" (None where the family reports none)}].
         on_episodes(done, total): called after every env step in which episodes finished.
-        noise_seed: the seed of the action-noise generator (default ``seed + EVAL_SEED_OFFSET``,
+        noise_seed: the base of the envs' action-noise seeds (default ``seed + EVAL_SEED_OFFSET``,
         as the envs): another value replays the same initial states with other sampling noise.
         """
         if video_episodes and not hasattr(self.family, "check_video"):
             raise ValueError("this env family renders no videos")
-        if self._eval_envs is None:
-            self._eval_envs = self.family.make_vector_env(self.env_cfg, min(self.num_envs, episodes))
-        envs = self._eval_envs
-        n = envs.num_envs
-        # Each env runs a fixed quota of episodes, so short episodes are not over-represented.
-        quota = np.array([episodes // n + (i < episodes % n) for i in range(n)])
+        layout = eval_quotas(episodes)
+        ids = list(range(len(layout))) if envs is None else list(envs)
+        if not ids or not set(ids) <= set(range(len(layout))):
+            raise ValueError(f"envs {ids}: not a share of the {len(layout)} evaluation envs")
+        seed = self.seed if seed is None else seed
+        if self._eval_envs is None or self._eval_envs.num_envs != len(ids):
+            if self._eval_envs is not None:
+                self._eval_envs.close()
+            self._eval_envs = self.family.make_vector_env(self.env_cfg, len(ids))
+        vec = self._eval_envs
+        n = vec.num_envs
+        quota = np.array([layout[i] for i in ids])
+        episodes = int(quota.sum())
         # Rendering is slow: envs record only while a wanted video is running on them. The first
         # min(video_episodes, n) envs start recording; one that finishes a video goes on recording
         # its next episode while more videos are wanted.
         recording = [i < min(video_episodes, episodes) and quota[i] > 0 for i in range(n)]
         started_videos = sum(recording)
         if video_episodes:
-            envs.set_attr("video", [video if r else None for r in recording])
-        obs, _ = envs.reset(seed=self.seed + EVAL_SEED_OFFSET)
+            vec.set_attr("video", [video if r else None for r in recording])
+        obs, _ = vec.reset(seed=[seed + EVAL_SEED_OFFSET + i for i in ids])
         done_count = np.zeros(n, dtype=np.int64)
         ret, length = np.zeros(n), np.zeros(n, dtype=np.int64)
         returns, lengths, successes, videos, keys = [], [], [], [], []
-        eval_gen = torch.Generator().manual_seed(self.seed + EVAL_SEED_OFFSET if noise_seed is None else noise_seed)
+        noise_base = seed + EVAL_SEED_OFFSET if noise_seed is None else noise_seed
+        eval_gens = [torch.Generator().manual_seed(_noise_seed(noise_base, i)) for i in ids]   # one per env
         while (done_count < quota).any():
-            action, _ = self._act(obs, deterministic, eval_gen, record=False)
-            obs, reward, terminated, truncated, info = envs.step(action)
+            action, _ = self._act(obs, deterministic, eval_gens, record=False)
+            obs, reward, terminated, truncated, info = vec.step(action)
             ret += reward
             length += 1
             done = terminated | truncated
@@ -178,26 +219,26 @@ class EnvRunner:
             for j, i in enumerate(np.flatnonzero(counted)):
                 returns.append(float(ret[i]))
                 lengths.append(int(length[i]))
-                keys.append((int(i), int(done_count[i])))
+                keys.append((ids[i], int(done_count[i])))
                 if recording[i]:
-                    frames = envs.get_attr("finished_frames")[i]   # the episode's, moved at reset
+                    frames = vec.get_attr("finished_frames")[i]   # the episode's, moved at reset
                     videos.append({"frames": np.stack(frames),
-                                   "fps": envs.get_attr("control_freq")[i], "return": float(ret[i]),
+                                   "fps": vec.get_attr("control_freq")[i], "return": float(ret[i]),
                                    "length": int(length[i]),
                                    "success": None if success is None else bool(success[j])})
                     recording[i] = started_videos < video_episodes and done_count[i] + 1 < quota[i]
                     started_videos += recording[i]
                     if not recording[i]:
-                        envs.set_attr("video", [None if k == i else v
-                                                for k, v in enumerate(envs.get_attr("video"))])
+                        vec.set_attr("video", [None if k == i else v
+                                                for k, v in enumerate(vec.get_attr("video"))])
             done_count += done
             ret[done], length[done] = 0.0, 0
             if on_episodes is not None and counted.any():
                 on_episodes(min(int(np.minimum(done_count, quota).sum()), episodes), episodes)
         if video_episodes:               # frames stay out of later evaluations' memory
-            envs.set_attr("video", [None] * n)
-            envs.set_attr("frames", [[] for _ in range(n)])
-            envs.set_attr("finished_frames", [[] for _ in range(n)])
+            vec.set_attr("video", [None] * n)
+            vec.set_attr("frames", [[] for _ in range(n)])
+            vec.set_attr("finished_frames", [[] for _ in range(n)])
         out = {"episode_returns": returns[:episodes], "episode_lengths": lengths[:episodes],
                "episode_keys": keys[:episodes]}
         if hasattr(self.family, "episode_success"):

@@ -7,6 +7,7 @@ from torch import nn
 
 from flowrl_ray.models.gaussian import diag_gaussian_log_prob
 from flowrl_ray.models.mlp import RunningNorm
+from flowrl_ray.utils import randn
 
 MIN_LOG_VAR = -12.0    # keeps the Gaussian from collapsing to a point (std >= 2.5e-3)
 
@@ -85,5 +86,5 @@ class CMAPolicy(nn.Module):
         ``record`` as in FlowPolicy.act; this policy draws only the action noise either way."""
         mean, var = self.get_mean_var(obs)
         pre = mean if deterministic else \
-            mean + var.sqrt() * torch.randn(mean.shape, generator=generator, dtype=mean.dtype)
+            mean + var.sqrt() * randn(mean.shape, generator, dtype=mean.dtype)
         return torch.tanh(pre), {"actions": pre, "logp": self.gaussian_log_prob(pre, mean, var)}

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flowrl_ray.models.mlp import ResidualMLP, mlp
+from flowrl_ray.utils import randn
 
 #: an observation batch: a state tensor [B, D], or {"state": [B, D], "rgb": [B, C, H, W] uint8}
 Obs = Union[torch.Tensor, dict]
@@ -336,7 +337,7 @@ class FlowPolicy(nn.Module):
         if deterministic:
             eps = torch.zeros(shape)
         else:
-            eps = torch.randn(shape, generator=generator)
+            eps = randn(shape, generator)
         actions = self.sample(obs, eps)
         out = {"actions": actions}
         if record and not deterministic and self.n_mc > 0:

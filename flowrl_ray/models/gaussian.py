@@ -9,6 +9,7 @@ from torch import nn
 from torch.distributions import Normal
 
 from flowrl_ray.models.mlp import RunningNorm, mlp
+from flowrl_ray.utils import randn
 
 HALF_LOG_2PI = 0.5 * math.log(2 * math.pi)
 
@@ -65,7 +66,7 @@ class GaussianPolicy(nn.Module):
         if deterministic:
             noise = torch.zeros_like(mean)
         else:
-            noise = torch.randn(mean.shape, generator=generator, dtype=mean.dtype)
+            noise = randn(mean.shape, generator, dtype=mean.dtype)
         actions = mean + log_std.exp() * noise
         logp = diag_gaussian_log_prob(actions, mean, log_std)
         return self.to_env_action(actions), {"actions": actions, "logp": logp}

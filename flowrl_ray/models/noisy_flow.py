@@ -37,6 +37,7 @@ from torch import nn
 from flowrl_ray.models.flow import VelocityFn, sinusoidal_embedding
 from flowrl_ray.models.gaussian import HALF_LOG_2PI, diag_gaussian_log_prob
 from flowrl_ray.models.mlp import mlp
+from flowrl_ray.utils import randn
 
 #: std_fn(tau [B], cond [B, C]) -> log sigma [B, Ta, Da]
 LogStdFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -83,7 +84,7 @@ def noisy_flow_sample(velocity_fn: VelocityFn, log_std_fn: LogStdFn, cond: torch
         if deterministic:
             xs.append(mean)
         else:
-            z = torch.randn(x.shape, generator=generator).to(x.device, x.dtype)
+            z = randn(x.shape, generator).to(x.device, x.dtype)
             xs.append(mean + torch.exp(log_std_fn(tau, cond)) * z)
     chain = torch.stack(xs, dim=1)
     return chain[:, -1].clamp(-1.0, 1.0), chain

@@ -55,7 +55,7 @@ class RolloutWorker(_Worker):
         self.runner = self._resumable = EnvRunner(env_family(cfg.env.family), cfg.env, cfg.runtime.envs_per_worker,
                                                   self.seed, policy, worker_id)
         self.rollout_length = cfg.runtime.rollout_length
-        self.eval_sampling = cfg.eval.sampling
+        self.eval_sampling, self.run_seed = cfg.eval.sampling, cfg.seed
         self.video = (cfg.eval.video.camera, cfg.eval.video.size)
 
     def set_weights(self, state_dict: dict, version: int) -> int:
@@ -68,11 +68,15 @@ class RolloutWorker(_Worker):
         batch = self.runner.sample(self.rollout_length)
         return batch.meta, batch
 
-    def evaluate(self, episodes: int, video_episodes: int = 0) -> dict:
-        """EnvRunner.evaluate's result; the first `video_episodes` episodes are rendered and come
-        back as ``videos`` (frames [S + 1, H, W, 3] uint8 each) for the driver to encode."""
+    def evaluate(self, episodes: int, envs: list[int], video_episodes: int = 0) -> dict:
+        """EnvRunner.evaluate's result for this worker's share ``envs`` of an evaluation of
+        ``episodes`` episodes (``eval_shares``), seeded by the run's seed, not the worker's: the
+        shares together are ``flowrl-ray eval``'s episodes. The first `video_episodes` episodes
+        are rendered and come back as ``videos`` (frames [S + 1, H, W, 3] uint8 each) for the
+        driver to encode."""
         return self.runner.evaluate(episodes, deterministic=self.eval_sampling == "zero",
-                                    video_episodes=video_episodes, video=self.video)
+                                    video_episodes=video_episodes, video=self.video,
+                                    envs=envs, seed=self.run_seed)
 
     def policy_version(self) -> int:
         return self.runner.policy_version

@@ -37,6 +37,7 @@ from ray.exceptions import GetTimeoutError, RayError
 
 from flowrl_ray.batch import BatchMeta
 from flowrl_ray.config import Config, ConfigError
+from flowrl_ray.envs.rollout import eval_quotas, eval_shares
 from flowrl_ray.runtime.actors import RolloutWorker, ScoringWorker
 from flowrl_ray.runtime.handles import EvalMedia, ResumableLearner, WorkerPool
 
@@ -187,14 +188,18 @@ class EnvStepRollouts(Rollouts):
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict:
-        """``eval.episodes`` episodes shared among the workers (their own eval envs), the first
-        ``eval.video.episodes`` filmed where an evaluation is due for videos."""
-        episodes, n = self.cfg.eval.episodes, len(self.workers)
-        shares = [episodes // n + (i < episodes % n) for i in range(n)]
+        """``eval.episodes`` episodes: the evaluation envs of ``flowrl-ray eval`` (seeded by the
+        run's seed) shared among the workers, each running its share on eval envs of its own, so
+        the result is the standalone evaluation's; the first ``eval.video.episodes`` filmed where
+        an evaluation is due for videos."""
+        episodes = self.cfg.eval.episodes
+        envs = eval_shares(episodes, len(self.workers))              # env indices per worker
+        quotas = eval_quotas(episodes)
+        shares = [sum(quotas[i] for i in e) for e in envs]           # episodes per worker
         # Videos of the first eval.video.episodes episodes, taken from the first workers' shares.
         wanted = self.media.video_episodes()
         videos = [min(s, max(0, wanted - sum(shares[:i]))) for i, s in enumerate(shares)]
-        refs = {self.workers[i].evaluate.remote(s, videos[i]): i for i, s in enumerate(shares) if s > 0}
+        refs = {self.workers[i].evaluate.remote(episodes, e, videos[i]): i for i, e in enumerate(envs) if e}
         returns, lengths, successes, recorded = [], [], [], []
         for ref, i in refs.items():
             try:

@@ -43,21 +43,12 @@ from flowrl_ray.utils import atomic_write_text
 RETURN_WINDOW = 100   # episode_return_mean averages the last 100 finished training episodes
 
 
-def progress_units(cfg: Config) -> dict:
-    """What the progress line's step count means: env steps, or action chunks where the env
-    executes a chunk of env.act_steps low-level steps per step (env.horizon_steps > 1)."""
-    env = cfg.env
-    if env.horizon_steps <= 1:
-        return {"unit": "steps"}
-    low = "robosuite steps" if env.family == "robot" else "env steps"
-    return {"unit": "chunks", "unit_note": f"up to {env.act_steps} {low} each"}
-
-
 @dataclass
 class Counters:
     """The driver's part of a checkpoint."""
     iteration: int = 0
-    env_steps: int = 0
+    env_steps: int = 0         # simulator steps
+    chunks: int = 0            # action chunks (envs that execute chunks; each up to env.act_steps env steps)
     episodes: int = 0
     time_s: float = 0.0
     worker_restarts: int = 0
@@ -146,6 +137,13 @@ class Trainer:
     def _restore(self, ckpt: dict) -> None:
         for key, value in vars(Counters(**ckpt["trainer"])).items():   # in place: the parts hold it
             setattr(self.counters, key, value)
+        c = self.counters
+        if "chunks" not in ckpt["trainer"] and self.cfg.env.family == "robot" and c.env_steps:
+            # Written before env steps meant simulator steps: its env_steps counted chunks.
+            c.chunks, c.env_steps = c.env_steps, c.env_steps * self.cfg.env.act_steps
+            self._log(f"this checkpoint counted action chunks as env steps: {c.chunks:,} chunks, counted from "
+                      f"here as {c.env_steps:,} env steps (every chunk's {self.cfg.env.act_steps} rows: an upper "
+                      f"bound); its earlier metrics rows keep chunks")
         notes = self.learners.call("set_state", ckpt["learner"])
         states = ckpt.get("workers") or []
         try:
@@ -188,8 +186,7 @@ class Trainer:
         cfg, c = self.cfg, self.counters
         total = cfg.train.iterations
         progress = Progress(total, f"{cfg.algorithm} {cfg.env.id}", c.iteration,
-                            stream=open(os.devnull, "w") if self.quiet else None,
-                            **progress_units(cfg))
+                            stream=open(os.devnull, "w") if self.quiet else None)
         recent = collections.deque(c.recent_returns, maxlen=RETURN_WINDOW)
         recent_success = collections.deque(c.recent_successes, maxlen=RETURN_WINDOW)
         last_saved = c.iteration
@@ -215,6 +212,7 @@ class Trainer:
             c.iteration += 1
             steps = sum(m.env_steps for m in metas)
             c.env_steps += steps
+            c.chunks += sum(m.chunks for m in metas)
             finished = [r for m in metas for r in m.episode_returns]
             c.episodes += len(finished)
             recent.extend(finished)
@@ -223,7 +221,8 @@ class Trainer:
             c.recent_successes = list(recent_success)
             dt = time.perf_counter() - t0
             c.time_s += dt
-            row = {"iteration": c.iteration, "env_steps": c.env_steps, "time_s": round(c.time_s, 3),
+            row = {"iteration": c.iteration, "env_steps": c.env_steps, **({"chunks": c.chunks} if c.chunks else {}),
+                   "time_s": round(c.time_s, 3),
                    "episode_return_mean": float(np.mean(recent)) if recent else None,
                    "episodes_this_iter": len(finished), "episodes": c.episodes,
                    "env_steps_per_s": steps / dt, "sample_time_s": t_sampled - t0,
@@ -276,7 +275,9 @@ class Trainer:
         evals = [r["eval/return_mean"] for r in rows if r.get("eval/return_mean") is not None]
         summary = {"name": self.cfg.name, "algorithm": self.cfg.algorithm, "env": self.cfg.env.id,
                    "seed": self.cfg.seed, "iterations": self.counters.iteration,
-                   "env_steps": self.counters.env_steps, "time_s": round(self.counters.time_s, 2),
+                   "env_steps": self.counters.env_steps,
+                   **({"chunks": self.counters.chunks} if self.counters.chunks else {}),
+                   "time_s": round(self.counters.time_s, 2),
                    "first_episode_return_mean": next((r["episode_return_mean"] for r in rows
                                                       if r.get("episode_return_mean") is not None), None),
                    "final_episode_return_mean": last.get("episode_return_mean"),

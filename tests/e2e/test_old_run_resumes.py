@@ -29,7 +29,7 @@ FIXTURE = FIXTURES / "flowsar_run_before_flat_config"
 
 
 @pytest.mark.slow
-def test_a_flowsar_run_saved_with_nested_keys_resumes_and_extends(tmp_path):
+def test_a_flowsar_run_saved_with_nested_keys_resumes_and_extends(tmp_path, capsys):
     run = tmp_path / "run"
     shutil.copytree(FIXTURE, run, ignore=shutil.ignore_patterns("made_from.yaml"))
     saved = yaml.safe_load((run / "config.yaml").read_text())
@@ -40,7 +40,13 @@ def test_a_flowsar_run_saved_with_nested_keys_resumes_and_extends(tmp_path):
     assert main(["train", "--resume", str(run), "train.iterations=3", "--no-tensorboard"]) == 0
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in rows] == [1, 2, 3]
-    assert rows[2]["env_steps"] == 3 * 12 and rows[2]["flowsar/lr"] == pytest.approx(1e-4)
+    # it counted chunks as env steps (12 an iteration: 6 x 2 envs); from the resume on, env steps are
+    # robosuite steps (2 per chunk: its episodes of 10 steps run whole chunks) and chunks are counted
+    assert rows[1]["env_steps"] == 2 * 12 and "chunks" not in rows[1]
+    assert (rows[2]["env_steps"], rows[2]["chunks"]) == (3 * 24, 3 * 12)
+    assert "this checkpoint counted action chunks as env steps: 24 chunks, counted from here as 48 env steps" \
+        in capsys.readouterr().out
+    assert rows[2]["flowsar/lr"] == pytest.approx(1e-4)
     assert json.loads((run / "summary.json").read_text())["iterations"] == 3
     resaved = yaml.safe_load((run / "config.yaml").read_text())        # now in today's layout
     assert "flowsar" not in resaved["algo"] and resaved["algo"]["lr"] == 1e-4

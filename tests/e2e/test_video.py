@@ -37,8 +37,8 @@ def test_train_and_eval_write_videos_that_decode(tmp_path, capsys, monkeypatch, 
     config.write_text(yaml.safe_dump(data))
     assert main(["train", str(config), "--run-dir", str(run), "--no-tensorboard"]) == 0
     out = capsys.readouterr().out
-    # FPO++ steps are action chunks: the progress line counts them as such
-    assert "[fpopp lift] it 3/3 | chunks 12 (up to 2 robosuite steps each) |" in out and " chunks/s |" in out
+    # env steps are robosuite steps: an iteration is one 7-step episode run as 4 chunks (2, 2, 2, 1 rows)
+    assert "[fpopp lift] it 3/3 | env steps 21 (12 chunks) |" in out and " env steps/s |" in out
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["eval/success_rate"] for r in rows] == [0.0, 0.0, 0.0]
     names = sorted(p.name for p in (run / "videos").glob("*.mp4"))
@@ -48,8 +48,9 @@ def test_train_and_eval_write_videos_that_decode(tmp_path, capsys, monkeypatch, 
         frames = decode(run / "videos" / name)
         assert frames.shape == (FRAMES, 32, 32, 3)
 
-    # at the env steps of iterations 2 and 3 (4 chunks an iteration)
-    assert [(p.name, step) for p, step, _ in media] == [(names[0], 8), (names[1], 12)]
+    # at the env steps of iterations 2 and 3 (7 robosuite steps an iteration)
+    assert [r["env_steps"] for r in rows] == [7, 14, 21] and [r["chunks"] for r in rows] == [4, 8, 12]
+    assert [(p.name, step) for p, step, _ in media] == [(names[0], 14), (names[1], 21)]
     assert media[0][2] == f"iteration 2: failure, return 0.0, {FRAMES} frames at 20 fps"
 
     assert main(["eval", str(run), "--episodes", "2", "--video", "1"]) == 0
@@ -59,7 +60,7 @@ def test_train_and_eval_write_videos_that_decode(tmp_path, capsys, monkeypatch, 
     assert result["episodes"] == 2 and result["success_rate"] == 0.0
     assert result["videos"] == [str(run / "videos" / "eval" / "iter_0003_0_failure.mp4")]
     assert decode(result["videos"][0]).shape == (FRAMES, 32, 32, 3)        # the run's eval.video.size
-    assert [(str(p), step) for p, step, _ in media[2:]] == [(result["videos"][0], 12)]
+    assert [(str(p), step) for p, step, _ in media[2:]] == [(result["videos"][0], 21)]
     assert re.search(r"\[eval lift\] 2/2 episodes \| \d+\.\d s/episode \| elapsed \d+s \| ETA 0s", captured.err)
 
     # the training's videos and the eval's went to the run's one MLflow run too

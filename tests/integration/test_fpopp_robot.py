@@ -76,6 +76,8 @@ def test_an_episode_that_ends_inside_a_chunk_masks_the_rows_that_never_ran():
     d = batch.data
     assert d["truncated"][2].all() and not d["truncated"][[0, 1, 3, 4]].any()
     assert d["executed_rows"].tolist() == [[2, 2], [2, 2], [1, 1], [2, 2], [2, 2]]
+    # env steps are the robosuite steps that ran (2 x (2 + 2 + 1 + 2 + 2)); chunks are named as such
+    assert (batch.meta.env_steps, batch.meta.chunks) == (18, 10)
     prepared = algo.prepare([batch])
     full, cut = torch.tensor([1.0, 1.0, 0.0, 0.0]), torch.tensor([1.0, 0.0, 0.0, 0.0])
     expected = torch.stack([cut if t == 2 else full for t in range(5) for _ in range(2)])

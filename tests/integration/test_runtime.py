@@ -58,6 +58,24 @@ def test_run_directory_contents(local_ray, tmp_path):
     assert json.loads((run / "summary.json").read_text())["iterations"] == summary["iterations"] == 4
 
 
+@pytest.mark.parametrize("sampling", ["zero", "random"])
+def test_the_periodic_evaluation_is_flowrl_ray_eval_of_its_checkpoint(local_ray, tmp_path, capsys, sampling):
+    """The run's last evaluation (two workers, each its share of the evaluation envs) and
+    `flowrl-ray eval` of the checkpoint written at that iteration, same episodes and rule: the
+    same returns (the workers' seeds and env counts play no part)."""
+    from flowrl_ray.cli import main
+    cfg = tiny_config("train.iterations=2", "eval.interval=2", "eval.episodes=5", "eval.at_start=false",
+                      f"eval.sampling={sampling}", "env.max_episode_steps=50")
+    run = tmp_path / "run"
+    run_trainer(cfg, run)
+    row = next(r for r in read_metrics(run) if r.get("iteration") == 2)
+    assert row["eval/episodes"] == 5
+    assert main(["eval", str(run), "--episodes", "5", "--sampling", sampling]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["return_mean"] == pytest.approx(row["eval/return_mean"], rel=1e-6)
+    assert out["return_std"] == pytest.approx(row["eval/return_std"], rel=1e-5)
+
+
 def test_killed_worker_is_restarted_and_the_run_finishes(local_ray, tmp_path):
     cfg = tiny_config("train.iterations=4", "runtime.rollout_length=400", "runtime.max_worker_restarts=2")
     trainer = Trainer(cfg, tmp_path / "run", quiet=True)

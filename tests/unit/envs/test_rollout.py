@@ -2,6 +2,8 @@
 restore, worker seeds."""
 
 import numpy as np
+import pytest
+import torch
 
 from flowrl_ray.algorithms.ppo import PPO
 from flowrl_ray.envs import env_family
@@ -53,6 +55,47 @@ def test_evaluate_noise_seed_replays_the_same_initial_states_with_other_noise():
     assert other["episode_keys"] == default["episode_keys"] and other["episode_returns"] != default["episode_returns"]
     # with the mean action the noise plays no part: the same initial states give the same episodes
     assert runner.evaluate(4, noise_seed=123) == runner.evaluate(4)
+
+
+def test_evaluation_layout_by_hand():
+    from flowrl_ray.envs.rollout import eval_quotas, eval_shares
+    assert eval_quotas(50) == [7, 7, 6, 6, 6, 6, 6, 6]               # 50 = 2 x 7 + 6 x 6 on 8 envs
+    assert eval_quotas(5) == [1, 1, 1, 1, 1] and eval_quotas(9, envs=4) == [3, 2, 2, 2]
+    assert eval_shares(50, 2) == [[0, 2, 4, 6], [1, 3, 5, 7]]        # each worker its own envs (scenes)
+    assert eval_shares(3, 4) == [[0], [1], [2], []]                  # a worker may get none
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_shares_of_an_evaluation_are_the_one_process_evaluation(deterministic):
+    """Two runners with other training envs and seeds, each running its share of the layout
+    seeded by the first runner's seed, play exactly its episodes: same keys, same returns."""
+    from flowrl_ray.envs.rollout import eval_shares
+    whole, _ = _runner("env.max_episode_steps=15", num_envs=1, seed=4)
+    a = whole.evaluate(11, deterministic=deterministic)
+    parts = [_runner("env.max_episode_steps=15", num_envs=n, seed=s)[0] for n, s in ((2, 9), (5, 1))]
+    for part in parts:
+        part.policy.load_state_dict(whole.policy.state_dict())
+    got = {}
+    for part, share in zip(parts, eval_shares(11, 2)):
+        r = part.evaluate(11, deterministic=deterministic, envs=share, seed=4)
+        assert {k[0] for k in r["episode_keys"]} == set(share)
+        got.update(zip(map(tuple, r["episode_keys"]), r["episode_returns"]))
+    want = dict(zip(map(tuple, a["episode_keys"]), a["episode_returns"]))
+    assert len(want) == 11 and got.keys() == want.keys()
+    assert all(got[k] == pytest.approx(want[k], rel=1e-6) for k in want)
+    with pytest.raises(ValueError, match="not a share"):
+        parts[0].evaluate(11, envs=[8])
+
+
+def test_randn_with_one_generator_per_row():
+    from flowrl_ray.utils import randn
+    rows = randn((3, 2, 4), [torch.Generator().manual_seed(s) for s in (5, 6, 7)])
+    assert torch.equal(rows[1], torch.randn((2, 4), generator=torch.Generator().manual_seed(6)))
+    # one generator: torch.randn itself
+    assert torch.equal(randn((3, 2), torch.Generator().manual_seed(1)),
+                       torch.randn((3, 2), generator=torch.Generator().manual_seed(1)))
+    with pytest.raises(ValueError, match="2 generators for 3 rows"):
+        randn((3, 2), [torch.Generator(), torch.Generator()])
 
 
 def test_state_round_trip_continues_identically():
