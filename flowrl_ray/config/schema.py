@@ -125,6 +125,10 @@ class EvalConfig:
     # random: sampled as in training
     sampling: Literal["zero", "random"] = "zero"
     at_start: bool = False      # also evaluate the initial policy (a pretrained one) as iteration 0
+    # env-step runs: > 0 evaluates the starting policy before the first iteration and the final one
+    # after the last on the same compare_episodes seeded episodes, by `sampling` and by the other
+    # rule, and prints the paired gain with its 95 % bootstrap CI (start_vs_final.json and .png)
+    compare_episodes: int = field(default=0, metadata=check(ge=0))
     # robot tasks: videos of evaluation episodes, runs/<name>/videos/iter_<i>_<k>_<success|failure>.mp4,
     # at the evaluations numbered 0 (at_start), every, 2 * every, ... (iteration // interval) and the last
     video: VideoConfig = field(default_factory=VideoConfig)

@@ -68,13 +68,15 @@ class RolloutWorker(_Worker):
         batch = self.runner.sample(self.rollout_length)
         return batch.meta, batch
 
-    def evaluate(self, episodes: int, envs: list[int], video_episodes: int = 0) -> dict:
+    def evaluate(self, episodes: int, envs: list[int], video_episodes: int = 0,
+                 sampling: str | None = None) -> dict:
         """EnvRunner.evaluate's result for this worker's share ``envs`` of an evaluation of
         ``episodes`` episodes (``eval_shares``), seeded by the run's seed, not the worker's: the
-        shares together are ``flowrl-ray eval``'s episodes. The first `video_episodes` episodes
-        are rendered and come back as ``videos`` (frames [S + 1, H, W, 3] uint8 each) for the
-        driver to encode."""
-        return self.runner.evaluate(episodes, deterministic=self.eval_sampling == "zero",
+        shares together are ``flowrl-ray eval``'s episodes. ``sampling``: default the config's
+        ``eval.sampling``. The first `video_episodes` episodes are rendered and come back as
+        ``videos`` (frames [S + 1, H, W, 3] uint8 each) for the driver to encode."""
+        sampling = sampling or self.eval_sampling
+        return self.runner.evaluate(episodes, deterministic=sampling == "zero",
                                     video_episodes=video_episodes, video=self.video,
                                     envs=envs, seed=self.run_seed)
 

@@ -187,38 +187,50 @@ class EnvStepRollouts(Rollouts):
                      timeout=self.cfg.runtime.sample_timeout_s)
 
     # ------------------------------------------------------------------ evaluation
-    def evaluate(self) -> dict:
-        """``eval.episodes`` episodes: the evaluation envs of ``flowrl-ray eval`` (seeded by the
-        run's seed) shared among the workers, each running its share on eval envs of its own, so
-        the result is the standalone evaluation's; the first ``eval.video.episodes`` filmed where
-        an evaluation is due for videos."""
-        episodes = self.cfg.eval.episodes
+    def evaluate_episodes(self, episodes: int, sampling: str, videos: int = 0) -> dict:
+        """``episodes`` episodes by ``sampling``: the evaluation envs of ``flowrl-ray eval`` (seeded
+        by the run's seed) shared among the workers, each running its share on eval envs of its
+        own, so the result is the standalone evaluation's; the first ``videos`` episodes filmed.
+        -> {"keys", "returns", "lengths", "successes" (families that report it), "videos"}, the
+        episodes ordered by key (env index, episode number on that env): a key is the same
+        initial state in every evaluation of the run. A worker that fails is replaced and its
+        episodes are missing (fewer keys)."""
         envs = eval_shares(episodes, len(self.workers))              # env indices per worker
         quotas = eval_quotas(episodes)
         shares = [sum(quotas[i] for i in e) for e in envs]           # episodes per worker
-        # Videos of the first eval.video.episodes episodes, taken from the first workers' shares.
-        wanted = self.media.video_episodes()
-        videos = [min(s, max(0, wanted - sum(shares[:i]))) for i, s in enumerate(shares)]
-        refs = {self.workers[i].evaluate.remote(episodes, e, videos[i]): i for i, e in enumerate(envs) if e}
-        returns, lengths, successes, recorded = [], [], [], []
+        # Videos of the first `videos` episodes, taken from the first workers' shares.
+        films = [min(s, max(0, videos - sum(shares[:i]))) for i, s in enumerate(shares)]
+        refs = {self.workers[i].evaluate.remote(episodes, e, films[i], sampling): i
+                for i, e in enumerate(envs) if e}
+        results = []
         for ref, i in refs.items():
             try:
-                result = ray.get(ref, timeout=self.cfg.runtime.sample_timeout_s)
+                results.append(ray.get(ref, timeout=self.cfg.runtime.sample_timeout_s))
             except (RayError, GetTimeoutError) as e:
                 self.workers.restart(i, f"during evaluation: {type(e).__name__}")
-                continue
-            returns += result["episode_returns"]
-            lengths += result["episode_lengths"]
-            successes += result.get("episode_successes", [])
-            recorded += result.get("videos", [])
-        if recorded:
-            self.media.write_videos(recorded)
+        keyed = sorted((tuple(k), r["episode_returns"][j], r["episode_lengths"][j],
+                        r["episode_successes"][j] if "episode_successes" in r else None)
+                       for r in results for j, k in enumerate(r["episode_keys"]))
+        out = {"keys": [list(k) for k, *_ in keyed], "returns": [x[1] for x in keyed],
+               "lengths": [x[2] for x in keyed], "videos": [v for r in results for v in r.get("videos", [])]}
+        if keyed and keyed[0][3] is not None:
+            out["successes"] = [bool(x[3]) for x in keyed]
+        return out
+
+    def evaluate(self) -> dict:
+        """``eval.episodes`` episodes by ``eval.sampling`` (:meth:`evaluate_episodes`), the first
+        ``eval.video.episodes`` filmed where an evaluation is due for videos."""
+        result = self.evaluate_episodes(self.cfg.eval.episodes, self.cfg.eval.sampling,
+                                        self.media.video_episodes())
+        if result["videos"]:
+            self.media.write_videos(result["videos"])
+        returns, lengths, successes = result["returns"], result["lengths"], result.get("successes")
         if not returns:
             return {}
         out = {"eval/return_mean": float(np.mean(returns)), "episode_reward": float(np.mean(returns)),
                "eval/return_std": float(np.std(returns)),
                "eval/length_mean": float(np.mean(lengths)), "eval/episodes": len(returns)}
-        if successes:
+        if successes is not None:
             out["eval/success_rate"] = float(np.mean(successes))
         return out
 
@@ -238,6 +250,10 @@ class GroupRollouts(Rollouts):
         if cfg.eval.video.episodes:
             raise ConfigError(f"config key 'eval.video': videos are rendered for robot tasks "
                               f"(env.family robot) only, not env.family {cfg.env.family!r}")
+        if cfg.eval.compare_episodes:
+            raise ConfigError("config key 'eval.compare_episodes': the start-vs-final comparison is made "
+                              "for env-step runs; a group run's evaluation already scores fixed held-out "
+                              "tasks at every eval.interval (0 here)")
         if cfg.eval.snapshots.episodes and not hasattr(family, "save_snapshots"):
             raise ConfigError(f"config key 'eval.snapshots.episodes': env family {cfg.env.family!r} "
                               f"makes no pictures (it has no save_snapshots)")

@@ -36,6 +36,7 @@ from flowrl_ray.runtime.learner_group import LearnerGroup
 from flowrl_ray.runtime.dashboard import RunGauges, metrics_endpoint
 from flowrl_ray.runtime.metrics import MetricsLogger
 from flowrl_ray.runtime.handles import EvalMedia, ResumableLearner, SamplesLost, WorkerPool
+from flowrl_ray.runtime import start_vs_final
 from flowrl_ray.runtime.rollouts import rollout_strategy
 from flowrl_ray.runtime.tracking import open_trackers, preflight
 from flowrl_ray.utils import atomic_write_text
@@ -190,6 +191,8 @@ class Trainer:
         recent = collections.deque(c.recent_returns, maxlen=RETURN_WINDOW)
         recent_success = collections.deque(c.recent_successes, maxlen=RETURN_WINDOW)
         last_saved = c.iteration
+        if c.iteration == 0:
+            self._start_vs_final("start")
         if cfg.eval.at_start and c.iteration == 0 and not any(r.get("iteration") == 0 for r in read_metrics(self.run_dir)):
             # The starting point of fine-tuning: the loaded (pretrained) policy, before any update.
             row = {"iteration": 0, "env_steps": 0, "time_s": 0.0, **self.rollouts.evaluate()}
@@ -249,7 +252,38 @@ class Trainer:
                     last_saved = c.iteration
         if last_saved != c.iteration or latest_checkpoint(self.run_dir) is None:
             self.checkpoint()
+        self._start_vs_final("final")
         return self._finish()
+
+    def _start_vs_final(self, side: str) -> None:
+        """eval.compare_episodes: the starting (before the first iteration) or the final policy on
+        the same seeded episodes by both sampling rules; after the final one the paired gains are
+        printed, drawn and kept (runtime/start_vs_final.py). A resumed run keeps its start."""
+        n, deployed = self.cfg.eval.compare_episodes, self.cfg.eval.sampling
+        if not n:
+            return
+        data = start_vs_final.read(self.run_dir) or {}
+        if side == "start" and "start" in data:
+            return
+        if side == "final" and "start" not in data:
+            self._log(f"no start evaluation in {start_vs_final.FILE}: the start-vs-final comparison is skipped")
+            return
+        t0 = time.perf_counter()
+        data[side] = start_vs_final.record({rule: self.rollouts.evaluate_episodes(n, rule)
+                                            for rule in start_vs_final.rules(deployed)})
+        self._log(f"{side} policy evaluated on {n} seeded episodes by zero and by random sampling "
+                  f"({time.perf_counter() - t0:.0f} s)")
+        if side == "final":
+            data.update(episodes=n, outcome=data["final"][deployed]["outcome"],
+                        rules=start_vs_final.compare(data["start"], data["final"], deployed))
+            for line in start_vs_final.lines(data):
+                self._log(line)
+            try:
+                png = start_vs_final.plot(data, self.run_dir / "plots" / "start_vs_final.png")
+                self.logger.log_media(png, self.counters.env_steps, "start_vs_final")
+            except Exception as e:  # noqa: BLE001 - a plot must not fail a finished run
+                self._log(f"could not draw start_vs_final.png: {e}")
+        start_vs_final.write(self.run_dir, data)
 
     def _write_analysis(self) -> None:
         """Algorithms that describe their last update (FlowSAR's credit weights) get it saved
@@ -286,6 +320,9 @@ class Trainer:
                    **_success_summary(rows),
                    "worker_restarts": self.counters.worker_restarts,
                    "dropped_batches": self.counters.dropped_batches}
+        compared = start_vs_final.read(self.run_dir)
+        if compared and "rules" in compared:
+            summary["start_vs_final"] = compared["rules"]
         import json
         atomic_write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
         plots = [("episode_return_mean", "learning_curve.png")]

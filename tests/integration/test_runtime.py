@@ -76,6 +76,32 @@ def test_the_periodic_evaluation_is_flowrl_ray_eval_of_its_checkpoint(local_ray,
     assert out["return_std"] == pytest.approx(row["eval/return_std"], rel=1e-5)
 
 
+def test_start_vs_final_plays_flowrl_ray_evals_episodes_with_both_policies(local_ray, tmp_path, capsys):
+    """eval.compare_episodes: the initial policy before the first iteration and the final one after
+    the last, on the same seeded episodes by both rules; the final side is `flowrl-ray eval` of the
+    last checkpoint, the start side the initial policy's evaluation (eval.at_start, same episodes)."""
+    from flowrl_ray.cli import main
+    cfg = tiny_config("train.iterations=2", "eval.compare_episodes=4", "eval.at_start=true", "eval.interval=2",
+                      "eval.episodes=4", "env.max_episode_steps=30")
+    run = tmp_path / "run"
+    summary = run_trainer(cfg, run, quiet=False)
+    out = capsys.readouterr().out
+    data = json.loads((run / "start_vs_final.json").read_text())
+    assert data["outcome"] == "return" and list(data["rules"]) == ["zero", "random"]
+    assert data["start"]["zero"]["keys"] == [[0, 0], [1, 0], [2, 0], [3, 0]]
+    first = next(r for r in read_metrics(run) if r["iteration"] == 0)
+    assert sum(data["start"]["zero"]["values"]) / 4 == pytest.approx(first["eval/return_mean"], rel=1e-6)
+    for rule in ("zero", "random"):
+        assert main(["eval", str(run), "--episodes", "4", "--sampling", rule]) == 0
+        standalone = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        r = data["rules"][rule]
+        assert standalone["return_mean"] == pytest.approx(r["final"], rel=1e-6)
+        assert r["gain"] == pytest.approx(r["final"] - r["start"]) and r["ci_low"] <= r["gain"] <= r["ci_high"]
+    assert summary["start_vs_final"] == data["rules"]
+    assert "start vs final on the same 4 seeded episodes" in out and "  zero sampling (deployed): " in out
+    assert (run / "plots" / "start_vs_final.png").is_file()
+
+
 def test_killed_worker_is_restarted_and_the_run_finishes(local_ray, tmp_path):
     cfg = tiny_config("train.iterations=4", "runtime.rollout_length=400", "runtime.max_worker_restarts=2")
     trainer = Trainer(cfg, tmp_path / "run", quiet=True)

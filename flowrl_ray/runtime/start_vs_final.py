@@ -1,0 +1,112 @@
+"""The run's own before-and-after: the starting policy and the final one on the same seeded
+episodes (``eval.compare_episodes``), by the rule the config deploys (``eval.sampling``) and by
+the other one, with the paired gain and its 95 % bootstrap CI.
+
+Both evaluations play the episodes of ``flowrl-ray eval RUN --episodes N --sampling RULE`` (the
+run's evaluation seed and layout), so episode e is the same initial state for the start and the
+final policy: the gain is paired by episode (:func:`flowrl_ray.stats.paired_bootstrap_gain`).
+The outcome is success (0/1) where the env family reports it, else the episode return.
+
+Files: ``start_vs_final.json`` in the run directory ({"episodes", "outcome", "rules": {rule:
+{"deployed", "start", "final", "gain", "ci_low", "ci_high"}}, plus each evaluation's per-episode
+outcomes and keys) and ``plots/start_vs_final.png``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from flowrl_ray.stats import paired_bootstrap_gain
+from flowrl_ray.utils import atomic_write_text
+
+FILE = "start_vs_final.json"
+
+
+def rules(deployed: str) -> list[str]:
+    """The deployed rule first, then the other one."""
+    return [deployed] + [r for r in ("zero", "random") if r != deployed]
+
+
+def outcomes(result: dict) -> tuple[str, list[float]]:
+    """An evaluation's per-episode outcome: success where reported, else the return."""
+    if "successes" in result:
+        return "success", [float(s) for s in result["successes"]]
+    return "return", [float(r) for r in result["returns"]]
+
+
+def record(evaluations: dict[str, dict]) -> dict:
+    """{rule: evaluate_episodes' result} -> what the file keeps of one side: keys and outcomes."""
+    out = {}
+    for rule, result in evaluations.items():
+        kind, values = outcomes(result)
+        out[rule] = {"keys": result["keys"], "outcome": kind, "values": values}
+    return out
+
+
+def compare(start: dict, final: dict, deployed: str, n_boot: int = 10_000) -> dict:
+    """start, final: :func:`record` of the two sides -> per rule the means, the paired gain
+    (final - start, over the episodes both played) and its 95 % CI."""
+    out = {}
+    for rule in rules(deployed):
+        a, b = start[rule], final[rule]
+        common = [k for k in map(tuple, a["keys"]) if k in {tuple(x) for x in b["keys"]}]
+        pick = lambda side: np.array([dict(zip(map(tuple, side["keys"]), side["values"]))[k]  # noqa: E731
+                                      for k in common])
+        s, f = pick(a), pick(b)
+        g = paired_bootstrap_gain(f[None], s, n_boot=n_boot)
+        out[rule] = {"deployed": rule == deployed, "episodes": len(common), "start": float(s.mean()),
+                     "final": float(f.mean()), "gain": g["gain"], "ci_low": g["ci_low"], "ci_high": g["ci_high"]}
+    return out
+
+
+def lines(result: dict) -> list[str]:
+    """What the run prints: one line per rule."""
+    success = result["outcome"] == "success"
+    fmt = (lambda x: f"{100 * x:.0f} %") if success else (lambda x: f"{x:.1f}")      # noqa: E731
+    diff = (lambda x: f"{100 * x:+.1f}") if success else (lambda x: f"{x:+.2f}")     # noqa: E731
+    unit = " points" if success else ""
+    out = [f"start vs final on the same {result['episodes']} seeded episodes "
+           f"(flowrl-ray eval --episodes {result['episodes']}), {result['outcome']}:"]
+    for rule, r in result["rules"].items():
+        tag = "deployed" if r["deployed"] else "the other rule"
+        out.append(f"  {rule} sampling ({tag}): {fmt(r['start'])} -> {fmt(r['final'])}, "
+                   f"{diff(r['gain'])}{unit} [95 % CI {diff(r['ci_low'])}, {diff(r['ci_high'])}]")
+    return out
+
+
+def write(run_dir: Path, data: dict) -> None:
+    atomic_write_text(run_dir / FILE, json.dumps(data, indent=1) + "\n")
+
+
+def read(run_dir: Path) -> dict | None:
+    path = run_dir / FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def plot(result: dict, out_png: Path) -> Path:
+    """Start and final per rule, bars with the final's paired 95 % CI on the gain."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names = list(result["rules"])
+    scale = 100.0 if result["outcome"] == "success" else 1.0
+    start = [scale * result["rules"][n]["start"] for n in names]
+    final = [scale * result["rules"][n]["final"] for n in names]
+    err = np.array([[scale * (result["rules"][n]["gain"] - result["rules"][n]["ci_low"]),
+                     scale * (result["rules"][n]["ci_high"] - result["rules"][n]["gain"])] for n in names]).T
+    x = np.arange(len(names))
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.bar(x - 0.2, start, 0.4, label="start")
+    ax.bar(x + 0.2, final, 0.4, yerr=err, capsize=4, label="final (bar: 95 % CI of the paired gain)")
+    ax.set_xticks(x, [f"{n} sampling" + (" (deployed)" if result["rules"][n]["deployed"] else "") for n in names])
+    ax.set_ylabel("success rate (%)" if scale == 100.0 else "episode return")
+    ax.set_title(f"start vs final, {result['episodes']} paired episodes", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    return out_png
