@@ -253,7 +253,7 @@ class GroupRollouts(Rollouts):
         if cfg.eval.compare_episodes:
             raise ConfigError("config key 'eval.compare_episodes': the start-vs-final comparison is made "
                               "for env-step runs; a group run's evaluation already scores fixed held-out "
-                              "tasks at every eval.interval (0 here)")
+                              "tasks at every eval.interval")
         if cfg.eval.snapshots.episodes and not hasattr(family, "save_snapshots"):
             raise ConfigError(f"config key 'eval.snapshots.episodes': env family {cfg.env.family!r} "
                               f"makes no pictures (it has no save_snapshots)")
