@@ -60,7 +60,8 @@ def test_protocol_end_to_end_on_a_tiny_lift_run(tmp_path, capsys):
         assert v["gain"][s]["ci_low"] <= v["gain"][s]["gain"] <= v["gain"][s]["ci_high"]
         assert v["success"][s]["per_seed"] == pytest.approx([np.mean(p) for p in per_seed])
     for r in v["runs"]:
-        assert r["iterations"] == 2 and r["env_steps"] == 2 * 2 * 6 and r["launch_wall_s"] > 0
+        assert r["iterations"] == 2 and r["chunks"] == 2 * 2 * 6 and r["launch_wall_s"] > 0
+        assert r["env_steps"] == 2 * r["chunks"]         # robosuite steps: 10-step episodes run whole 2-row chunks
         assert len(r["train_curve"]) >= 1 and [x for x, _ in r["eval_curve"]] == [0, 24]
     assert data["machine"]["CPU"] and "logical" in data["machine"]["cores"]
     for png in ("smoke_train.png", "smoke_eval.png"):
