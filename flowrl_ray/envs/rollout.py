@@ -162,7 +162,7 @@ class EnvRunner:
         env count; env i is reset with seed
         ``seed + EVAL_SEED_OFFSET + i`` (``seed``: default this runner's) and its later episodes
         start from its own autoresets, so a key names the same initial state for every policy
-        evaluated with the same seed and env count (the pairing of
+        evaluated with the same seed and episode count (the pairing of
         ``flowrl_ray.stats.paired_bootstrap_gain``). Each env draws its action noise from its own
         generator, so an env's episodes do not depend on the others.
 

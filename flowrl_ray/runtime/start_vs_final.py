@@ -51,11 +51,9 @@ def compare(start: dict, final: dict, deployed: str, n_boot: int = 10_000) -> di
     (final - start, over the episodes both played) and its 95 % CI."""
     out = {}
     for rule in rules(deployed):
-        a, b = start[rule], final[rule]
-        common = [k for k in map(tuple, a["keys"]) if k in {tuple(x) for x in b["keys"]}]
-        pick = lambda side: np.array([dict(zip(map(tuple, side["keys"]), side["values"]))[k]  # noqa: E731
-                                      for k in common])
-        s, f = pick(a), pick(b)
+        a, b = (dict(zip(map(tuple, side[rule]["keys"]), side[rule]["values"])) for side in (start, final))
+        common = [k for k in a if k in b]                     # a lost worker's episodes drop out
+        s, f = np.array([a[k] for k in common]), np.array([b[k] for k in common])
         g = paired_bootstrap_gain(f[None], s, n_boot=n_boot)
         out[rule] = {"deployed": rule == deployed, "episodes": len(common), "start": float(s.mean()),
                      "final": float(f.mean()), "gain": g["gain"], "ci_low": g["ci_low"], "ci_high": g["ci_high"]}
