@@ -41,12 +41,19 @@ class Progress:
     def __init__(self, total: int, label: str, start_iteration: int = 0, stream=None):
         self.total, self.label, self.stream = total, label, stream or sys.stdout
         self.start_iteration, self.t0 = start_iteration, time.perf_counter()
+        self.t_loop = self.t0
+
+    def begin(self) -> None:
+        """The iterations start now: the ETA extrapolates their time only (what ran before, such
+        as the starting policy's evaluation, stays in ``elapsed``)."""
+        self.t_loop = time.perf_counter()
 
     def update(self, row: dict) -> None:
         it = row["iteration"]
         done = it - self.start_iteration
-        elapsed = time.perf_counter() - self.t0
-        eta = elapsed / done * (self.total - it) if done > 0 else float("nan")
+        now = time.perf_counter()
+        elapsed = now - self.t0
+        eta = (now - self.t_loop) / done * (self.total - it) if done > 0 else float("nan")
         ret = row.get("episode_return_mean")
         chunks = f" ({row['chunks']:,} chunks)" if row.get("chunks") else ""
         parts = [f"[{self.label}] it {it}/{self.total}", f"env steps {row.get('env_steps', 0):,}{chunks}",

@@ -200,6 +200,7 @@ class Trainer:
             self.gauges.update(row)
             self._log("initial policy: " + ", ".join(f"{k} {v:.3g}" for k, v in row.items()
                                                      if k.startswith("eval/") and isinstance(v, float)))
+        progress.begin()
         while c.iteration < total:
             t0 = time.perf_counter()
             metas, refs = self.rollouts.sample()
@@ -268,11 +269,16 @@ class Trainer:
         if side == "final" and "start" not in data:
             self._log(f"no start evaluation in {start_vs_final.FILE}: the start-vs-final comparison is skipped")
             return
-        t0 = time.perf_counter()
-        data[side] = start_vs_final.record({rule: self.rollouts.evaluate_episodes(n, rule)
-                                            for rule in start_vs_final.rules(deployed)})
-        self._log(f"{side} policy evaluated on {n} seeded episodes by zero and by random sampling "
-                  f"({time.perf_counter() - t0:.0f} s)")
+        evaluations = {}
+        for rule in start_vs_final.rules(deployed):             # minutes on a laptop: a line per rule
+            self._log(f"evaluating the {side} policy on {n} seeded episodes by {rule} sampling "
+                      f"(eval.compare_episodes) ...")
+            t0 = time.perf_counter()
+            evaluations[rule] = self.rollouts.evaluate_episodes(n, rule)
+            kind, values = start_vs_final.outcomes(evaluations[rule])
+            mean = f"{100 * np.mean(values):.0f} %" if kind == "success" else f"{np.mean(values):.1f}"
+            self._log(f"  {side} policy, {rule} sampling: {kind} {mean} ({time.perf_counter() - t0:.0f} s)")
+        data[side] = start_vs_final.record(evaluations)
         if side == "final":
             data.update(episodes=n, outcome=data["final"][deployed]["outcome"],
                         rules=start_vs_final.compare(data["start"], data["final"], deployed))
