@@ -61,8 +61,8 @@ def main() -> None:
         ensure_demos_and_base(args.config, cfg, "lift", args.demos, args.pretrain_epochs, args.overrides)
         for mode in args.ratio_modes:
             run_dir = Path("runs") / f"bench-fpopp-lift-{mode}-{time.strftime('%Y%m%d-%H%M%S')}"
-            subprocess.run([*FLOWRL, "train", args.config, "--run-dir", str(run_dir), *args.overrides,
-                            f"algo.ratio_mode={mode}"], check=True)
+            subprocess.run([*FLOWRL, "train", args.config, "--run-dir", str(run_dir), "eval.compare_episodes=0",
+                            *args.overrides, f"algo.ratio_mode={mode}"], check=True)   # evaluated below
             run_dirs.append(run_dir)
 
     t0 = time.perf_counter()

@@ -199,8 +199,10 @@ def launch(args, cfg, name: str, stamp: str) -> list[dict]:
     while pending or running:
         while pending and len(running) < args.parallel:
             run = pending.pop(0)
-            # the variant's name is the runs' config name, so that --runs groups them again
-            cmd = [*FLOWRL, "train", args.config, "--run-dir", str(run["run_dir"]), *args.overrides,
+            # the variant's name is the runs' config name, so that --runs groups them again; the
+            # protocol evaluates every policy itself, so a config's own start-vs-final is off
+            cmd = [*FLOWRL, "train", args.config, "--run-dir", str(run["run_dir"]), "eval.compare_episodes=0",
+                   *args.overrides,
                    f"seed={run['seed']}", f"name={name}"]
             if args.parallel > 1:            # interleaved output is unreadable: one log per run
                 logfile = run["log"]
