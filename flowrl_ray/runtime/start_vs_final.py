@@ -60,10 +60,21 @@ def compare(start: dict, final: dict, deployed: str, n_boot: int = 10_000) -> di
     return out
 
 
+def _level(outcome: str):
+    """How a mean outcome prints: success as a percentage, a return as it is."""
+    return (lambda x: f"{100 * x:.0f} %") if outcome == "success" else (lambda x: f"{x:.1f}")   # noqa: E731
+
+
+def evaluated_line(side: str, rule: str, result: dict, seconds: float) -> str:
+    """The line printed as each of a side's evaluations ends (they take minutes on a laptop)."""
+    kind, values = outcomes(result)
+    return f"  {side} policy, {rule} sampling: {kind} {_level(kind)(float(np.mean(values)))} ({seconds:.0f} s)"
+
+
 def lines(result: dict) -> list[str]:
     """What the run prints: one line per rule."""
     success = result["outcome"] == "success"
-    fmt = (lambda x: f"{100 * x:.0f} %") if success else (lambda x: f"{x:.1f}")      # noqa: E731
+    fmt = _level(result["outcome"])
     diff = (lambda x: f"{100 * x:+.1f}") if success else (lambda x: f"{x:+.2f}")     # noqa: E731
     unit = " points" if success else ""
     out = [f"start vs final on the same {result['episodes']} seeded episodes "

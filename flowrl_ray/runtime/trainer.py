@@ -275,9 +275,7 @@ class Trainer:
                       f"(eval.compare_episodes) ...")
             t0 = time.perf_counter()
             evaluations[rule] = self.rollouts.evaluate_episodes(n, rule)
-            kind, values = start_vs_final.outcomes(evaluations[rule])
-            mean = f"{100 * np.mean(values):.0f} %" if kind == "success" else f"{np.mean(values):.1f}"
-            self._log(f"  {side} policy, {rule} sampling: {kind} {mean} ({time.perf_counter() - t0:.0f} s)")
+            self._log(start_vs_final.evaluated_line(side, rule, evaluations[rule], time.perf_counter() - t0))
         data[side] = start_vs_final.record(evaluations)
         if side == "final":
             data.update(episodes=n, outcome=data["final"][deployed]["outcome"],

@@ -89,6 +89,35 @@ def test_overrides_after_seeds_are_overrides_and_a_variant_stays_a_variant():
     assert args.seeds == [0, 1, 2] and args.variant == ["a=r0,r1"] and overrides == ["algo.n_mc=16", "seed=3"]
 
 
+def test_launched_runs_skip_their_own_start_vs_final_unless_the_overrides_say_otherwise(tmp_path, monkeypatch):
+    """The protocol evaluates every policy itself: a config's eval.compare_episodes (the Lift
+    quickstart's 100) is turned off in the runs it launches; the user's overrides come after."""
+    import robot_protocol
+    from types import SimpleNamespace
+    commands = []
+
+    class FakeRun:
+        returncode = 0
+
+        def __init__(self, cmd, **kwargs):
+            commands.append(cmd)
+
+        def poll(self):
+            return 0
+
+    monkeypatch.setattr(robot_protocol.subprocess, "Popen", FakeRun)
+    monkeypatch.setattr(robot_protocol.time, "sleep", lambda s: None)
+    cfg = SimpleNamespace(train=SimpleNamespace(iterations=20))
+    for overrides, last in (([], "eval.compare_episodes=0"), (["eval.compare_episodes=50"], "eval.compare_episodes=50")):
+        commands.clear()
+        args = SimpleNamespace(runs_dir=str(tmp_path), seeds=[0, 1], parallel=1, config="c.yaml", overrides=overrides)
+        runs = robot_protocol.launch(args, cfg, "quick", "stamp")
+        assert [r["seed"] for r in runs] == [0, 1] and len(commands) == 2
+        for seed, cmd in zip((0, 1), commands):
+            assert cmd[-2:] == [f"seed={seed}", "name=quick"]
+            assert [c for c in cmd if c.startswith("eval.compare_episodes=")][-1] == last
+
+
 def test_bad_input_stops_with_one_line_naming_the_flag(tmp_path, capsys):
     import robot_protocol
     assert robot_protocol.main(["--variant", f"a={tmp_path / 'nope'}"]) == 2

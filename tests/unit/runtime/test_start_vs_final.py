@@ -39,6 +39,13 @@ def test_returns_are_the_outcome_where_no_success_is_reported():
     assert rec["zero"]["outcome"] == "return" and rec["zero"]["values"] == [-300.0, -100.0]
 
 
+def test_the_line_after_each_evaluation():
+    success = {"keys": [[0, 0], [1, 0], [2, 0], [3, 0]], "successes": [1, 0, 1, 1], "returns": [1, 0, 1, 1]}
+    assert svf.evaluated_line("start", "zero", success, 24.4) == "  start policy, zero sampling: success 75 % (24 s)"
+    returns = {"keys": [[0, 0], [1, 0]], "returns": [-300.0, -100.0]}
+    assert svf.evaluated_line("final", "random", returns, 3.0) == "  final policy, random sampling: return -200.0 (3 s)"
+
+
 def test_the_printed_lines_and_the_plot(tmp_path):
     start = _side({"zero": [0, 0, 1, 1], "random": [0, 1, 0, 1]})
     final = _side({"zero": [1, 1, 1, 1], "random": [0, 1, 0, 1]})
