@@ -21,6 +21,18 @@ FLOWRL = [sys.executable, "-m", "flowrl_ray.cli"]
 SAMPLING_RULES = ("zero", "random")
 EVAL_SEED = 12345        # the evaluation episodes' seed: env i starts from seed + EVAL_SEED_OFFSET + i
 
+#: The anchors' published figures for robomimic tasks from low-dim state, drawn as points beside
+#: the curves against env steps: task -> [(label, env steps, success)]. The success is quoted from
+#: DPPO's text (arXiv 2409.00588, sec. 5.3: "~100%" on Lift and Can, "> 90%" on Square; its curves
+#: are not available as numbers), the env steps are the budget of its release (irom-princeton/dppo
+#: v0.6, cfg/robomimic/finetune/<task>/ft_ppo_diffusion_mlp.yaml: n_train_itr x n_envs x n_steps x
+#: act_steps). ReinFlow reports robomimic from pixels only, so it has no point here.
+PUBLISHED_STATE = {
+    "lift": [("DPPO (paper, not run here): ~100 % at its 4.86M env steps", 81 * 50 * 300 * 4, 1.0)],
+    "can": [("DPPO (paper, not run here): ~100 % at its 9.06M env steps", 151 * 50 * 300 * 4, 1.0)],
+    "square": [("DPPO (paper, not run here): > 90 % at its 16.08M env steps", 201 * 50 * 400 * 4, 0.9)],
+}
+
 
 def make_eval_runner(cfg, policy):
     """An EnvRunner with the evaluation seed; ``runner.policy`` may be swapped between
@@ -144,10 +156,12 @@ def run_schedule(cfg) -> str:
 
 
 def run_summary(run_dir: Path) -> dict:
-    """Chunks and env steps (robosuite steps; None for a run that counted chunks as env steps), training wall-clock (``time_s``: the iterations' time, without Ray's start),
-    iterations, the training success (last 100 training episodes, random sampling) first and
-    last, its curve and the periodic-eval curve ([env steps, success] pairs), the training curve
-    against wall-clock minutes ([chunks, success]), the mean learner update and rollout seconds per iteration, up to the last
+    """Chunks and env steps (robosuite steps; None for a run that counted chunks as env steps),
+    training wall-clock (``time_s``: the iterations' time, without Ray's start), iterations, the
+    training success (last 100 training episodes, random sampling) first and last, its curve and
+    the periodic-eval curve ([chunks, success] pairs), the training curve against env steps
+    ([robosuite steps, success]; empty for a run that counted chunks as env steps) and against
+    wall-clock minutes, the mean learner update and rollout seconds per iteration, up to the last
     checkpoint (an interrupted run's policy is its last checkpoint's)."""
     from flowrl_ray.checkpoint import latest_checkpoint, load_checkpoint
     from flowrl_ray.metrics import read_metrics
@@ -157,6 +171,8 @@ def run_summary(run_dir: Path) -> dict:
     last = rows[-1]
     chunks = lambda r: r.get("chunks", r["env_steps"])      # noqa: E731  (older runs: env_steps counted chunks)
     train = [(chunks(r), r["success_rate"]) for r in rows if r.get("success_rate") is not None]
+    train_env = [(r["env_steps"], r["success_rate"]) for r in rows       # robosuite steps: runs that count both
+                 if r.get("success_rate") is not None and "chunks" in r]
     evals = [(chunks(r), r["eval/success_rate"]) for r in rows if r.get("eval/success_rate") is not None]
     mean = lambda key: (sum(r[key] for r in rows if r.get(key) is not None)        # noqa: E731
                         / max(1, sum(r.get(key) is not None for r in rows)))
@@ -168,5 +184,6 @@ def run_summary(run_dir: Path) -> dict:
                                  if r.get("success_rate") is not None],
             "train_success_first": train[0][1] if train else None,
             "train_success_last": train[-1][1] if train else None,
-            "train_curve": train, "eval_curve": evals, "name": run_config(run_dir).name,
+            "train_curve": train, "train_curve_env_steps": train_env, "eval_curve": evals,
+            "name": run_config(run_dir).name,
             "schedule": run_schedule(run_config(run_dir))}

@@ -42,7 +42,9 @@ reference's per-episode mean success takes the base's place). Variants with anot
 (other episodes) are listed as not compared; another base setting (base policy, algorithm, flow
 steps) is compared and marked, since the final policies meet the same episodes. Per run also the
 learner's and the rollouts' seconds per iteration, and the training curve against wall-clock
-(``<output>_train_wallclock.png``).
+(``<output>_train_wallclock.png``) and against env steps on a log axis beside DPPO's published
+final success at its release's budget, for the state tasks it reports
+(``<output>_train_env_steps.png``; runs that counted chunks as env steps have no such curve).
 
 Out of distribution (``--ood [NAME ...]``; no names: every set of the suite the task and
 observation mode can take, :mod:`flowrl_ray.envs.robot.perturb`): the base and every policy again
@@ -65,7 +67,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RESULTS_DIR, command_line, git_revision, machine_info, md_table, write_json, write_results  # noqa: E402
-from _robot import (EVAL_ENVS, EVAL_SEED, FLOWRL, SAMPLING_RULES, base_policy,  # noqa: E402
+from _robot import (EVAL_ENVS, EVAL_SEED, FLOWRL, PUBLISHED_STATE, SAMPLING_RULES, base_policy,  # noqa: E402
                     ensure_demos_and_base, evaluate_episodes, make_eval_runner, run_config, run_summary)
 
 MIN_SEEDS = 3
@@ -454,9 +456,11 @@ def _mean(xs) -> float:
 
 # --------------------------------------------------------------------------- output
 
-def plot_run_curves(variants: dict, key: str, path: Path, xlabel: str, ylabel: str, title: str) -> str | None:
+def plot_run_curves(variants: dict, key: str, path: Path, xlabel: str, ylabel: str, title: str,
+                    **style) -> str | None:
     """One line per variant, mean +- std over its runs, of the ``[(x, y), ...]`` each run holds
-    under ``key`` (``variants[name]["runs"][i][key]``); None (and a log line) when no run has one."""
+    under ``key`` (``variants[name]["runs"][i][key]``); None (and a log line) when no run has one.
+    ``style``: :func:`flowrl_ray.plotting.plot_curves`'s ``xscale`` and ``markers``."""
     import numpy as np
 
     from flowrl_ray.plotting import plot_curves
@@ -467,8 +471,18 @@ def plot_run_curves(variants: dict, key: str, path: Path, xlabel: str, ylabel: s
     if not data:
         log(f"no {key.replace('_', ' ')} in the runs' metrics: {path.name} skipped")
         return None
-    plot_curves(data, path, xlabel, ylabel, f"{title}: mean +- std over seeds")
+    plot_curves(data, path, xlabel, ylabel, f"{title}: mean +- std over seeds", **style)
     return str(path)
+
+
+def published_points(variants: dict) -> list[tuple[str, float, float]]:
+    """The anchors' published points (:data:`_robot.PUBLISHED_STATE`) for the task the variants
+    share, from low-dim state only (the figures are state results); none for mixed tasks."""
+    tasks = {(env["id"], env["obs_mode"]) for env in (json.loads(v["base"])["env"] for v in variants.values())}
+    if len(tasks) != 1:
+        return []
+    task, obs_mode = tasks.pop()
+    return list(PUBLISHED_STATE.get(task, [])) if obs_mode == "low_dim" else []
 
 
 def metric_curve(rows: list[dict], key: str, x: str = "env_steps", scale: float = 1.0) -> list[tuple[float, float]]:
@@ -484,6 +498,11 @@ def plot(variants: dict, results_dir: Path, output: str) -> list[str]:
     written.append(plot_run_curves(variants, "train_curve_time", results_dir / f"{output}_train_wallclock.png",
                                    "wall-clock (min)", "success rate",
                                    "training success (last 100 episodes) vs wall-clock"))
+    # against simulator steps, on a log axis, beside the anchors' published final success at their budget
+    written.append(plot_run_curves(variants, "train_curve_env_steps", results_dir / f"{output}_train_env_steps.png",
+                                   "env steps (robosuite steps, log scale)", "success rate",
+                                   "training success (last 100 episodes, random sampling)",
+                                   xscale="log", markers=published_points(variants)))
     return [w for w in written if w]
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 from collections import defaultdict
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
@@ -59,8 +61,12 @@ def plot_runs(run_dirs: list[str | os.PathLike], out_png: str | os.PathLike,
 
 
 def plot_curves(data: dict[str, list[tuple[np.ndarray, np.ndarray]]], out_png: str | os.PathLike,
-                xlabel: str = "env steps", ylabel: str = "episode return mean", title: str | None = None) -> Path:
-    """label -> runs [(x, y), ...]: one line per label, a mean +- std band where it has several."""
+                xlabel: str = "env steps", ylabel: str = "episode return mean", title: str | None = None,
+                xscale: str = "linear", markers: Sequence[tuple[str, float, float]] = ()) -> Path:
+    """label -> runs [(x, y), ...]: one line per label, a mean +- std band where it has several;
+    ``markers``: single points ``(label, x, y)`` drawn apart from the curves (figures quoted from
+    elsewhere, e.g. a paper's final success at its budget); ``xscale``: matplotlib's ("log" for
+    budgets that differ by orders of magnitude)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -73,6 +79,9 @@ def plot_curves(data: dict[str, list[tuple[np.ndarray, np.ndarray]]], out_png: s
             grid, mean, std = mean_std_band(runs)
             line, = ax.plot(grid, mean, label=f"{label} (n={len(runs)})", lw=1.6)
             ax.fill_between(grid, mean - std, mean + std, color=line.get_color(), alpha=0.2)
+    for (label, x, y), style in zip(markers, itertools.cycle(("*", "D", "P", "X"))):
+        ax.plot([x], [y], style, ms=10, color="black", label=label, ls="none")
+    ax.set_xscale(xscale)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title or "learning curves")

@@ -20,3 +20,20 @@ def test_plot_curves_writes_a_png_with_single_runs_and_bands(tmp_path):
     x = np.linspace(0, 100, 11)
     out = plot_curves({"one seed": [(x, x)], "three seeds": [(x, x + k) for k in range(3)]}, tmp_path / "c.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
+
+
+def test_plot_curves_draws_quoted_points_on_a_log_axis(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+    x = np.array([1e3, 1e4, 1e5])
+    seen, real_savefig = {}, plt.Figure.savefig
+
+    def keep(fig, *a, **k):                 # what the figure holds when it is written
+        ax = fig.axes[0]
+        seen["xscale"] = ax.get_xscale()
+        seen["legend"] = [t.get_text() for t in ax.get_legend().get_texts()]
+        seen["point"] = [line.get_xydata().tolist() for line in ax.lines if line.get_label() == "paper"]
+        return real_savefig(fig, *a, **k)
+
+    monkeypatch.setattr(plt.Figure, "savefig", keep)
+    plot_curves({"run": [(x, x / 1e5)]}, tmp_path / "c.png", xscale="log", markers=[("paper", 9.06e6, 1.0)])
+    assert seen == {"xscale": "log", "legend": ["run", "paper"], "point": [[[9.06e6, 1.0]]]}

@@ -245,6 +245,52 @@ def test_each_runs_schedule_states_its_warm_ups_and_its_iterations_at_full_rate(
     assert run_schedule(flowsar) == "lr 1e-06; 20 of 20 it at full rate"
 
 
+def test_curves_against_env_steps_come_only_from_runs_that_count_simulator_steps(tmp_path, monkeypatch):
+    import _robot
+
+    import flowrl_ray.checkpoint as ckpt
+    from flowrl_ray.config import load_config
+    cfg = load_config(REPO / "configs/fpopp/can_state_quickstart.yaml")
+    monkeypatch.setattr(_robot, "run_config", lambda d: cfg)
+    monkeypatch.setattr(ckpt, "latest_checkpoint", lambda d: d / "ckpt")
+    monkeypatch.setattr(ckpt, "load_checkpoint", lambda p: {"trainer": {"iteration": 2}})
+    new, old = tmp_path / "new", tmp_path / "old"
+    for d, extra in ((new, lambda i: {"chunks": 100 * i, "env_steps": 790 * i}), (old, lambda i: {"env_steps": 100 * i})):
+        d.mkdir()
+        (d / "metrics.jsonl").write_text("".join(json.dumps(
+            {"iteration": i, "time_s": 60.0 * i, "success_rate": 0.25 * i, **extra(i)}) + "\n" for i in (1, 2, 3)))
+    s = _robot.run_summary(new)                   # iteration 3 is past the last checkpoint: left out
+    assert s["train_curve"] == [(100, 0.25), (200, 0.5)]               # chunks
+    assert s["train_curve_env_steps"] == [(790, 0.25), (1580, 0.5)]    # robosuite steps
+    assert (s["chunks"], s["env_steps"]) == (200, 1580)
+    s = _robot.run_summary(old)                   # env_steps counted chunks: no env-step curve
+    assert s["train_curve"] == [(100, 0.25), (200, 0.5)] and s["train_curve_env_steps"] == []
+    assert (s["chunks"], s["env_steps"]) == (200, None)
+
+
+def test_the_env_step_curve_stands_beside_dppos_published_point_for_its_state_task(tmp_path):
+    import robot_protocol
+
+    def variant(task, obs_mode, curve):
+        base = json.dumps({"base": "b.pt", "env": {"id": task, "obs_mode": obs_mode}}, sort_keys=True)
+        return {"base": base, "runs": [{"train_curve": [(1, 0.5)], "train_curve_env_steps": curve,
+                                        "eval_curve": [], "train_curve_time": [(1.0, 0.5)]}]}
+
+    can = {"a": variant("can", "low_dim", [(8000, 0.4), (16000, 0.6)])}
+    (label, steps, success), = robot_protocol.published_points(can)
+    assert (steps, success) == (151 * 50 * 300 * 4, 1.0) == (9_060_000, 1.0) and "DPPO (paper" in label
+    assert robot_protocol.published_points({"a": variant("can", "image", [])}) == []        # a state figure
+    assert robot_protocol.published_points({"a": variant("lift", "low_dim", []),            # two tasks: none
+                                            "b": variant("can", "low_dim", [])}) == []
+    assert robot_protocol.published_points({"a": variant("square", "low_dim", [])})[0][1:] == (16_080_000, 0.9)
+    written = robot_protocol.plot(can, tmp_path, "p")
+    assert str(tmp_path / "p_train_env_steps.png") in written
+    assert (tmp_path / "p_train_env_steps.png").read_bytes()[:4] == b"\x89PNG"
+    # runs from before env steps meant simulator steps: the figure is skipped, the others drawn
+    written = robot_protocol.plot({"a": variant("can", "low_dim", [])}, tmp_path, "q")
+    assert not (tmp_path / "q_train_env_steps.png").exists() and str(tmp_path / "q_train.png") in written
+
+
 def test_reference_must_name_a_variant(tmp_path, capsys):
     import robot_protocol
     run = tmp_path / "r"
