@@ -63,19 +63,15 @@ def test_protocol_end_to_end_on_a_tiny_lift_run(tmp_path, capsys):
         assert r["iterations"] == 2 and r["chunks"] == 2 * 2 * 6 and r["launch_wall_s"] > 0
         assert r["env_steps"] == 2 * r["chunks"]         # robosuite steps: 10-step episodes run whole 2-row chunks
         assert len(r["train_curve"]) >= 1 and [x for x, _ in r["eval_curve"]] == [0, 24]
+        # the same training success against robosuite steps (2 per chunk here)
+        assert [(2 * x, y) for x, y in r["train_curve"]] == [tuple(p) for p in r["train_curve_env_steps"]]
     assert data["machine"]["CPU"] and "logical" in data["machine"]["cores"]
-    for png in ("smoke_train.png", "smoke_eval.png"):
+    for png in ("smoke_train.png", "smoke_eval.png", "smoke_train_env_steps.png"):
         assert (results / png).read_bytes()[:4] == b"\x89PNG"
     md = (results / "smoke.md").read_text()
     assert re.search(r"\| tiny-lift +\| random +\| 2 +\|", md) and "## Machine" in md
 
-    # the finished runs again (--runs groups them by their config name, the variant's), in a new
-    # evaluation with new envs: the same outcomes
     runs = [r["run_dir"] for r in v["runs"]]
-    assert robot_protocol.main(["--runs", *runs, "--output", "again", *common]) == 0
-    again = json.loads((results / "again.json").read_text())
-    assert list(again["bases"].values())[0]["outcomes"] == base_entry["outcomes"]
-    assert [r["outcomes"] for r in again["variants"]["tiny-lift"]["runs"]] == [r["outcomes"] for r in v["runs"]]
     # one sampling rule only: its outcomes are the same episodes', and nothing of the other rule
     assert robot_protocol.main(["--runs", *runs, "--output", "rand", "--sampling", "random", *common]) == 0
     rand = json.loads((results / "rand.json").read_text())
@@ -86,12 +82,15 @@ def test_protocol_end_to_end_on_a_tiny_lift_run(tmp_path, capsys):
     assert list(rand["variants"]["tiny-lift"]["gain"]) == ["random"]
     assert "| zero " not in (results / "rand.md").read_text()
 
-    # out of distribution: the same episodes in a scene with action noise, for the base and both runs
+    # out of distribution: the same episodes in a scene with action noise, for the base and both runs;
+    # the finished runs again (--runs groups them by their config name, the variant's), in a new
+    # evaluation with new envs: the same in-distribution outcomes
     assert robot_protocol.main(["--runs", *runs, "--output", "ood", "--ood", "action_noise", *common]) == 0
     ood = json.loads((results / "ood.json").read_text())
     (b_ood,) = ood["bases"].values()
     assert list(b_ood["ood"]) == ["action_noise"] and b_ood["outcomes"] == base_entry["outcomes"]
     v_ood = ood["variants"]["tiny-lift"]
+    assert [r["outcomes"] for r in v_ood["runs"]] == [r["outcomes"] for r in v["runs"]]
     for s in ("zero", "random"):
         noisy = b_ood["ood"]["action_noise"][s]
         assert noisy["keys"] == base_entry["outcomes"][s]["keys"]                     # the same episodes
