@@ -61,8 +61,13 @@ run-ppo: install
 # local Ray or a real robosuite, Chromium, xTB ...), tests/e2e (the CLI through the whole stack).
 # PYTHONFAULTHANDLER: pytest's own fault handler stops at its unconfigure; with this set it is
 # re-armed, so a native crash while the interpreter shuts down prints the Python stacks.
+# TEST_WORKERS pytest processes (pytest-xdist) share the files, a whole file each (`--dist
+# loadfile`: a module's local Ray and fixtures stay in one process); most of a Ray test's time is
+# spent waiting (start-up, actors, subprocesses), so 2 processes pay even on 2 cores.
+# TEST_WORKERS=0 runs the suite in one process.
+TEST_WORKERS ?= 2
 test: install
-	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q -ra tests
+	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile tests
 
 test-unit: install
 	$(PY) -m pytest -q tests/unit

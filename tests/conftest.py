@@ -68,6 +68,8 @@ def pytest_unconfigure(config):
     at once; now and then, after every test had passed, a native thread jumped into freed memory
     while the interpreter tore down, after the fault handler had stopped: the process died with
     SIGSEGV and no stack, and ``make test`` failed with nothing failing.
+    Under pytest-xdist (`make test`) each worker process ends the same way, after its results have
+    gone to the controller (xdist sends them at the end of ``pytest_sessionfinish``).
     ``FLOWRL_TEST_NATIVE_TEARDOWN=1`` keeps the full teardown (to chase it); tested by
     tests/unit/test_conftest_exit.py."""
     if "exitstatus" not in _SESSION or os.environ.get("FLOWRL_TEST_NATIVE_TEARDOWN") == "1":

@@ -1,5 +1,6 @@
 """The suite's exit (tests/conftest.py ``pytest_unconfigure``): pytest's status is kept, Python's
-exit handlers run, and the interpreter's teardown is skipped unless asked for."""
+exit handlers run, and the interpreter's teardown is skipped unless asked for; also in the
+pytest-xdist worker processes that `make test` runs the suite in."""
 
 import os
 import subprocess
@@ -26,14 +27,15 @@ def test_one():
 '''
 
 
-def run_inner(tmp_path, ok: bool, native: bool):
+def run_inner(tmp_path, ok: bool, native: bool, workers: int = 0):
     (tmp_path / "test_inner.py").write_text(INNER.format(out=tmp_path, ok=ok))
     env = dict(os.environ, PYTHONPATH=str(TESTS))
     env.pop("FLOWRL_TEST_NATIVE_TEARDOWN", None)
     if native:
         env["FLOWRL_TEST_NATIVE_TEARDOWN"] = "1"
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider",
-                           "--rootdir", str(tmp_path), "-c", os.devnull, str(tmp_path / "test_inner.py")],
+                           "--rootdir", str(tmp_path), "-c", os.devnull, str(tmp_path / "test_inner.py"),
+                           *(["-n", str(workers), "--dist", "loadfile"] if workers else [])],
                           env=env, capture_output=True, text=True, timeout=120)
     return proc.returncode, (tmp_path / "atexit").exists(), (tmp_path / "teardown").exists()
 
@@ -48,3 +50,13 @@ def test_a_failing_test_still_fails_the_process(tmp_path):
 
 def test_native_teardown_kept_on_request(tmp_path):
     assert run_inner(tmp_path, ok=True, native=True) == (0, True, True)
+
+
+def test_in_xdist_workers_the_status_reaches_the_controller():
+    """A worker ends by the same exit after it has sent its results: a pass passes, a failure fails
+    (the test module, and its exit handler, run in the worker)."""
+    import tempfile
+    from pathlib import Path
+    for ok, status in ((True, 0), (False, 1)):
+        with tempfile.TemporaryDirectory() as d:
+            assert run_inner(Path(d), ok=ok, native=False, workers=2) == (status, True, False)
