@@ -64,19 +64,27 @@ def evaluate_policy(run_dir: Path, tasks: int, label: str, base: bool = False, s
     """Greedy completions of the evaluation tasks by the run's last checkpoint (``base``: by the
     SFT model it started from), scored in the browser -> per task: ids, kinds and the METRICS.
     ``sampled=False`` leaves out the config's sampled evaluation (``algo.eval_sampled``)."""
-    import torch
-
-    from flowrl_ray.algorithms import get_algorithm
     from flowrl_ray.checkpoint import latest_checkpoint, load_checkpoint
     from flowrl_ray.config import load_config
-    from flowrl_ray.envs import env_family
 
     cfg = load_config(Path(run_dir) / "config.yaml",
                       [f"eval.episodes={tasks}"] + ([] if sampled else ["algo.eval_sampled=false"]))
+    state = None if base else load_checkpoint(latest_checkpoint(run_dir))["learner"]["algorithm"]
+    return evaluate_config(cfg, state, label)
+
+
+def evaluate_config(cfg, state: dict | None, label: str) -> dict:
+    """:func:`evaluate_policy` of a loaded config (its ``eval.episodes`` tasks): the algorithm's
+    state ``state``, or with ``None`` the SFT model of ``algo.sft_checkpoint``."""
+    import torch
+
+    from flowrl_ray.algorithms import get_algorithm
+    from flowrl_ray.envs import env_family
+
     family = env_family(cfg.env.family)
     algo = get_algorithm(cfg.algorithm)(cfg, family.spec(cfg.env), torch.device("cpu"))
-    if not base:
-        algo.load_state_dict(load_checkpoint(latest_checkpoint(run_dir))["learner"]["algorithm"])
+    if state is not None:
+        algo.load_state_dict(state)
     t0 = time.perf_counter()
     chunks = algo.generate(1, "eval")
     scorer = family.make_scorer(cfg.env, cfg.seed, 0)
