@@ -209,7 +209,8 @@ def pretrain_text(cfg: Config, out: str | Path | None = None, epochs: int | None
     ``max_minutes`` > 0 stops this invocation at the first step after that many minutes with the
     checkpoint written; an unfinished run keeps its training state there (``sft_state.pt``,
     ``sft_run.json``), and ``resume`` continues it exactly (same pairs and settings, else a
-    ``ConfigError`` naming the setting). A finished run's directory holds no training state.
+    ``ConfigError`` naming the setting). A finished run's directory holds no training state; its
+    ``sft_run.json`` keeps the settings with ``finished`` and the training seconds of all invocations.
     """
     if (epochs is None) == (steps is None):
         raise ValueError(f"pretrain_text takes either epochs or steps, got epochs={epochs}, steps={steps}")
@@ -234,9 +235,9 @@ def pretrain_text(cfg: Config, out: str | Path | None = None, epochs: int | None
         return before_s + time.perf_counter() - t0
 
     def write(fit_state: dict) -> None:
-        finished = fit_state["step"] == total_steps
-        extra = {} if finished else {STATE_FILE: {**fit_state, "train_s": elapsed()},
-                                     SETTINGS_FILE: settings}
+        finished = fit_state["step"] == total_steps          # a finished run keeps how it was made, not its state
+        extra = ({SETTINGS_FILE: {**settings, "finished": True, "train_s": round(elapsed(), 1)}} if finished else
+                 {STATE_FILE: {**fit_state, "train_s": elapsed()}, SETTINGS_FILE: settings})
         _write_checkpoint(lm, out, fit_state["losses"], extra)
 
     total_steps = steps if steps is not None else epochs * math.ceil(len(pairs) / batch_size)

@@ -37,28 +37,29 @@ def test_the_committed_sft_base_loads_into_forms_small_and_copies_held_out_value
     assert accuracy >= 0.15 and copied >= 3, (accuracy, copied, outs[:2])
 
 
-def test_the_committed_sft_continuation_loads_and_resumes_where_it_stopped():
+def test_the_committed_sft_continuation_loads_and_has_run_its_whole_schedule():
     """pretrained/forms_small_sft_cont: the base trained further on CPU in resumed invocations (the
-    command in docs/results.md), committed unfinished so that the next invocation continues it
-    exactly: it loads into forms_small's model, and ``--resume`` with the documented settings picks
-    up its optimiser, schedule and place in the data at the step its losses end."""
+    command in docs/results.md) until its schedule ended: it loads into forms_small's model with
+    the base's tokenizer, its settings are the documented ones, it holds a loss for each of their
+    steps, and ``--resume`` refuses it by name (a finished run; a resume test of an unfinished one:
+    test_text_sft_resume.py)."""
     import json
     from dataclasses import asdict
 
     from flowrl_ray.config import ConfigError, load_config
     from flowrl_ray.models.masked_diffusion import load_sft_checkpoint
-    from flowrl_ray.pretrain.text_sft import SETTINGS_FILE, _start_model
+    from flowrl_ray.pretrain.text_sft import SETTINGS_FILE, STATE_FILE, _start_model
     import pytest
     cfg = load_config(REPO / "configs" / "flow_grpo" / "forms_small.yaml")
     out = REPO / "pretrained" / "forms_small_sft_cont"
     lm = load_sft_checkpoint(out, asdict(cfg.algo.model), device="cpu")
-    base = load_sft_checkpoint(REPO / cfg.algo.sft_checkpoint, asdict(cfg.algo.model), device="cpu")
+    base = load_sft_checkpoint(REPO / "pretrained" / "forms_small_sft", asdict(cfg.algo.model), device="cpu")
     assert lm.tokenizer.get_vocab() == base.tokenizer.get_vocab()         # the base's tokenizer, trained further
     settings = json.loads((out / SETTINGS_FILE).read_text())
     assert {k: settings[k] for k in ("steps", "batch_size", "lr", "tasks_per_form", "init_from")} == {
         "steps": 6000, "batch_size": 32, "lr": 3e-4, "tasks_per_form": 4000, "init_from": "pretrained/forms_small_sft"}
-    losses = (out / "sft_metrics.jsonl").read_text().splitlines()
-    _, state, before_s = _start_model(cfg, out, [], settings, True, None, 0, "cpu", False)
-    assert state["step"] == len(losses) < settings["steps"] and before_s > 0
-    with pytest.raises(ConfigError, match="pretrain.lr"):                   # other settings: refused, by name
-        _start_model(cfg, out, [], {**settings, "lr": 1e-3}, True, None, 0, "cpu", False)
+    assert settings["finished"] and settings["train_s"] > 0
+    assert len((out / "sft_metrics.jsonl").read_text().splitlines()) == settings["steps"]
+    assert not (out / STATE_FILE).exists()                                 # finished: no optimiser state kept
+    with pytest.raises(ConfigError, match="pretrain.resume.*6000 steps done"):
+        _start_model(cfg, out, [], settings, True, None, 0, "cpu", False)

@@ -36,7 +36,9 @@ def test_stopped_resumed_and_extended_sft_runs(tmp_path, capsys):
     whole, parts = tmp_path / "whole", tmp_path / "parts"
     code, summary = _pretrain(config, whole, capsys)
     assert code == 0 and summary["steps"] == 5 and summary["finished"]
-    assert not (whole / STATE_FILE).exists()                   # a finished run keeps no training state
+    assert not (whole / STATE_FILE).exists()                   # a finished run keeps no training state ...
+    kept = json.loads((whole / SETTINGS_FILE).read_text())      # ... but the settings that made it
+    assert kept["steps"] == 5 and kept["finished"] and kept["train_s"] > 0
 
     # a first invocation out of time after its first step: the checkpoint holds the state
     code, summary = _pretrain(config, parts, capsys, "--max-minutes", "1e-9")
