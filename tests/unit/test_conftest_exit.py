@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import TESTS
 
 INNER = '''
@@ -52,11 +54,8 @@ def test_native_teardown_kept_on_request(tmp_path):
     assert run_inner(tmp_path, ok=True, native=True) == (0, True, True)
 
 
-def test_in_xdist_workers_the_status_reaches_the_controller():
+@pytest.mark.parametrize("ok,status", [(True, 0), (False, 1)])
+def test_in_xdist_workers_the_status_reaches_the_controller(tmp_path, ok, status):
     """A worker ends by the same exit after it has sent its results: a pass passes, a failure fails
     (the test module, and its exit handler, run in the worker)."""
-    import tempfile
-    from pathlib import Path
-    for ok, status in ((True, 0), (False, 1)):
-        with tempfile.TemporaryDirectory() as d:
-            assert run_inner(Path(d), ok=ok, native=False, workers=2) == (status, True, False)
+    assert run_inner(tmp_path, ok=ok, native=False, workers=2) == (status, True, False)
