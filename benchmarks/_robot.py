@@ -41,7 +41,7 @@ def make_eval_runner(cfg, policy):
     of a run's periodic evaluation; the one training env is never stepped."""
     from flowrl_ray.envs import env_family
     from flowrl_ray.envs.rollout import EnvRunner
-    return EnvRunner(env_family(cfg.env.family), cfg.env, 1, seed=EVAL_SEED, policy=policy.eval())
+    return EnvRunner(env_family(cfg.env.family), cfg.env, 1, seed=EVAL_SEED, policy=policy.eval(), start_group=1)
 
 
 def _progress(label: str, episodes: int, every_s: float = 15.0):

@@ -68,7 +68,7 @@ def run_flowrl(config_path, steps: int, seed: int, overrides=(), eval_episodes: 
     rows = read_metrics(run_dir)
     e0 = time.perf_counter()
     ecfg, _, policy = load_policy(run_dir)
-    runner = EnvRunner(env_family(ecfg.env.family), ecfg.env, min(eval_episodes, 8), ecfg.seed, policy)
+    runner = EnvRunner(env_family(ecfg.env.family), ecfg.env, min(eval_episodes, 8), ecfg.seed, policy, start_group=1)
     try:
         ev = runner.evaluate(eval_episodes, deterministic=True)
     finally:

@@ -185,7 +185,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     sampling = "random" if args.stochastic else args.sampling
     # Progress on stderr: stdout carries only the JSON result.
     progress = CountProgress(args.episodes, f"eval {cfg.env.id}", "episodes", stream=sys.stderr)
-    runner = EnvRunner(family, cfg.env, 1, cfg.seed, policy)      # evaluate() makes its own envs
+    runner = EnvRunner(family, cfg.env, 1, cfg.seed, policy, start_group=1)   # evaluate() makes its own envs
     try:
         result = runner.evaluate(args.episodes, deterministic=sampling == "zero",
                                  video_episodes=args.video,

@@ -65,12 +65,13 @@ class EnvRunner:
     """
 
     def __init__(self, family, env_cfg: EnvConfig, num_envs: int, seed: int, policy: nn.Module,
-                 worker_id: int = 0):
+                 worker_id: int = 0, start_group: int | None = None):
         self.family, self.env_cfg, self.num_envs = family, env_cfg, num_envs
         self.seed, self.worker_id, self.policy = seed, worker_id, policy
         self.policy_version = 0
-        # training envs only: groups of env.start_group start each episode from one seeded state
-        group = getattr(env_cfg, "start_group", 1)
+        # training envs only: groups of env.start_group start each episode from one seeded state;
+        # start_group=1: a runner made to evaluate (its training envs are never stepped)
+        group = getattr(env_cfg, "start_group", 1) if start_group is None else start_group
         self.envs = family.make_vector_env(env_cfg, num_envs, start_group=group) if group > 1 else \
             family.make_vector_env(env_cfg, num_envs)
         self.obs, _ = self.envs.reset(seed=seed)

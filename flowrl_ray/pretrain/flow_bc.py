@@ -81,7 +81,7 @@ def evaluate(cfg: Config, policy, episodes: int, seed: int = 0, progress: bool =
     from flowrl_ray.progress import CountProgress
     start = time.perf_counter()
     policy.eval()
-    runner = EnvRunner(env_family(cfg.env.family), cfg.env, 1, seed, policy)   # evaluate() makes its own envs
+    runner = EnvRunner(env_family(cfg.env.family), cfg.env, 1, seed, policy, start_group=1)   # evaluate() makes its own envs
     line = CountProgress(2 * episodes, "pretrain eval", "episodes") if progress else None
 
     def report(offset: int, sampling: str):

@@ -15,7 +15,7 @@ from flowrl_ray.envs.robot import robomimic_data as rd                          
 from flowrl_ray.envs import robot                                            # noqa: E402
 from flowrl_ray.envs.robot.experts import collect_demos                      # noqa: E402
 
-from conftest import tiny_config                                             # noqa: E402
+from conftest import REPO, tiny_config                                       # noqa: E402
 
 
 def _cfg(**kw) -> RobotEnvConfig:
@@ -205,7 +205,7 @@ def test_snapshot_restore_continues_identically_through_the_rollout_runner(task)
     r2.close()
 
 
-def test_start_groups_start_every_episode_of_a_group_from_one_seeded_state_and_resume_exactly():
+def test_start_groups_start_every_episode_of_a_group_from_one_seeded_state_and_resume_exactly(monkeypatch):
     # env.start_group 2, 4 training envs: columns (0, 1) and (2, 3) each share every episode's start
     # state (the same first observation, the same recorded seed), the two groups differ, and an
     # episode's seed is recorded on each of its steps (the ended one's under final_info); exact
@@ -238,6 +238,17 @@ def test_start_groups_start_every_episode_of_a_group_from_one_seeded_state_and_r
     assert len(ev["episode_returns"]) == 4 and all(env.start_group == 1 for env in runner._eval_envs.envs)
     runner.close()
     again.close()
+    # a runner made only to evaluate (`flowrl-ray eval`, pretraining's check, the protocol) has one
+    # training env, which a group of 2 cannot divide: it is made ungrouped and evaluates as above
+    with pytest.raises(ValueError, match="start_group 2 must divide the number of envs"):
+        EnvRunner(robot, cfg.env, 1, 7, PPO.make_policy(cfg, spec))
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import _robot
+    evaluator = _robot.make_eval_runner(cfg, PPO.make_policy(cfg, spec))
+    assert evaluator.envs.envs[0].start_group == 1
+    ev1 = evaluator.evaluate(4)
+    assert len(ev1["episode_returns"]) == 4 and all(env.start_group == 1 for env in evaluator._eval_envs.envs)
+    evaluator.close()
     with pytest.raises(ConfigError, match="env.start_group.*must divide runtime.envs_per_worker"):
         tiny_config("env.family=robot", "env.id=lift", "env.start_group=3", "runtime.envs_per_worker=4")
 
