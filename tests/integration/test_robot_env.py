@@ -249,6 +249,9 @@ def test_start_groups_start_every_episode_of_a_group_from_one_seeded_state_and_r
     ev1 = evaluator.evaluate(4)
     assert len(ev1["episode_returns"]) == 4 and all(env.start_group == 1 for env in evaluator._eval_envs.envs)
     evaluator.close()
+    from flowrl_ray.pretrain.flow_bc import evaluate as pretrain_check          # pretraining's check, both rules
+    check = pretrain_check(cfg, PPO.make_policy(cfg, spec), episodes=2)
+    assert set(check) >= {"zero", "random"}
     with pytest.raises(ConfigError, match="env.start_group.*must divide runtime.envs_per_worker"):
         tiny_config("env.family=robot", "env.id=lift", "env.start_group=3", "runtime.envs_per_worker=4")
 
