@@ -97,6 +97,8 @@ JOBS = {
                                        "cpu", hours=2, learner_gpus=0, demos=50, pretrain="--epochs 20"),
     "fpopp/can_state_quickstart": Job("the laptop-sized FPO++ Can run (low-dim state, CPU only)", "cpu", hours=2,
                                       learner_gpus=0, demos=100, pretrain="--epochs 20"),
+    "fpopp/can_state_long": Job("the FPO++ Can quickstart run for 300 iterations (low-dim state, CPU only)", "cpu",
+                                hours=12, learner_gpus=0, demos=100, pretrain="--epochs 20"),
     "fpopp/square_state_quickstart": Job("the laptop-sized FPO++ Square run (low-dim state, CPU only)", "cpu",
                                          hours=2, learner_gpus=0, demos=100, pretrain="--epochs 20"),
     "fpopp/lift_image_quickstart": Job("the laptop-sized FPO++ Lift run from pixels (agentview 84 px, CPU only)",
