@@ -159,8 +159,9 @@ def run_summary(run_dir: Path) -> dict:
     """Chunks and env steps (robosuite steps; None for a run that counted chunks as env steps),
     training wall-clock (``time_s``: the iterations' time, without Ray's start), iterations, the
     training success (last 100 training episodes, random sampling) first and last, its curve and
-    the periodic-eval curve ([chunks, success] pairs), the training curve against env steps
-    ([robosuite steps, success]; empty for a run that counted chunks as env steps) and against
+    the periodic-eval curve ([chunks, success] pairs), the training and periodic-eval curves
+    against env steps ([robosuite steps, success]; empty for a run that counted chunks as env
+    steps) and the training curve against
     wall-clock minutes, the mean learner update and rollout seconds per iteration, up to the last
     checkpoint (an interrupted run's policy is its last checkpoint's)."""
     from flowrl_ray.checkpoint import latest_checkpoint, load_checkpoint
@@ -174,6 +175,8 @@ def run_summary(run_dir: Path) -> dict:
     train_env = [(r["env_steps"], r["success_rate"]) for r in rows       # robosuite steps: runs that count both
                  if r.get("success_rate") is not None and "chunks" in r]
     evals = [(chunks(r), r["eval/success_rate"]) for r in rows if r.get("eval/success_rate") is not None]
+    evals_env = [(r["env_steps"], r["eval/success_rate"]) for r in rows
+                 if r.get("eval/success_rate") is not None and "chunks" in r]
     mean = lambda key: (sum(r[key] for r in rows if r.get(key) is not None)        # noqa: E731
                         / max(1, sum(r.get(key) is not None for r in rows)))
     return {"chunks": chunks(last), "env_steps": last["env_steps"] if "chunks" in last else None,
@@ -185,5 +188,6 @@ def run_summary(run_dir: Path) -> dict:
             "train_success_first": train[0][1] if train else None,
             "train_success_last": train[-1][1] if train else None,
             "train_curve": train, "train_curve_env_steps": train_env, "eval_curve": evals,
+            "eval_curve_env_steps": evals_env,
             "name": run_config(run_dir).name,
             "schedule": run_schedule(run_config(run_dir))}

@@ -44,7 +44,8 @@ steps) is compared and marked, since the final policies meet the same episodes. 
 learner's and the rollouts' seconds per iteration, and the training curve against wall-clock
 (``<output>_train_wallclock.png``) and against env steps on a log axis beside DPPO's published
 final success at its release's budget, for the state tasks it reports
-(``<output>_train_env_steps.png``; runs that counted chunks as env steps have no such curve).
+(``<output>_train_env_steps.png``, and the periodic evaluation's ``<output>_eval_env_steps.png``; runs that
+counted chunks as env steps have no such curves).
 
 Out of distribution (``--ood [NAME ...]``; no names: every set of the suite the task and
 observation mode can take, :mod:`flowrl_ray.envs.robot.perturb`): the base and every policy again
@@ -502,6 +503,10 @@ def plot(variants: dict, results_dir: Path, output: str) -> list[str]:
     written.append(plot_run_curves(variants, "train_curve_env_steps", results_dir / f"{output}_train_env_steps.png",
                                    "env steps (robosuite steps, log scale)", "success rate",
                                    "training success (last 100 episodes, random sampling)",
+                                   xscale="log", markers=published_points(variants)))
+    written.append(plot_run_curves(variants, "eval_curve_env_steps", results_dir / f"{output}_eval_env_steps.png",
+                                   "env steps (robosuite steps, log scale)", "success rate",
+                                   "periodic eval success (config's eval.sampling)",
                                    xscale="log", markers=published_points(variants)))
     return [w for w in written if w]
 

@@ -258,13 +258,16 @@ def test_curves_against_env_steps_come_only_from_runs_that_count_simulator_steps
     for d, extra in ((new, lambda i: {"chunks": 100 * i, "env_steps": 790 * i}), (old, lambda i: {"env_steps": 100 * i})):
         d.mkdir()
         (d / "metrics.jsonl").write_text("".join(json.dumps(
-            {"iteration": i, "time_s": 60.0 * i, "success_rate": 0.25 * i, **extra(i)}) + "\n" for i in (1, 2, 3)))
+            {"iteration": i, "time_s": 60.0 * i, "success_rate": 0.25 * i, **extra(i),
+             **({"eval/success_rate": 0.1 * i} if i % 2 == 0 else {})}) + "\n" for i in (1, 2, 3)))
     s = _robot.run_summary(new)                   # iteration 3 is past the last checkpoint: left out
     assert s["train_curve"] == [(100, 0.25), (200, 0.5)]               # chunks
     assert s["train_curve_env_steps"] == [(790, 0.25), (1580, 0.5)]    # robosuite steps
+    assert s["eval_curve"] == [(200, 0.2)] and s["eval_curve_env_steps"] == [(1580, 0.2)]   # the eval iterations
     assert (s["chunks"], s["env_steps"]) == (200, 1580)
     s = _robot.run_summary(old)                   # env_steps counted chunks: no env-step curve
     assert s["train_curve"] == [(100, 0.25), (200, 0.5)] and s["train_curve_env_steps"] == []
+    assert s["eval_curve"] == [(200, 0.2)] and s["eval_curve_env_steps"] == []
     assert (s["chunks"], s["env_steps"]) == (200, None)
 
 
@@ -274,7 +277,8 @@ def test_the_env_step_curve_stands_beside_dppos_published_point_for_its_state_ta
     def variant(task, obs_mode, curve):
         base = json.dumps({"base": "b.pt", "env": {"id": task, "obs_mode": obs_mode}}, sort_keys=True)
         return {"base": base, "runs": [{"train_curve": [(1, 0.5)], "train_curve_env_steps": curve,
-                                        "eval_curve": [], "train_curve_time": [(1.0, 0.5)]}]}
+                                        "eval_curve": [], "eval_curve_env_steps": curve[1:],
+                                        "train_curve_time": [(1.0, 0.5)]}]}
 
     can = {"a": variant("can", "low_dim", [(8000, 0.4), (16000, 0.6)])}
     (label, steps, success), = robot_protocol.published_points(can)
@@ -286,9 +290,11 @@ def test_the_env_step_curve_stands_beside_dppos_published_point_for_its_state_ta
     written = robot_protocol.plot(can, tmp_path, "p")
     assert str(tmp_path / "p_train_env_steps.png") in written
     assert (tmp_path / "p_train_env_steps.png").read_bytes()[:4] == b"\x89PNG"
+    assert str(tmp_path / "p_eval_env_steps.png") in written          # the periodic evaluation, too
     # runs from before env steps meant simulator steps: the figure is skipped, the others drawn
     written = robot_protocol.plot({"a": variant("can", "low_dim", [])}, tmp_path, "q")
     assert not (tmp_path / "q_train_env_steps.png").exists() and str(tmp_path / "q_train.png") in written
+    assert not (tmp_path / "q_eval_env_steps.png").exists()
 
 
 def test_reference_must_name_a_variant(tmp_path, capsys):
