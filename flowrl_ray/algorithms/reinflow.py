@@ -26,6 +26,10 @@ episode waits until its group has ended:
 
     A_e = (G_e - mean_g G) / (std_g G + 1e-8),   A_i = A_e for each step i of episode e
 
+``noise: sde`` is πRL's Flow-SDE instead of the noise network: the flow's marginal-preserving
+SDE on the same grid (:mod:`flowrl_ray.models.noisy_flow`), sigma_tau = sde_level sqrt((1 - tau) / tau),
+unclipped means, nothing learned in the noise; evaluation is the Euler sampler.
+
 ``logprob_scale``: "joint" uses the chain's log-probability itself (s = 1). "reference" divides
 it by (K + 1) * Ta * Da, the number of Gaussian entries of the chain with its initial noise, as
 the ReinFlow release does; the release's clip (0.01), target KL and entropy coefficient are in
@@ -55,7 +59,7 @@ from flowrl_ray.config import Config, ConfigError, check, check_layer_sizes
 from flowrl_ray.envs import EnvSpec
 from flowrl_ray.models.flow import FLOW_ARCH_DEFAULTS, FlowPolicy, Obs, obs_batch_size
 from flowrl_ray.models.flow_policy import image_shape
-from flowrl_ray.models.noisy_flow import NoiseStdNet, chain_entropy, chain_log_prob, noisy_flow_sample
+from flowrl_ray.models.noisy_flow import NoiseStdNet, chain_entropy, chain_log_prob, noisy_flow_sample, sde_log_std
 from flowrl_ray.utils import randn
 
 @dataclass
@@ -78,6 +82,12 @@ class ReinFlowConfig:
     max_noise_std: float = field(default=0.14, metadata=check(gt=0))
     noise_hidden_sizes: list = field(default_factory=lambda: [128, 128])
     noise_time_dim: int = field(default=16, metadata=check(gt=0))
+    # learned: ReinFlow's noise network (πRL's Flow-Noise); sde: πRL's Flow-SDE, the flow's
+    # marginal-preserving SDE with sigma_tau = sde_level * sqrt((1 - tau) / tau), nothing learned in
+    # the noise (at K = 4 and 0.5 the steps' stds are 0.50, 0.43, 0.25, 0.14: the last one
+    # ReinFlow's max_noise_std)
+    noise: Literal["learned", "sde"] = "learned"
+    sde_level: float = field(default=0.5, metadata=check(gt=0))
     # PPO on the chain's log-probability
     logprob_scale: Literal["joint", "reference"] = "joint"
     clip: float = field(default=0.2, metadata=check(gt=0))
@@ -117,17 +127,21 @@ class NoisyFlowPolicy(FlowPolicy):
     def __init__(self, state_dim: int, action_dim: int, horizon_steps: int, hidden_sizes: list[int],
                  time_dim: int, flow_steps: int, image_shape, feature_dim: int, noise_hidden_sizes: list[int],
                  min_std: float, max_std: float, noise_time_dim: int = 16, record_old_logp: bool = False,
-                 **arch):
+                 sde_level: float | None = None, **arch):
         # arch: the velocity network's options (FLOW_ARCH_DEFAULTS); the chain has its own grid
         super().__init__(state_dim, action_dim, horizon_steps, hidden_sizes, time_dim, flow_steps, n_mc=0,
                          image_shape=image_shape, feature_dim=feature_dim, record_old_losses=False, **arch)
         self.noise = NoiseStdNet(self.encoder.out_dim, horizon_steps, action_dim, noise_hidden_sizes,
                                  min_std, max_std, noise_time_dim)
         self.record_old_logp = record_old_logp
+        self.sde_level = sde_level          # Flow-SDE's a; None: the noise net's sigma
 
     def log_std(self, tau: torch.Tensor, cond: torch.Tensor) -> torch.Tensor:
         """log sigma(tau | o) [B, Ta, Da]; the noise net reads the condition without sending
-        gradients into the encoder (which only the velocity's log-prob means train)."""
+        gradients into the encoder (which only the velocity's log-prob means train). Under
+        Flow-SDE the step's std sigma_tau sqrt(dt), the same for every entry."""
+        if self.sde_level is not None:
+            return sde_log_std(tau, self.flow_steps, self.sde_level).expand(-1, *self.chunk_shape)
         return self.noise(tau, cond.detach())
 
     def load_base(self, state: dict[str, torch.Tensor]) -> None:
@@ -142,17 +156,18 @@ class NoisyFlowPolicy(FlowPolicy):
     def sample(self, obs: Obs, eps: torch.Tensor, steps: int | None = None) -> torch.Tensor:
         """The mean chain (noise off) from eps [B, Ta, Da] -> actions [B, Ta, Da] in [-1, 1]."""
         action, _ = noisy_flow_sample(self.velocity, self.log_std, self.encoder(obs), eps,
-                                      steps or self.flow_steps, deterministic=True)
+                                      steps or self.flow_steps, deterministic=True, sde_level=self.sde_level)
         return action
 
     def chain_log_prob(self, obs: Obs, chains: torch.Tensor, row_mask: torch.Tensor | None = None,
                        per_row: bool = False) -> torch.Tensor:
         """log pi of chains [B, K + 1, Ta, Da] -> [B] (``per_row``: [B, Ta])."""
-        return chain_log_prob(self.velocity, self.log_std, self.encoder(obs), chains, row_mask, per_row)
+        return chain_log_prob(self.velocity, self.log_std, self.encoder(obs), chains, row_mask, per_row,
+                              self.sde_level)
 
     def chain_entropy(self, obs: Obs, chains: torch.Tensor, row_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Entropy of the chains' Gaussian transitions [B] (the noise net only)."""
-        return chain_entropy(self.log_std, self.encoder(obs), chains, row_mask)
+        return chain_entropy(self.log_std, self.encoder(obs), chains, row_mask)          # log_std: either noise
 
     @torch.no_grad()
     def act(self, obs: Obs, deterministic: bool = False, generator: torch.Generator | None = None,
@@ -163,12 +178,13 @@ class NoisyFlowPolicy(FlowPolicy):
         noisy = record and not deterministic
         cond = self.encoder(obs)
         actions, chain = noisy_flow_sample(self.velocity, self.log_std, cond, x0, self.flow_steps,
-                                           deterministic=not noisy, generator=generator)
+                                           deterministic=not noisy, generator=generator, sde_level=self.sde_level)
         out = {"actions": actions}
         if noisy:
             out["chains"] = chain                                                 # [N, K + 1, Ta, Da]
             if self.record_old_logp:
-                out["logp_old"] = chain_log_prob(self.velocity, self.log_std, cond, chain, per_row=True)
+                out["logp_old"] = chain_log_prob(self.velocity, self.log_std, cond, chain, per_row=True,
+                                                 sde_level=self.sde_level)
         return actions, out
 
 
@@ -180,6 +196,7 @@ def make_noisy_flow_policy(cfg: Config, spec: EnvSpec) -> NoisyFlowPolicy:
                            # async, or group advantages (an episode may wait an iteration for its
                            # group): the behaviour policy's log-probs, recorded at sampling time
                            record_old_logp=cfg.runtime.mode == "async" or c.advantage == "group",
+                           sde_level=c.sde_level if c.noise == "sde" else None,
                            **{k: getattr(c, k) for k in FLOW_ARCH_DEFAULTS})
 
 
@@ -196,6 +213,9 @@ class ReinFlow(FlowActorCritic):
             raise ConfigError("config key 'algo.advantage': 'group' needs groups of episodes from one start "
                               "state: set env.start_group to the group size K >= 2 (a divisor of "
                               "runtime.envs_per_worker)")
+        if c.noise == "sde" and c.ent_coef > 0:
+            raise ConfigError(f"config key 'algo.ent_coef': {c.ent_coef} with algo.noise 'sde', whose noise is "
+                              "fixed (its entropy has no gradient): set it to 0")
         if c.min_noise_std > c.max_noise_std:
             raise ConfigError(f"config key 'algo.min_noise_std': {c.min_noise_std} is above "
                               f"algo.max_noise_std {c.max_noise_std}")
@@ -294,7 +314,7 @@ class ReinFlow(FlowActorCritic):
         chains, mask = b["chains"][idx], b["row_mask"][idx]                        # [mb, K+1, Ta, Da], [mb, Ta]
         pi = self._policy
         cond = pi.encoder(obs)                        # encoded once for log-prob, entropy, stats
-        logp = chain_log_prob(pi.velocity, pi.log_std, cond, chains, mask)         # [mb]
+        logp = chain_log_prob(pi.velocity, pi.log_std, cond, chains, mask, sde_level=pi.sde_level)   # [mb]
         log_ratio = self.scale * (logp - b["logp_old"][idx])                      # [mb]
         ratio = log_ratio.exp()
         adv = b["advantages"][idx]

@@ -1,5 +1,5 @@
 """ReinFlow on real robosuite Lift: ratio = 1 at the old policy after a rollout (sync), and per-row
-log-probs recorded by async workers that the learner reproduces."""
+log-probs recorded by async workers that the learner reproduces (with either noise)."""
 
 import os
 
@@ -46,8 +46,9 @@ def test_real_lift_rollout_records_chains_and_ratios_start_at_one():
     assert np.isfinite(metrics["pg_loss"]) and metrics["reinflow/actor_steps"] == 2 * 3
 
 
-def test_async_workers_record_per_row_log_probs_that_the_learner_reproduces():
-    cfg = robot_cfg(mode="async")
+@pytest.mark.parametrize("noise", ["learned", "sde"])          # ReinFlow's noise net, πRL's Flow-SDE
+def test_async_workers_record_per_row_log_probs_that_the_learner_reproduces(noise):
+    cfg = robot_cfg(mode="async", noise=noise)
     algo = ReinFlow(cfg, _spec(cfg), torch.device("cpu"))
     batch, _ = _rollout(cfg, algo)
     assert batch.data["logp_old"].shape == (5, 2, 4)                # per row until the mask is known

@@ -163,9 +163,51 @@ def test_equal_noise_bounds_make_a_fixed_noise_head():
     assert all(p.grad is None or p.grad.abs().max() == 0 for p in algo.policy.noise.parameters())
 
 
+def test_flow_sde_policy_scores_its_own_chain_with_ratio_one_and_learns_nothing_in_the_noise():
+    # πRL's Flow-SDE: the chain is sampled and scored with the SDE's transitions (K = 2, a = 0.5:
+    # step stds 0.5 and 0.5 sqrt(0.5)); the recorded log-probs equal the learner's (ratio 1), an
+    # update moves the velocity net only, and evaluation is the Euler sampler without noise
+    cfg = robot_cfg(noise="sde", sde_level=0.5, epochs=1, minibatch_size=6, clip=10.0, lr=1e-3,
+                    normalize_advantages=False, advantage="group", env={"start_group": 2})
+    algo = ReinFlow(cfg, _spec(cfg), torch.device("cpu"))
+    pi = algo.policy
+    assert pi.sde_level == 0.5
+    cond = pi.encoder(torch.randn(3, _spec(cfg).obs_dim))
+    stds = [float(pi.log_std(torch.full((3,), k / 2), cond).exp().unique()) for k in (0, 1)]
+    assert stds == pytest.approx([0.5, 0.5 * math.sqrt(0.5)], abs=1e-6)
+    obs = torch.randn(6, _spec(cfg).obs_dim)
+    _, rec = pi.act(obs, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        again = pi.chain_log_prob(obs, rec["chains"], per_row=True)
+        learned_noise = ReinFlow.make_policy(robot_cfg(), _spec(cfg))
+        learned_noise.load_state_dict(pi.state_dict())
+        other = learned_noise.chain_log_prob(obs, rec["chains"], per_row=True)     # the noise net's chain
+    torch.testing.assert_close(again, rec["logp_old"])
+    assert not torch.allclose(again, other)
+    b = {"obs": obs, "chains": rec["chains"], "row_mask": torch.ones(6, 4), "logp_old": again.sum(-1),
+         "advantages": torch.tensor([1.0, -1.0, 0, 0, 0, 0]), "returns": torch.zeros(6), "values_old": torch.zeros(6)}
+    loss, stats = algo._losses(b, torch.arange(6), torch.arange(6), train_actor=True)
+    assert float(stats["ratio_max"]) == pytest.approx(1.0, abs=1e-5)
+    loss.backward()
+    assert all(p.grad is None or p.grad.abs().max() == 0 for p in pi.noise.parameters())
+    assert any(p.grad is not None and p.grad.abs().max() > 0 for p in pi.velocity.parameters())
+    x0 = torch.randn(6, 4, 7, generator=torch.Generator().manual_seed(1))
+    x = x0
+    with torch.no_grad():
+        for k in range(2):
+            x = x + pi.velocity(x, torch.full((6,), k / 2), pi.encoder(obs)) / 2
+    torch.testing.assert_close(pi.sample(obs, x0), x.clamp(-1, 1))
+
+
 def test_config_mistakes_name_the_key():
     with pytest.raises(ConfigError, match="algo.min_noise_std"):
         ReinFlow.validate_config(robot_cfg(min_noise_std=0.3, max_noise_std=0.1))
+    with pytest.raises(ConfigError, match="algo.ent_coef"):
+        ReinFlow.validate_config(robot_cfg(noise="sde", ent_coef=0.01))
+    with pytest.raises(ConfigError, match="algo.noise"):
+        robot_cfg(noise="ode")
+    with pytest.raises(ConfigError, match="algo.sde_level"):
+        robot_cfg(noise="sde", sde_level=0.0)
     with pytest.raises(ConfigError, match="algo.logprob_scale"):
         robot_cfg(logprob_scale="mean")
 

@@ -123,3 +123,55 @@ def test_log_prob_trains_both_nets_and_the_entropy_only_the_noise_net(nets):
     entropy.sum().backward()
     assert all(p.grad is None for p in velocity.parameters())
     assert noise.net[-1].bias.grad.abs().sum() > 0
+
+
+def test_flow_sde_two_steps_by_hand():
+    # K = 2, a = 0.5, v = 0.2 everywhere, one entry. Step 0 (tau = 0, sigma at the next grid time):
+    # sigma_0 = 0.5 sqrt(1 / 0.5) = 0.7071, mu_0 = x0 + (v - sigma^2 / 2 (x0 - 0) / 1) / 2
+    #   x0 = 0.2: mu_0 = 0.2 + (0.2 - 0.25 * 0.2) / 2 = 0.275, std = sigma_0 sqrt(1/2) = 0.5
+    # step 1 (tau = 0.5): sigma_1 = 0.5, mu_1 = x1 + (v - 0.125 (x1 - 0.5 v) / 0.5) / 2
+    #   x1 = 0.3: mu_1 = 0.3 + (0.2 - 0.25 * 0.2) / 2 = 0.375, std = 0.5 sqrt(1/2) = 0.35355
+    chain = torch.tensor([0.2, 0.3, 0.5]).view(1, 3, 1, 1)
+    velocity = _const([0.2], shape=(1, 1))
+    by_hand = float(Normal(0.275, 0.5).log_prob(torch.tensor(0.3)) + Normal(0.375, 0.5 * math.sqrt(0.5)).log_prob(torch.tensor(0.5)))
+    got = chain_log_prob(velocity, None, torch.zeros(1, 3), chain, sde_level=0.5)
+    assert float(got) == pytest.approx(by_hand, abs=1e-5)
+    # the entropy: sum over the steps of log std + log(2 pi e) / 2
+    ent = chain_entropy(None, torch.zeros(1, 3), chain, sde_level=0.5)
+    assert float(ent) == pytest.approx(math.log(0.5) + math.log(0.5 * math.sqrt(0.5)) + math.log(2 * math.pi * math.e), abs=1e-5)
+
+
+def test_flow_sde_keeps_the_flows_marginals_and_without_its_drift_term_does_not():
+    # a 1-D Gaussian target a ~ N(0.3, 0.2^2) and its exact velocity on x = tau a + (1 - tau) eps:
+    # v(x, tau) = E[a - eps | x] = m + (tau s^2 - (1 - tau)) (x - tau m) / (tau^2 s^2 + (1 - tau)^2)
+    m, s, steps, n = 0.3, 0.2, 100, 40000
+
+    def velocity(x, tau, cond):
+        t = tau.view(-1, 1, 1)
+        return m + (t * s ** 2 - (1 - t)) * (x - t * m) / (t ** 2 * s ** 2 + (1 - t) ** 2)
+
+    for level in (0.5, 1.0):
+        g = torch.Generator().manual_seed(0)
+        x0 = torch.randn(n, 1, 1, generator=g)
+        _, chain = noisy_flow_sample(velocity, None, None, x0, steps, generator=g, sde_level=level)
+        end = chain[:, -1].flatten()
+        assert abs(float(end.mean()) - m) < 0.01 and abs(float(end.std()) - s) < 0.01, (level, end.mean(), end.std())
+    # the same noise without the score term -sigma^2 / 2 (x - tau v) / (1 - tau): far too wide
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 1, 1, generator=g)
+    for k in range(steps):
+        tau = torch.full((n,), k / steps)
+        sigma = 1.0 * math.sqrt((1 - k / steps) / max(k / steps, 1 / steps))
+        x = x + velocity(x, tau, None) / steps + sigma * math.sqrt(1 / steps) * torch.randn(x.shape, generator=g)
+    assert float(x.std()) > 0.3
+
+
+def test_flow_sde_mean_chain_is_the_unclipped_euler_sampler(nets):
+    velocity, _ = nets
+    cond, x0 = torch.randn(5, 3), 2.0 * torch.randn(5, 4, 2)
+    _, chain = noisy_flow_sample(velocity, None, cond, x0, steps=3, deterministic=True, sde_level=0.5)
+    x = x0
+    with torch.no_grad():
+        for k in range(3):
+            x = x + velocity(x, torch.full((5,), k / 3), cond) / 3
+    assert torch.allclose(chain[:, -1], x, atol=1e-6)
