@@ -1,0 +1,37 @@
+"""benchmarks/robot_stages.py: the summary of staged rewards by hand, and bad input refused
+before any env is built."""
+
+import sys
+
+import pytest
+
+from conftest import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+CAN = str(REPO / "configs/fpopp/can_state_quickstart.yaml")
+
+
+def test_summary_means_quartiles_and_shares_by_hand():
+    import robot_stages
+    eps = [{"reach": 0.1, "grasp": 0.35, "lift": 0.5, "hover": 0.7, "success": True, "steps": 120},
+           {"reach": 0.08, "grasp": 0.35, "lift": 0.4, "hover": 0.4, "success": False, "steps": 400},
+           {"reach": 0.06, "grasp": 0.0, "lift": 0.0, "hover": 0.0, "success": False, "steps": 400},
+           {"reach": 0.04, "grasp": 0.35, "lift": 0.36, "hover": 0.36, "success": False, "steps": 400}]
+    s = robot_stages.summarise(eps)
+    assert s["grasped"] == 0.75 and s["success"] == 0.25 and s["episodes"] == 4
+    assert s["stage_max_mean"]["reach"] == pytest.approx(0.07)
+    assert s["stage_max_mean"]["hover"] == pytest.approx((0.7 + 0.4 + 0.0 + 0.36) / 4)
+    # numpy's linear quartiles of (0, 0.36, 0.4, 0.5): 0.27, 0.38, 0.425
+    assert s["stage_max_quartiles"]["lift"] == pytest.approx([0.27, 0.38, 0.425])
+
+
+def test_lift_and_bad_policies_are_refused_with_the_reason(tmp_path, capsys):
+    import robot_stages
+    with pytest.raises(SystemExit, match="can and square only"):
+        robot_stages.main(["--config", str(REPO / "configs/fpopp/lift_state_quickstart.yaml"), "--policy", "a=x.pt"])
+    with pytest.raises(SystemExit, match="expected NAME=PATH"):
+        robot_stages.main(["--config", CAN, "--policy", "x.pt"])
+    with pytest.raises(SystemExit, match="no such checkpoint"):
+        robot_stages.main(["--config", CAN, "--policy", f"a={tmp_path}/x.pt"])
+    with pytest.raises(SystemExit, match="not a run directory"):
+        robot_stages.main(["--config", CAN, "--policy", f"a={tmp_path}"])
