@@ -15,7 +15,18 @@ between the tasks, so no threshold on them is read as "lifted" here.)
         --policy e20=pretrained/square_state_quickstart.pt --policy e300=runs/square_e300.pt \\
         --episodes 50 --output square_bases_stages
 
-A policy is a pretraining checkpoint or a run directory (its latest checkpoint's policy). Results:
+A policy is a pretraining checkpoint or a run directory (its latest checkpoint's policy).
+``--sampling behaviour`` runs the training rollouts' rule instead of an evaluation rule (for
+ReinFlow's chain: the noisy chain, not its mean), and ``--set NAME:KEY=VALUE`` overrides a key of
+the config for one policy (a pretraining checkpoint's policy is built from the config), e.g. the
+behaviour policy of one base under ReinFlow's learned noise and Flow-SDE's levels:
+
+    .venv/bin/python benchmarks/robot_stages.py --config configs/reinflow/can_state_quickstart.yaml \
+        --sampling behaviour --episodes 40 --policy learned=pretrained/can_state_quickstart.pt \
+        --policy sde0.5=pretrained/can_state_quickstart.pt --set sde0.5:algo.noise=sde \
+        --set sde0.5:algo.sde_level=0.5 --set sde0.5:algo.ent_coef=0 --output can_behaviour_noise
+
+Results:
 ``benchmarks/results/<output>.md/.json``. No assertion is made: this is a measurement (Square,
 50 episodes, ~3 min a policy on 2 cores).
 """
@@ -45,16 +56,17 @@ def load_policy(cfg, path: str):
     return load_run_policy(path)[2].eval()
 
 
-def episode_stages(env, policy, seed: int, deterministic: bool) -> dict:
-    """One episode from ``seed``: each stage's maximum, whether it succeeded, its env steps."""
+def episode_stages(env, policy, seed: int, sampling: str) -> dict:
+    """One episode from ``seed`` by ``sampling`` (zero, random: the evaluation rules; behaviour:
+    the training rollouts'): each stage's maximum, whether it succeeded, its env steps."""
     import torch
     obs, _ = env.reset(seed=seed)
     best, done, info = np.zeros(len(STAGES)), False, {"success": False}
     gen = torch.Generator().manual_seed(seed)
     while not done:
         with torch.no_grad():
-            action, _ = policy.act(torch.as_tensor(obs, dtype=torch.float32)[None], deterministic=deterministic,
-                                   generator=gen, record=False)
+            action, _ = policy.act(torch.as_tensor(obs, dtype=torch.float32)[None], deterministic=sampling == "zero",
+                                   generator=gen, record=sampling == "behaviour")
         obs, _, terminated, truncated, info = env.step(action[0].numpy())
         best = np.maximum(best, np.asarray(env.raw.staged_rewards(), float))
         done = terminated or truncated
@@ -77,7 +89,9 @@ def main(argv=None) -> int:
     ap.add_argument("--policy", action="append", required=True, metavar="NAME=PATH",
                     help="a pretraining checkpoint or a run directory; repeatable")
     ap.add_argument("--episodes", type=int, default=50)
-    ap.add_argument("--sampling", choices=("zero", "random"), default="zero")
+    ap.add_argument("--sampling", choices=("zero", "random", "behaviour"), default="zero")
+    ap.add_argument("--set", action="append", default=[], metavar="NAME:KEY=VALUE",
+                    help="a config override for one policy; repeatable")
     ap.add_argument("--output", default="robot_stages")
     args = ap.parse_args(argv)
 
@@ -102,14 +116,28 @@ def main(argv=None) -> int:
         elif not Path(path).is_file():
             raise SystemExit(f"error: --policy {item!r}: no such checkpoint")
         policies[name] = path
-    env = make_env(cfg.env, load_norm(cfg.env))
+    overrides = {name: [] for name in policies}
+    for item in args.set:
+        name, sep, override = item.partition(":")
+        if not sep or name not in policies or "=" not in override:
+            raise SystemExit(f"error: --set {item!r}: expected NAME:KEY=VALUE with NAME one of --policy's")
+        overrides[name].append(override)
+    configs = {}
+    for name, extra in overrides.items():
+        try:
+            configs[name] = load_config(args.config, extra)
+        except ConfigError as e:
+            raise SystemExit(f"error: --set for {name}: {e}") from None
     results = {}
     for name, path in policies.items():
-        policy, t0, eps = load_policy(cfg, path), time.time(), []
+        env = make_env(configs[name].env, load_norm(configs[name].env))
+        policy, t0, eps = load_policy(configs[name], path), time.time(), []
         for e in range(args.episodes):
-            eps.append(episode_stages(env, policy, EVAL_SEED + e, args.sampling == "zero"))
+            eps.append(episode_stages(env, policy, EVAL_SEED + e, args.sampling))
             print(f"[stages {name}] {e + 1}/{args.episodes} episodes | {time.time() - t0:.0f}s", flush=True)
-        results[name] = {"path": path, **summarise(eps), "per_episode": eps, "seconds": round(time.time() - t0, 1)}
+        env.close()
+        results[name] = {"path": path, "overrides": overrides[name], **summarise(eps), "per_episode": eps,
+                         "seconds": round(time.time() - t0, 1)}
     pct = lambda x: f"{100 * x:.0f} %"                                      # noqa: E731
     cell = lambda r, s: (f"{r['stage_max_mean'][s]:.3f} (" + " / ".join(f"{q:.2f}" for q in r["stage_max_quartiles"][s])  # noqa: E731
                          + ")")

@@ -35,3 +35,14 @@ def test_lift_and_bad_policies_are_refused_with_the_reason(tmp_path, capsys):
         robot_stages.main(["--config", CAN, "--policy", f"a={tmp_path}/x.pt"])
     with pytest.raises(SystemExit, match="not a run directory"):
         robot_stages.main(["--config", CAN, "--policy", f"a={tmp_path}"])
+
+
+def test_a_per_policy_override_must_name_a_policy_and_a_valid_key(tmp_path):
+    import robot_stages
+    ckpt = tmp_path / "b.pt"
+    ckpt.write_bytes(b"")                                   # only its presence is checked before the overrides
+    args = ["--config", str(REPO / "configs/reinflow/can_state_quickstart.yaml"), "--policy", f"a={ckpt}"]
+    with pytest.raises(SystemExit, match="expected NAME:KEY=VALUE"):
+        robot_stages.main([*args, "--set", "b:algo.noise=sde"])            # no policy b
+    with pytest.raises(SystemExit, match="algo.noise"):
+        robot_stages.main([*args, "--set", "a:algo.noise=ode"])            # the config's own error
