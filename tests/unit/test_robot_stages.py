@@ -46,3 +46,44 @@ def test_a_per_policy_override_must_name_a_policy_and_a_valid_key(tmp_path):
         robot_stages.main([*args, "--set", "b:algo.noise=sde"])            # no policy b
     with pytest.raises(SystemExit, match="algo.noise"):
         robot_stages.main([*args, "--set", "a:algo.noise=ode"])            # the config's own error
+
+
+def test_an_episode_keeps_each_stages_maximum_and_the_rule_reaches_the_policy():
+    import numpy as np
+    import robot_stages
+
+    class Raw:
+        def __init__(self):
+            self.k = 0
+
+        def staged_rewards(self):
+            return [(0.05, 0.0, 0.0, 0.0), (0.1, 0.35, 0.45, 0.6), (0.08, 0.0, 0.0, 0.0)][self.k - 1]
+
+    class Env:
+        raw, steps = Raw(), 0
+
+        def reset(self, seed):
+            self.raw.k, self.steps = 0, 0
+            return np.zeros(3), {}
+
+        def step(self, action):
+            self.raw.k += 1
+            self.steps += 8
+            return np.zeros(3), 0.0, False, self.raw.k == 3, {"success": False}
+
+    class Policy:
+        calls = []
+
+        def act(self, obs, deterministic, generator, record):
+            self.calls.append((deterministic, record))
+            import torch
+            return torch.zeros(1, 4, 7), {}
+
+    p = Policy()
+    e = robot_stages.episode_stages(Env(), p, 0, "behaviour")
+    assert (e["reach"], e["grasp"], e["lift"], e["hover"]) == (0.1, 0.35, 0.45, 0.6)   # maxima, not the last step
+    assert e["steps"] == 24 and e["success"] is False
+    assert set(p.calls) == {(False, True)}                     # behaviour: the recorded (noisy) chain
+    p.calls.clear()
+    robot_stages.episode_stages(Env(), p, 0, "zero")
+    assert set(p.calls) == {(True, False)}
