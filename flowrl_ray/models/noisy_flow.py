@@ -147,16 +147,15 @@ def chain_log_prob(velocity_fn: VelocityFn, log_std_fn: LogStdFn, cond: torch.Te
 
 
 def chain_entropy(log_std_fn: LogStdFn, cond: torch.Tensor, chain: torch.Tensor,
-                  row_mask: torch.Tensor | None = None, sde_level: float | None = None) -> torch.Tensor:
+                  row_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Entropy of the chain's Gaussian transitions given their means, [B]: the sum over steps,
     kept rows and dims of log sigma + log(2 pi e) / 2 (the chain's states only set the shapes;
-    under Flow-SDE a constant)."""
+    under Flow-SDE, whose ``log_std_fn`` is :func:`sde_log_std`, a constant)."""
     steps = chain.shape[1] - 1
     total = chain.new_zeros(chain.shape[0])
     for k in range(steps):
         tau = _taus(chain[:, k], k, steps)
-        log_std = log_std_fn(tau, cond) if sde_level is None else \
-            sde_log_std(tau, steps, sde_level).expand_as(chain[:, k])                # [B, Ta, Da]
+        log_std = log_std_fn(tau, cond).expand_as(chain[:, k])                       # [B, Ta, Da]
         rows = (log_std + HALF_LOG_2PI + 0.5).sum(-1)                                # [B, Ta]
         total = total + (rows if row_mask is None else rows * row_mask.to(rows.dtype)).sum(-1)
     return total

@@ -8,7 +8,7 @@ import torch
 from torch.distributions import Normal
 
 from flowrl_ray.models.flow import VelocityMLP
-from flowrl_ray.models.noisy_flow import NoiseStdNet, chain_entropy, chain_log_prob, noisy_flow_sample
+from flowrl_ray.models.noisy_flow import NoiseStdNet, chain_entropy, chain_log_prob, noisy_flow_sample, sde_log_std
 
 
 def _const(value, shape=(1, 2)):
@@ -137,7 +137,8 @@ def test_flow_sde_two_steps_by_hand():
     got = chain_log_prob(velocity, None, torch.zeros(1, 3), chain, sde_level=0.5)
     assert float(got) == pytest.approx(by_hand, abs=1e-5)
     # the entropy: sum over the steps of log std + log(2 pi e) / 2
-    ent = chain_entropy(None, torch.zeros(1, 3), chain, sde_level=0.5)
+    # (the policy's log_std under Flow-SDE: the step's std, whatever the condition)
+    ent = chain_entropy(lambda tau, cond: sde_log_std(tau, 2, 0.5), torch.zeros(1, 3), chain)
     assert float(ent) == pytest.approx(math.log(0.5) + math.log(0.5 * math.sqrt(0.5)) + math.log(2 * math.pi * math.e), abs=1e-5)
 
 
