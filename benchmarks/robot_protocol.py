@@ -39,8 +39,9 @@ chunk is one policy step, up to ``env.act_steps`` env steps (20 Hz robosuite ste
 ``--reference NAME`` also each other variant's difference from that one: the mean over its seeds
 minus the mean over the reference's seeds, with the same episode-paired bootstrap CI (the
 reference's per-episode mean success takes the base's place). Variants with another env section
-(other episodes) are listed as not compared; another base setting (base policy, algorithm, flow
-steps) is compared and marked, since the final policies meet the same episodes. Per run also the
+(other episodes; training-only keys such as ``env.start_group`` aside) are listed as not
+compared; another base setting (base policy, algorithm, flow steps) is compared and marked,
+since the final policies meet the same episodes. Per run also the
 learner's and the rollouts' seconds per iteration, and the training curve against wall-clock
 (``<output>_train_wallclock.png``) and against env steps on a log axis beside DPPO's published
 final success at its release's budget, for the state tasks it reports
@@ -120,11 +121,18 @@ def check_run_dir(flag: str, run_dir: Path) -> None:
         raise UsageError(f"{flag}: {run_dir} has no checkpoint (its policy cannot be evaluated)")
 
 
+# env keys the evaluation does not read: its envs are never grouped (make_eval_runner), so runs
+# trained with start groups meet the same seeded episodes as runs trained without
+TRAINING_ONLY_ENV_KEYS = ("start_group",)
+
+
 def base_id(cfg, base_path: str) -> str:
-    """What makes two base evaluations the same: the weights, the env section (task, chunking,
-    observations), the algorithm (its policy's sampler: FPO++'s Euler steps, ReinFlow's mean
-    chain) and the sampler's flow steps."""
-    return json.dumps({"base": str(base_path), "env": dataclasses.asdict(cfg.env), "algorithm": cfg.algorithm,
+    """What makes two base evaluations the same: the weights, the env section as the evaluation
+    reads it (task, chunking, observations; not :data:`TRAINING_ONLY_ENV_KEYS`), the algorithm
+    (its policy's sampler: FPO++'s Euler steps, ReinFlow's mean chain) and the sampler's flow
+    steps."""
+    env = {k: v for k, v in dataclasses.asdict(cfg.env).items() if k not in TRAINING_ONLY_ENV_KEYS}
+    return json.dumps({"base": str(base_path), "env": env, "algorithm": cfg.algorithm,
                        "flow_steps": cfg.algo.flow_steps}, sort_keys=True, default=str)
 
 

@@ -216,6 +216,21 @@ def test_ood_gains_are_over_the_base_in_the_same_scene_and_the_reference_there_b
     assert rp.ood_table({"x": {"ood": {}}}, str, str) == ""
 
 
+def test_base_id_ignores_the_training_start_groups_but_not_what_the_evaluation_reads():
+    # FlowSAR's group runs (env.start_group 4) and FPO++'s (1) meet the same evaluation episodes,
+    # so their final policies are compared; another chunk length is another setting
+    import robot_protocol as rp
+
+    from flowrl_ray.config import config_from_dict
+
+    def cfg(**env):
+        return config_from_dict({"algorithm": "fpopp", "env": {"family": "robot", "id": "can", **env}})
+    grouped, plain = rp.base_id(cfg(start_group=4), "p.pt"), rp.base_id(cfg(), "p.pt")
+    assert grouped == plain and "start_group" not in json.loads(plain)["env"]
+    assert rp.base_id(cfg(act_steps=4), "p.pt") != plain
+    assert json.loads(plain)["env"]["id"] == "can"
+
+
 def test_ood_sets_follow_the_task_and_refuse_what_it_cannot_take():
     import robot_protocol as rp
 
