@@ -126,14 +126,24 @@ def check_run_dir(flag: str, run_dir: Path) -> None:
 TRAINING_ONLY_ENV_KEYS = ("start_group",)
 
 
+def sampler_settings(cfg) -> dict:
+    """The algo keys, beyond the algorithm and its flow steps, that change how the evaluation
+    samples from a base's weights: under πRL's Flow-SDE (`noise: sde`) ReinFlow's chain follows
+    the SDE's mean drift at level `sde_level`, without the clip of the intermediate means. Empty
+    for every other setting, so their base ids are those written before this key existed."""
+    if getattr(cfg.algo, "noise", None) == "sde":
+        return {"noise": "sde", "sde_level": cfg.algo.sde_level}
+    return {}
+
+
 def base_id(cfg, base_path: str) -> str:
     """What makes two base evaluations the same: the weights, the env section as the evaluation
     reads it (task, chunking, observations; not :data:`TRAINING_ONLY_ENV_KEYS`), the algorithm
-    (its policy's sampler: FPO++'s Euler steps, ReinFlow's mean chain) and the sampler's flow
-    steps."""
+    (its policy's sampler: FPO++'s Euler steps, ReinFlow's mean chain), the sampler's flow
+    steps and :func:`sampler_settings`."""
     env = {k: v for k, v in dataclasses.asdict(cfg.env).items() if k not in TRAINING_ONLY_ENV_KEYS}
     return json.dumps({"base": str(base_path), "env": env, "algorithm": cfg.algorithm,
-                       "flow_steps": cfg.algo.flow_steps}, sort_keys=True, default=str)
+                       "flow_steps": cfg.algo.flow_steps, **sampler_settings(cfg)}, sort_keys=True, default=str)
 
 
 def collect_variants(args) -> dict[str, list[Path]]:

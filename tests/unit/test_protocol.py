@@ -231,6 +231,24 @@ def test_base_id_ignores_the_training_start_groups_but_not_what_the_evaluation_r
     assert json.loads(plain)["env"]["id"] == "can"
 
 
+def test_base_id_separates_the_flow_sde_chain_from_reinflows_on_the_same_weights():
+    # a ReinFlow variant and a Flow-SDE one share the base weights and the 4-step chain, but the
+    # evaluation samples the base differently (the SDE's mean drift, no clip of the intermediate
+    # means), so each needs its own base evaluation; an unread sde_level changes nothing
+    import robot_protocol as rp
+
+    from flowrl_ray.config import config_from_dict
+
+    def cfg(**algo):
+        return config_from_dict({"algorithm": "reinflow", "env": {"family": "robot", "id": "lift"},
+                                 "algo": {"flow_steps": 4, **algo}})
+    learned, sde = rp.base_id(cfg(), "p.pt"), rp.base_id(cfg(noise="sde"), "p.pt")
+    assert learned != sde
+    assert json.loads(sde)["noise"] == "sde" and json.loads(sde)["sde_level"] == cfg().algo.sde_level
+    assert rp.base_id(cfg(noise="sde", sde_level=0.2), "p.pt") != sde
+    assert rp.base_id(cfg(sde_level=0.2), "p.pt") == learned and "noise" not in json.loads(learned)
+
+
 def test_ood_sets_follow_the_task_and_refuse_what_it_cannot_take():
     import robot_protocol as rp
 
