@@ -47,8 +47,10 @@ def cmd_forms_serve(args: argparse.Namespace) -> int:
         server.start()
     except OSError as e:
         raise UserError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
-    print(f"[flowrl_ray] {len(catalog)} forms at {server.url}/ (Ctrl-C stops)", flush=True)
     try:
+        # inside the try: a Ctrl-C that follows the printed URL at once (a loaded machine may not
+        # have reached the loop yet) still stops the server cleanly
+        print(f"[flowrl_ray] {len(catalog)} forms at {server.url}/ (Ctrl-C stops)", flush=True)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
