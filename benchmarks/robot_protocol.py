@@ -54,6 +54,13 @@ on the same seeded episodes in each perturbed scene (wider object placement, a l
 slippery table, action noise; camera pose and lighting for image policies), each policy's gain
 over the base in the same scene and, with ``--reference``, the difference from the reference
 there. Each set costs as much evaluation time as the in-distribution one.
+
+A variant evaluated earlier (``--earlier NAME=RESULTS.json:VARIANT``, e.g. a committed ablation's
+default, whose run directories are gone): its per-episode outcomes are read from that protocol's
+results file and stand beside this process's policies, as a reference too, only when the base
+evaluated here has the same setting and the same outcomes as the file's base, episode by episode
+and rule by rule: the proof that both processes met the same episodes. Otherwise it is left out,
+with the number of episodes that differ printed and written to the results.
 """
 
 from __future__ import annotations
@@ -119,6 +126,60 @@ def check_run_dir(flag: str, run_dir: Path) -> None:
         raise UsageError(f"{flag}: {run_dir} is not a run directory (no config.yaml)")
     if latest_checkpoint(run_dir) is None:
         raise UsageError(f"{flag}: {run_dir} has no checkpoint (its policy cannot be evaluated)")
+
+
+def load_earlier(text: str, episodes: int, rules: tuple[str, ...]) -> tuple[str, dict]:
+    """``NAME=RESULTS.json:VARIANT`` -> (NAME, the variant as that protocol run recorded it: its
+    base setting and outcomes, its runs with their per-episode outcomes); raises UsageError."""
+    name, sep, rest = text.partition("=")
+    path, colon, variant = rest.rpartition(":")
+    if not sep or not name.strip() or not colon or not path or not variant:
+        raise UsageError(f"--earlier {text!r}: expected NAME=RESULTS.json:VARIANT")
+    name, flag = name.strip(), f"--earlier {name.strip()}"
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise UsageError(f"{flag}: cannot read {path} as JSON ({e.__class__.__name__})") from None
+    if not isinstance(data, dict) or not {"protocol", "bases", "variants"} <= set(data):
+        raise UsageError(f"{flag}: {path} is not a robot protocol results file")
+    if variant not in data["variants"]:
+        raise UsageError(f"{flag}: no variant {variant!r} in {path} (variants: {', '.join(data['variants'])})")
+    p = data["protocol"]
+    want = {"episodes": episodes, "eval_seed": EVAL_SEED, "eval_envs": EVAL_ENVS}
+    got = {k: p.get(k) for k in want}
+    if got != want:
+        raise UsageError(f"{flag}: {path} was evaluated on other episodes ({got}; here {want})")
+    missing = [s for s in rules if s not in p.get("sampling", [])]
+    if missing:
+        raise UsageError(f"{flag}: {path} has no {'/'.join(missing)} sampling outcomes")
+    v = data["variants"][variant]
+    runs = [{**{k: x for k, x in r.items() if k not in ("outcomes", "ood")},
+             "outcomes": {s: r["outcomes"][s] for s in rules}} for r in v["runs"]]
+    return name, {"file": path, "variant": variant, "revision": data.get("revision"),
+                  "base_setting": json.loads(v["base"]),
+                  "base_outcomes": {s: data["bases"][v["base"]]["outcomes"][s] for s in rules}, "runs": runs}
+
+
+def attach_earlier(bases: dict, evaluated: dict, earlier: dict[str, dict]) -> tuple[dict, list[str]]:
+    """Each earlier variant whose base setting matches a base evaluated here with the same
+    outcomes, episode by episode under every rule, joins the variants (first, in the given
+    order); -> (the variants, a line for each one left out and why)."""
+    joined, left_out = {}, []
+    for name, e in earlier.items():
+        bid = next((b for b in bases if json.loads(b) == e["base_setting"]), None)
+        if bid is None:
+            left_out.append(f"{name} ({e['file']}:{e['variant']}): its base setting is not one evaluated here")
+            continue
+        differ = {s: sum(a != b for a, b in zip(bases[bid]["outcomes"][s]["successes"], o["successes"]))
+                  for s, o in e["base_outcomes"].items()}
+        if any(differ.values()):
+            n = len(next(iter(e["base_outcomes"].values()))["successes"])
+            left_out.append(f"{name} ({e['file']}:{e['variant']}): the base's outcomes here differ from the "
+                            f"file's in " + ", ".join(f"{d} of {n} episodes ({s})" for s, d in differ.items() if d))
+            continue
+        joined[name] = {"base": bid, "runs": e["runs"],
+                        "earlier": {"file": e["file"], "variant": e["variant"], "revision": e["revision"]}}
+    return {**joined, **evaluated}, left_out
 
 
 # env keys the evaluation does not read: its envs are never grouped (make_eval_runner), so runs
@@ -555,6 +616,20 @@ def reference_table(variants: dict, pct, pts) -> str:
                         "difference [95 % CI], points"], rows)) + note
 
 
+def earlier_note(results: dict) -> str:
+    """The --earlier variants as a markdown paragraph ("" without any)."""
+    lines = [f"{name}: variant `{v['earlier']['variant']}` of `{v['earlier']['file']}` (revision "
+             f"{v['earlier']['revision']})" for name, v in results["variants"].items() if "earlier" in v]
+    text = ""
+    if lines:
+        text += ("\n\nEvaluated earlier, not in this process (their policies' per-episode outcomes read from the "
+                 "file; paired here because the base evaluated here had that file's outcomes, episode by episode): "
+                 + "; ".join(lines) + ".")
+    if results.get("earlier_left_out"):
+        text += "\n\nEarlier variants left out: " + "; ".join(results["earlier_left_out"]) + "."
+    return text
+
+
 def ood_table(variants: dict, pct, pts) -> str:
     """The out-of-distribution evaluation as a markdown section ("" without one)."""
     rows = []
@@ -603,6 +678,7 @@ def report(results: dict, results_dir: Path, output: str) -> None:
               "iterations' time; launch = the whole `flowrl-ray train` process, Ray's start included):\n\n"
             + md_table(["variant", "seed", "run", "iterations", "schedule", "chunks", "env steps", "training", "launch",
                         "learner s/iteration", "rollout s/iteration"], runs)
+            + earlier_note(results)
             + reference_table(results["variants"], pct, pts)
             + ood_table(results["variants"], pct, pts)
             + f"\n\nEvaluation time: {results['eval_time_s'] / 60:.1f} min.\n")
@@ -622,6 +698,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--episodes", type=int, default=100, help="evaluation episodes per sampling rule")
     p.add_argument("--reference", metavar="NAME",
                    help="also report every other variant's difference from this one (an ablation)")
+    p.add_argument("--earlier", action="append", metavar="NAME=RESULTS.json:VARIANT",
+                   help="a variant evaluated by an earlier protocol run, from its results file; paired only if "
+                        "the base's outcomes here equal the file's, episode by episode (repeatable)")
     p.add_argument("--ood", nargs="*", metavar="SET",
                    help="also evaluate in the perturbed scenes of the OOD suite (no SET: every set the task takes; "
                         "sets: placement, object_size, friction, action_noise, camera, lighting)")
@@ -676,6 +755,15 @@ def main(argv: list[str] | None = None) -> int:
             if name in variants:
                 raise UsageError(f"--name {name}: also the name of a --variant/--runs group")
         known = [*variants, *([name] if cfg is not None else [])]
+        earlier = {}
+        if args.earlier and args.ood is not None:
+            raise UsageError("--earlier with --ood: an earlier variant brings no out-of-distribution outcomes")
+        for text in args.earlier or []:
+            ename, e = load_earlier(text, args.episodes, tuple(dict.fromkeys(args.sampling)))
+            if ename in known or ename in earlier:
+                raise UsageError(f"--earlier {ename}: also the name of another variant")
+            earlier[ename] = e
+        known += list(earlier)
         if args.reference is not None and args.reference not in known:
             raise UsageError(f"--reference {args.reference}: not a variant (variants: {', '.join(known)})")
     except (UsageError, ConfigError) as e:
@@ -690,7 +778,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         bases, evaluated = evaluate_all(variants, args.base, args.episodes, launch_wall, args.ood,
                                         rules=tuple(dict.fromkeys(args.sampling)))
-        summarise(bases, evaluated, args.n_boot, args.reference)
+        evaluated, left_out = attach_earlier(bases, evaluated, earlier)
+        for line in left_out:
+            log(f"earlier variant left out: {line}")
+        reference = args.reference if args.reference in evaluated else None
+        if args.reference is not None and reference is None:
+            log(f"--reference {args.reference} was left out: no differences from it are reported")
+        summarise(bases, evaluated, args.n_boot, reference)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -699,7 +793,7 @@ def main(argv: list[str] | None = None) -> int:
                     "sampling": list(dict.fromkeys(args.sampling)), "band": "std across seeds",
                     "gain": "mean over seeds of (policy success - base success), CI: percentile bootstrap "
                             "over episodes, paired"},
-        launched_extra={"parallel": args.parallel}, reference=args.reference,
+        launched_extra={"parallel": args.parallel}, reference=reference, earlier_left_out=left_out,
         bases={bid: {"path": str(b["path"]), "setting": json.loads(bid), "outcomes": b["outcomes"],
                      "ood": b.get("ood", {})} for bid, b in bases.items()},
         variants=evaluated, eval_time_s=round(time.perf_counter() - t0, 1))

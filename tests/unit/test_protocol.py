@@ -342,6 +342,91 @@ def test_reference_must_name_a_variant(tmp_path, capsys):
     assert code == 2 and "--reference b: not a variant (variants: a)" in err, err
 
 
+
+def _earlier_file(tmp_path, base_successes, setting, episodes=4, rules=("random",)):
+    """A robot protocol results file as the protocol writes it: one base, variant `default` of
+    two seeds (per episode 1, .5, .5, 0 under every rule)."""
+    import robot_protocol as rp
+    bid = json.dumps(setting, sort_keys=True)
+    runs = [{"run_dir": f"runs/d-s{i}", "seed": i, "chunks": 640, "env_steps": 5000, "time_s": 60.0,
+             "iterations": 1, "launch_wall_s": None,
+             "outcomes": {s: {"successes": x} for s in rules}, "ood": {}}
+            for i, x in enumerate(([1, 1, 0, 0], [1, 0, 1, 0]))]
+    data = {"revision": "abc1234", "protocol": {"episodes": episodes, "eval_seed": rp.EVAL_SEED,
+                                                "eval_envs": rp.EVAL_ENVS, "sampling": list(rules)},
+            "bases": {bid: {"path": "p.pt", "setting": setting,
+                            "outcomes": {s: {"successes": list(base_successes)} for s in rules}}},
+            "variants": {"default": {"base": bid, "runs": runs}}}
+    path = tmp_path / "ablation.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_an_earlier_variant_pairs_by_hand_only_where_the_base_met_the_same_episodes(tmp_path):
+    import robot_protocol as rp
+    setting = {"base": "p.pt", "env": {"id": "lift"}, "algorithm": "flowsar", "flow_steps": 10}
+    bid = json.dumps(setting, sort_keys=True)
+    path = _earlier_file(tmp_path, [1, 0, 1, 0], setting)
+    name, e = rp.load_earlier(f"default={path}:default", 4, ("random",))
+    assert name == "default" and e["revision"] == "abc1234" and "ood" not in e["runs"][0]
+    bases = {bid: {"outcomes": {"random": {"successes": [1, 0, 1, 0]}}}}
+    here = {"t0.3": {"base": bid, "runs": [{"outcomes": {"random": {"successes": [1, 1, 1, 0]}}},
+                                           {"outcomes": {"random": {"successes": [1, 1, 1, 1]}}}]}}
+    variants, left_out = rp.attach_earlier(bases, dict(here), {name: e})
+    assert left_out == [] and list(variants) == ["default", "t0.3"]
+    rp.summarise(bases, variants, n_boot=2000, reference="default")
+    # the earlier variant's gain over the base here: (1, .5, .5, 0) - (1, 0, 1, 0) -> mean 0
+    assert variants["default"]["gain"]["random"]["gain"] == pytest.approx(0.0)
+    # t0.3 per episode (1, 1, 1, .5) minus default's (1, .5, .5, 0): .375
+    d = variants["t0.3"]["vs_reference"]["random"]
+    assert d["gain"] == pytest.approx(0.375) and 0.0 <= d["ci_low"] <= 0.375 <= d["ci_high"] <= 0.5
+    results = {"variants": variants, "earlier_left_out": left_out}
+    assert f"variant `default` of `{path}` (revision abc1234)" in rp.earlier_note(results)
+    # the base here differs from the file's in one episode: other episodes or another base, left out
+    bases[bid]["outcomes"]["random"]["successes"] = [1, 0, 1, 1]
+    variants, left_out = rp.attach_earlier(bases, dict(here), {name: e})
+    assert list(variants) == ["t0.3"] and len(left_out) == 1 and "1 of 4 episodes (random)" in left_out[0]
+    assert "Earlier variants left out: default" in rp.earlier_note({"variants": variants,
+                                                                   "earlier_left_out": left_out})
+    # another base setting (here: another algorithm's sampler) is not compared at all
+    other = json.dumps({**setting, "algorithm": "fpopp"}, sort_keys=True)
+    variants, left_out = rp.attach_earlier({other: bases[bid]}, dict(here), {name: e})
+    assert "default" not in variants and "base setting is not one evaluated here" in left_out[0]
+
+
+def test_an_earlier_variant_from_a_bad_file_stops_with_one_line_naming_the_flag(tmp_path, capsys):
+    import robot_protocol as rp
+    setting = {"base": "p.pt", "env": {"id": "lift"}, "algorithm": "flowsar", "flow_steps": 10}
+    path = _earlier_file(tmp_path, [1, 0, 1, 0], setting)
+    for text, msg in ((f"d={tmp_path / 'no.json'}:default", "cannot read"),
+                      (f"d={path}", "expected NAME=RESULTS.json:VARIANT"),
+                      (f"d={path}:fsar", "no variant 'fsar'"),
+                      (f"d={REPO / 'configs' / 'fpopp' / 'lift_state_quickstart.yaml'}:x", "cannot read")):
+        with pytest.raises(rp.UsageError, match=msg):
+            rp.load_earlier(text, 4, ("random",))
+    with pytest.raises(rp.UsageError, match="other episodes"):
+        rp.load_earlier(f"d={path}:default", 100, ("random",))
+    with pytest.raises(rp.UsageError, match="no zero sampling outcomes"):
+        rp.load_earlier(f"d={path}:default", 4, ("zero", "random"))
+    (tmp_path / "other.json").write_text("[1, 2]")
+    with pytest.raises(rp.UsageError, match="not a robot protocol results file"):
+        rp.load_earlier(f"d={tmp_path / 'other.json'}:default", 4, ("random",))
+    # through the command: one line, exit 2, before anything is evaluated
+    run = tmp_path / "r"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.yaml").write_text("name: x\n")
+    (run / "checkpoints" / "iter_000001.pt").write_bytes(b"")
+    for argv, msg in (([f"--earlier", f"a={path}:default", "--episodes", "4", "--sampling", "random"],
+                       "nothing to evaluate"),
+                      ([f"--variant", f"a={run}", "--earlier", f"a={path}:default", "--episodes", "4",
+                        "--sampling", "random"], "--earlier a: also the name of another variant"),
+                      ([f"--variant", f"a={run}", "--earlier", f"d={path}:default", "--episodes", "4"],
+                       "no zero sampling outcomes"),
+                      ([f"--variant", f"a={run}", "--earlier", f"d={path}:default", "--ood"], "--earlier with --ood")):
+        assert rp.main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and msg in err[0], err
+
 # --------------------------------------------------------------------------- the forms protocol
 
 def test_forms_protocol_summary_splits_the_task_kinds_by_hand():
