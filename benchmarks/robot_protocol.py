@@ -59,8 +59,10 @@ A variant evaluated earlier (``--earlier NAME=RESULTS.json:VARIANT``, e.g. a com
 default, whose run directories are gone): its per-episode outcomes are read from that protocol's
 results file and stand beside this process's policies, as a reference too, only when the base
 evaluated here has the same setting and the same outcomes as the file's base, episode by episode
-and rule by rule: the proof that both processes met the same episodes. Otherwise it is left out,
-with the number of episodes that differ printed and written to the results.
+and rule by rule: the check that both processes met the same episodes (weak where the base
+succeeds in every episode). Otherwise it is left out, with the number of episodes that differ
+printed and written to the results: evaluations by random sampling in two processes can part in
+a few envs' streams, so a file's variant is no substitute for evaluating beside it.
 """
 
 from __future__ import annotations
