@@ -114,6 +114,20 @@ def base_policy(cfg, path: str | None = None):
     return policy.eval()
 
 
+def weights_digest(policy) -> str:
+    """A short sha256 of ``policy``'s weights (names, dtypes, shapes and bytes, in name order):
+    two base files with the same digest hold the same policy, whatever else the files record."""
+    import hashlib
+
+    import torch
+    h = hashlib.sha256()
+    for name, t in sorted(policy.state_dict().items()):
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def base_key(cfg) -> str:
     """The base policy's path, with the executed chunk length when it is not the config's 8."""
     path = cfg.algo.base_policy

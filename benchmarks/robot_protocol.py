@@ -60,9 +60,11 @@ default, whose run directories are gone): its per-episode outcomes are read from
 results file and stand beside this process's policies, as a reference too, only when the base
 evaluated here has the same setting and the same outcomes as the file's base, episode by episode
 and rule by rule: the check that both processes met the same episodes (weak where the base
-succeeds in every episode). Otherwise it is left out, with the number of episodes that differ
-printed and written to the results: evaluations by random sampling in two processes can part in
-a few envs' streams, so a file's variant is no substitute for evaluating beside it.
+succeeds in every episode), and, where the file records it, the same base weights (a sha256 of
+the loaded policy's tensors, ``weights_sha256``). Otherwise it is left out, with the number of episodes that differ
+printed and written to the results, and whether the base weights were the same: evaluations by
+random sampling in two processes can part in a few envs' streams, so a file's variant is no
+substitute for evaluating beside it.
 """
 
 from __future__ import annotations
@@ -79,7 +81,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RESULTS_DIR, command_line, git_revision, machine_info, md_table, write_json, write_results  # noqa: E402
 from _robot import (EVAL_ENVS, EVAL_SEED, FLOWRL, PUBLISHED_STATE, SAMPLING_RULES, base_policy,  # noqa: E402
-                    ensure_demos_and_base, evaluate_episodes, make_eval_runner, run_config, run_summary)
+                    ensure_demos_and_base, evaluate_episodes, make_eval_runner, run_config, run_summary,
+                    weights_digest)
 
 MIN_SEEDS = 3
 LEVEL = 0.95
@@ -159,13 +162,15 @@ def load_earlier(text: str, episodes: int, rules: tuple[str, ...]) -> tuple[str,
              "outcomes": {s: r["outcomes"][s] for s in rules}} for r in v["runs"]]
     return name, {"file": path, "variant": variant, "revision": data.get("revision"),
                   "base_setting": json.loads(v["base"]),
+                  "base_weights": data["bases"][v["base"]].get("weights_sha256"),
                   "base_outcomes": {s: data["bases"][v["base"]]["outcomes"][s] for s in rules}, "runs": runs}
 
 
 def attach_earlier(bases: dict, evaluated: dict, earlier: dict[str, dict]) -> tuple[dict, list[str]]:
     """Each earlier variant whose base setting matches a base evaluated here with the same
-    outcomes, episode by episode under every rule, joins the variants (first, in the given
-    order); -> (the variants, a line for each one left out and why)."""
+    outcomes, episode by episode under every rule, and (where both record them) the same base
+    weights joins the variants (first, in the given order); -> (the variants, a line for each one
+    left out and why)."""
     joined, left_out = {}, []
     for name, e in earlier.items():
         bid = next((b for b in bases if json.loads(b) == e["base_setting"]), None)
@@ -174,10 +179,16 @@ def attach_earlier(bases: dict, evaluated: dict, earlier: dict[str, dict]) -> tu
             continue
         differ = {s: sum(a != b for a, b in zip(bases[bid]["outcomes"][s]["successes"], o["successes"]))
                   for s, o in e["base_outcomes"].items()}
-        if any(differ.values()):
+        here, there = bases[bid].get("weights_sha256"), e.get("base_weights")
+        weights = ("the file records no base weights" if not (here and there) else
+                   "the base weights are the same" if here == there else
+                   f"the base weights differ ({here} here, {there} in the file)")
+        if any(differ.values()) or (here and there and here != there):
             n = len(next(iter(e["base_outcomes"].values()))["successes"])
-            left_out.append(f"{name} ({e['file']}:{e['variant']}): the base's outcomes here differ from the "
-                            f"file's in " + ", ".join(f"{d} of {n} episodes ({s})" for s, d in differ.items() if d))
+            outcomes = ("the base's outcomes here differ from the file's in "
+                        + ", ".join(f"{d} of {n} episodes ({s})" for s, d in differ.items() if d)
+                        if any(differ.values()) else "the base's outcomes are the same")
+            left_out.append(f"{name} ({e['file']}:{e['variant']}): {outcomes}; {weights}")
             continue
         joined[name] = {"base": bid, "runs": e["runs"],
                         "earlier": {"file": e["file"], "variant": e["variant"], "revision": e["revision"]}}
@@ -434,6 +445,7 @@ def evaluate_all(variants: dict[str, list[Path]], base_override: str | None, epi
     try:
         for bid, b in bases.items():
             policy = base_policy(b["cfg"], b["path"])
+            b["weights_sha256"] = weights_digest(policy)
             runners[bid] = make_eval_runner(b["cfg"], policy)
             b["outcomes"] = evaluate_episodes(policy, b["cfg"], episodes, runners[bid], label="eval base",
                                               rules=rules)
@@ -671,7 +683,9 @@ def report(results: dict, results_dir: Path, output: str) -> None:
             f"episodes per sampling rule (evaluation seed {p['eval_seed']}, {p['eval_envs']} envs); gain = mean "
             f"over seeds of (policy success - base success), in points, with a {100 * LEVEL:.0f} % percentile "
             f"bootstrap CI over episodes ({p['n_boot']:,} resamples, paired by episode). Curves: mean +- one std "
-            f"across seeds (`{output}_train.png`, `{output}_eval.png`)."
+            f"across seeds (`{output}_train.png`, `{output}_eval.png`). Base weights (sha256 of the loaded "
+            f"policy's tensors): " + ", ".join(f"`{b['path']}` {b.get('weights_sha256') or '(not recorded)'}"
+                                               for b in results["bases"].values()) + "."
             + (f"\n\n{results['note']}" if results.get("note") else "") + "\n\n"
             + md_table(["variant", "sampling", "seeds", "base", "success per seed", "mean", "gain [95 % CI], points"],
                        rows)
@@ -796,7 +810,8 @@ def main(argv: list[str] | None = None) -> int:
                     "gain": "mean over seeds of (policy success - base success), CI: percentile bootstrap "
                             "over episodes, paired"},
         launched_extra={"parallel": args.parallel}, reference=reference, earlier_left_out=left_out,
-        bases={bid: {"path": str(b["path"]), "setting": json.loads(bid), "outcomes": b["outcomes"],
+        bases={bid: {"path": str(b["path"]), "weights_sha256": b["weights_sha256"], "setting": json.loads(bid),
+                     "outcomes": b["outcomes"],
                      "ood": b.get("ood", {})} for bid, b in bases.items()},
         variants=evaluated, eval_time_s=round(time.perf_counter() - t0, 1))
     return write_outputs(results, args, plot, report)

@@ -49,6 +49,9 @@ def test_protocol_end_to_end_on_a_tiny_lift_run(tmp_path, capsys):
     v = data["variants"]["tiny-lift"]
     assert [r["seed"] for r in v["runs"]] == [0, 1]
     (base_entry,) = data["bases"].values()
+    from _robot import base_policy, run_config, weights_digest
+    digest = weights_digest(base_policy(run_config(v["runs"][0]["run_dir"]), str(base)))
+    assert base_entry["weights_sha256"] == digest and f"`{base}` {digest}" in (results / "smoke.md").read_text()
     for s in ("zero", "random"):
         b = base_entry["outcomes"][s]
         assert len(b["successes"]) == 6 and b["keys"] == sorted(b["keys"])
