@@ -389,3 +389,30 @@ def test_cli_forms_subcommands_explain_themselves(sub, capsys):
     with pytest.raises(SystemExit) as e:
         main(["forms", sub, "--help"])
     assert e.value.code == 0 and f"usage: flowrl-ray forms {sub}" in capsys.readouterr().out
+
+
+def test_forms_serve_stops_cleanly_on_a_ctrl_c_that_arrives_with_the_printed_url(monkeypatch, capsys):
+    """A Ctrl-C delivered while the URL is being printed, before the serving loop is reached, is a
+    clean stop (exit 0, the server closed), not an escaped KeyboardInterrupt."""
+    import signal
+
+    from flowrl_ray.envs.forms import cli as forms_cli
+    monkeypatch.setattr(signal, "signal", lambda *a: None)        # keep this process's handlers
+    urls = []
+
+    def print_then_interrupt(*args, **kwargs):
+        text = " ".join(map(str, args))
+        print(text, **kwargs)
+        if "Ctrl-C stops" in text:
+            urls.append(text.split(" forms at ")[1].split("/ ")[0])
+            raise KeyboardInterrupt
+    monkeypatch.setattr(forms_cli, "print", print_then_interrupt, raising=False)
+    args = SimpleNamespace(forms_dir=None, host="127.0.0.1", port=0)
+    try:
+        code = forms_cli.cmd_forms_serve(args)
+    except KeyboardInterrupt:
+        pytest.fail("the Ctrl-C escaped the serving command")
+    assert code == 0
+    assert "stopping the form server" in capsys.readouterr().out and len(urls) == 1
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(urls[0] + "/", timeout=2)
