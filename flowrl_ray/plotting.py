@@ -72,13 +72,17 @@ def plot_curves(data: dict[str, list[tuple[np.ndarray, np.ndarray]]], out_png: s
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-    for label, runs in sorted(data.items()):
+    # matplotlib's cycle has 10 colours: past 10 lines, 20 colours and a second line style, so
+    # that no two lines look alike
+    many = len(data) > 10
+    for i, (label, runs) in enumerate(sorted(data.items())):
+        style = dict(color=plt.get_cmap("tab20")(i % 20), ls=("-", "--")[i // 20 % 2]) if many else {}
         if len(runs) == 1:
-            ax.plot(runs[0][0], runs[0][1], label=label, lw=1.6)
+            ax.plot(runs[0][0], runs[0][1], label=label, lw=1.6, **style)
         else:
             grid, mean, std = mean_std_band(runs)
-            line, = ax.plot(grid, mean, label=f"{label} (n={len(runs)})", lw=1.6)
-            ax.fill_between(grid, mean - std, mean + std, color=line.get_color(), alpha=0.2)
+            line, = ax.plot(grid, mean, label=f"{label} (n={len(runs)})", lw=1.6, **style)
+            ax.fill_between(grid, mean - std, mean + std, color=line.get_color(), alpha=0.2 if not many else 0.1)
     for (label, x, y), style in zip(markers, itertools.cycle(("*", "D", "P", "X"))):
         ax.plot([x], [y], style, ms=10, color="black", label=label, ls="none")
     ax.set_xscale(xscale)
@@ -86,7 +90,7 @@ def plot_curves(data: dict[str, list[tuple[np.ndarray, np.ndarray]]], out_png: s
     ax.set_ylabel(ylabel)
     ax.set_title(title or "learning curves")
     ax.grid(alpha=0.3)
-    ax.legend(loc="best", fontsize=8)
+    ax.legend(loc="best", fontsize=8, ncol=2 if many else 1)
     fig.tight_layout()
     out = Path(out_png)
     out.parent.mkdir(parents=True, exist_ok=True)

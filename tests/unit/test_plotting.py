@@ -37,3 +37,20 @@ def test_plot_curves_draws_quoted_points_on_a_log_axis(tmp_path, monkeypatch):
     monkeypatch.setattr(plt.Figure, "savefig", keep)
     plot_curves({"run": [(x, x / 1e5)]}, tmp_path / "c.png", xscale="log", markers=[("paper", 9.06e6, 1.0)])
     assert seen == {"xscale": "log", "legend": ["run", "paper"], "point": [[[9.06e6, 1.0]]]}
+
+
+def test_plot_curves_gives_every_one_of_many_lines_its_own_look(tmp_path, monkeypatch):
+    """Past matplotlib's 10 colours (13 variants of an ablation) no two lines share colour and style."""
+    import matplotlib.pyplot as plt
+    x = np.linspace(0, 1, 5)
+    seen, real_savefig = {}, plt.Figure.savefig
+
+    def keep(fig, *a, **k):
+        seen["looks"] = [(tuple(line.get_color()) if not isinstance(line.get_color(), str) else line.get_color(),
+                          line.get_linestyle()) for line in fig.axes[0].lines]
+        return real_savefig(fig, *a, **k)
+
+    monkeypatch.setattr(plt.Figure, "savefig", keep)
+    for n in (3, 13, 25):
+        plot_curves({f"v{i:02d}": [(x, x * i), (x, x * i + 1)] for i in range(n)}, tmp_path / "c.png")
+        assert len(seen["looks"]) == n and len(set(seen["looks"])) == n, n
