@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # What `make test` needs: dev (pytest), robot (robosuite, h5py), forms (playwright), text, mol (tblite, rdkit, qm9pack),
 # tracking (wandb, mlflow-skinny)
 EXTRAS ?= dev,robot,text,forms,mol,tracking
-RUN_DIR ?= runs/fpopp-lift
+RUN_DIR ?= runs/fpopp-can
 
 .PHONY: run run-ppo test test-unit install system-deps lint bench jobs clean
 
@@ -41,16 +41,18 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# The main job, on a local Ray started on demand: 50 scripted Lift demonstrations -> a short
+# The main job, on a local Ray started on demand: 100 scripted Can demonstrations -> a short
 # flow-matching pretraining (an imperfect base policy) -> FPO++ fine-tuning; prints the base's and
 # the final policy's success on the same 100 seeded episodes by both sampling rules with the
-# paired gain and its 95 % CI, and draws the curves (runs/fpopp-lift-<time>/plots/); about 17 min
+# paired gain and its 95 % CI, and draws the curves (runs/fpopp-can-<time>/plots/); about 28 min
 # on 2 cores. Demos and the base policy are made once (delete demos/ or pretrained/ to redo them).
+# Can, not Lift: Lift's bases that learn already succeed every time by zero sampling, the rule a
+# user deploys (docs/results.md, "`make run`").
 FLOWRL := $(VENV)/bin/flowrl-ray
-QUICKSTART := configs/fpopp/lift_state_quickstart.yaml
+QUICKSTART := configs/fpopp/can_state_quickstart.yaml
 run: install
-	test -f demos/lift.hdf5 || $(FLOWRL) demos lift --episodes 50 --out demos/lift.hdf5
-	test -f pretrained/lift_state_quickstart.pt || $(FLOWRL) pretrain $(QUICKSTART) --epochs 20 --eval-episodes 20
+	test -f demos/can.hdf5 || $(FLOWRL) demos can --episodes 100 --out demos/can.hdf5
+	test -f pretrained/can_state_quickstart.pt || $(FLOWRL) pretrain $(QUICKSTART) --epochs 20 --eval-episodes 20
 	$(FLOWRL) train $(QUICKSTART) --run-dir $(RUN_DIR)-$$(date +%Y%m%d-%H%M%S)
 
 # The platform's smallest job: PPO on Pendulum-v1 (about a minute on 2 cores).
