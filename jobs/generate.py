@@ -93,10 +93,10 @@ JOBS = {
     "fpopp/lift_image": Job("FPO++ fine-tuning on robosuite Lift (agentview images)", demos=100),
     "fpopp/can_image": Job("FPO++ fine-tuning on robosuite Can (agentview images)", demos=200),
     "fpopp/square_image": Job("FPO++ fine-tuning on robosuite Square (agentview images)", demos=200),
-    "fpopp/lift_state_quickstart": Job("the laptop-sized FPO++ Lift run of `make run` (low-dim state, CPU only)",
+    "fpopp/lift_state_quickstart": Job("the laptop-sized FPO++ Lift run (low-dim state, CPU only)",
                                        "cpu", hours=2, learner_gpus=0, demos=50, pretrain="--epochs 20"),
-    "fpopp/can_state_quickstart": Job("the laptop-sized FPO++ Can run (low-dim state, CPU only)", "cpu", hours=2,
-                                      learner_gpus=0, demos=100, pretrain="--epochs 20"),
+    "fpopp/can_state_quickstart": Job("the laptop-sized FPO++ Can run of `make run` (low-dim state, CPU only)", "cpu",
+                                      hours=2, learner_gpus=0, demos=100, pretrain="--epochs 20"),
     "fpopp/can_state_long": Job("the FPO++ Can quickstart run for 300 iterations (low-dim state, CPU only)", "cpu",
                                 hours=12, learner_gpus=0, demos=100, pretrain="--epochs 20"),
     "fpopp/square_state_quickstart": Job("the laptop-sized FPO++ Square run (low-dim state, CPU only)", "cpu",
@@ -108,7 +108,7 @@ JOBS = {
     "reinflow/can_state_grpo": Job("πRL's GRPO for flow policies on robosuite Can (the ReinFlow chain, start "
                                    "groups of 8, no critic)", demos=200),
     "reinflow/square_state": Job("ReinFlow fine-tuning on robosuite Square (low-dim state)", demos=200),
-    "reinflow/lift_state_quickstart": Job("the laptop-sized ReinFlow Lift run on `make run`'s base (low-dim state, "
+    "reinflow/lift_state_quickstart": Job("the laptop-sized ReinFlow Lift run on the FPO++ Lift quickstart's base (low-dim state, "
                                           "CPU only)", "cpu", hours=2, learner_gpus=0, demos=50, pretrain="--epochs 20"),
     "reinflow/can_state_quickstart": Job("the laptop-sized ReinFlow Can run on the FPO++ Can quickstart's base "
                                          "(low-dim state, CPU only)", "cpu", hours=2, learner_gpus=0, demos=100,
