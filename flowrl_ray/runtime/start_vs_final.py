@@ -96,7 +96,20 @@ def read(run_dir: Path) -> dict | None:
 
 
 def plot(result: dict, out_png: Path) -> Path:
-    """Start and final per rule, bars with the final's paired 95 % CI on the gain."""
+    """Start and final per rule, bars with the final's paired 95 % CI on the gain (:func:`figure`),
+    written to ``out_png``."""
+    import matplotlib.pyplot as plt
+    fig = figure(result)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    return out_png
+
+
+def figure(result: dict):
+    """The comparison's matplotlib figure: per rule, the start bar and the final bar with the
+    paired gain's 95 % CI as its error bar; the legend sits below the axes, clear of every bar and
+    error bar whatever the rates."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -113,9 +126,6 @@ def plot(result: dict, out_png: Path) -> Path:
     ax.set_xticks(x, [f"{n} sampling" + (" (deployed)" if result["rules"][n]["deployed"] else "") for n in names])
     ax.set_ylabel("success rate (%)" if scale == 100.0 else "episode return")
     ax.set_title(f"start vs final, {result['episodes']} paired episodes", fontsize=10)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=110)
-    plt.close(fig)
-    return out_png
+    fig.legend(*ax.get_legend_handles_labels(), loc="lower center", ncol=2, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))                      # room for the legend under the axes
+    return fig

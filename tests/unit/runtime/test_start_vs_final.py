@@ -69,3 +69,33 @@ def test_a_group_run_refuses_the_comparison_before_ray_starts(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "config key 'eval.compare_episodes'" in err and "env-step runs" in err
     assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("rates", [(0.4, 0.52, 0.51, 0.54), (0.9, 1.0, 0.95, 0.97), (0.0, 0.05, 0.0, 0.0)])
+def test_the_plot_legend_covers_no_bar_and_no_error_bar(rates):
+    # the figure make_run.md showed had the legend over the random-sampling bar's CI whisker
+    z0, z1, r0, r1 = rates
+    n = 100
+    start = _side({"zero": [1] * round(n * z0) + [0] * (n - round(n * z0)),
+                   "random": [1] * round(n * r0) + [0] * (n - round(n * r0))})
+    final = _side({"zero": [1] * round(n * z1) + [0] * (n - round(n * z1)),
+                   "random": [1] * round(n * r1) + [0] * (n - round(n * r1))})
+    data = {"start": start, "final": final, "episodes": n, "outcome": "success",
+            "rules": svf.compare(start, final, "zero", n_boot=500)}
+    import matplotlib.pyplot as plt
+    fig = svf.figure(data)
+    try:
+        renderer = fig.canvas.get_renderer()
+        fig.canvas.draw()
+        legend = (fig.legends or fig.axes[0].get_legend() and [fig.axes[0].get_legend()])[0].get_window_extent(renderer)
+        ax = fig.axes[0]
+        from matplotlib.transforms import Bbox
+        boxes = [p.get_window_extent(renderer) for p in ax.patches]                        # the 4 bars
+        boxes += [Bbox.from_extents(*ax.transData.transform(seg).min(0), *ax.transData.transform(seg).max(0))
+                  for col in ax.collections for seg in col.get_segments()]                # the CI whiskers
+        boxes += [line.get_window_extent(renderer) for line in ax.lines]                   # their caps
+        assert len(ax.patches) == 4 and len(boxes) >= 6, "the bars and the error bars are drawn"
+        for box in boxes:
+            assert not legend.overlaps(box), box
+    finally:
+        plt.close(fig)
