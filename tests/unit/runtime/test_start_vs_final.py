@@ -83,13 +83,13 @@ def test_the_plot_legend_covers_no_bar_and_no_error_bar(rates):
     data = {"start": start, "final": final, "episodes": n, "outcome": "success",
             "rules": svf.compare(start, final, "zero", n_boot=500)}
     import matplotlib.pyplot as plt
+    from matplotlib.transforms import Bbox
     fig = svf.figure(data)
     try:
         renderer = fig.canvas.get_renderer()
         fig.canvas.draw()
-        legend = (fig.legends or fig.axes[0].get_legend() and [fig.axes[0].get_legend()])[0].get_window_extent(renderer)
+        legend = fig.legends[0].get_window_extent(renderer)
         ax = fig.axes[0]
-        from matplotlib.transforms import Bbox
         boxes = [p.get_window_extent(renderer) for p in ax.patches]                        # the 4 bars
         boxes += [Bbox.from_extents(*ax.transData.transform(seg).min(0), *ax.transData.transform(seg).max(0))
                   for col in ax.collections for seg in col.get_segments()]                # the CI whiskers
