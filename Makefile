@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 EXTRAS ?= dev,robot,text,forms,mol,tracking
 RUN_DIR ?= runs/fpopp-can
 
-.PHONY: run run-ppo test test-unit install system-deps lint bench jobs clean
+.PHONY: run run-ppo test test-unit install system-deps lint bench jobs gpu-site gpu-check clean
 
 # System packages: swig builds box2d-py (gymnasium[box2d]); gcc and the kernel headers build evdev
 # (a robosuite dependency, from source); Mesa's EGL and OSMesa render robosuite cameras on the CPU;
@@ -85,6 +85,16 @@ bench: install
 
 jobs: install
 	$(PY) jobs/generate.py
+
+# The GPU check (benchmarks/gpu_check.sh): `make gpu-site` here (needs the package index) unpacks
+# what a machine with torch, transformers and peft lacks into build/gpu-site; on that machine, in a
+# copy of the repository holding build/gpu-site, `OUT=folder make gpu-check PY=python3` (or the
+# script itself) runs every CUDA test and the CPU-vs-GPU learner updates.
+gpu-site: install
+	PYTHON=$(PY) bash benchmarks/gpu_check.sh site
+
+gpu-check:
+	PYTHON=$(PY) bash benchmarks/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

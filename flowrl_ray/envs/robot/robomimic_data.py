@@ -26,14 +26,23 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
-import h5py
 import numpy as np
 
 from flowrl_ray.envs.gym import rescale_action
 
+if TYPE_CHECKING:
+    import h5py
+
 ROBOSUITE_ENV_TYPE = 1     # robomimic's EnvType.ROBOSUITE_TYPE
+
+
+def _h5py():
+    """h5py, imported when a demo file is read or written: the robot family's learner-side
+    code (configs, specs, policies) loads without it, as on a GPU machine that holds no h5py."""
+    import h5py
+    return h5py
 
 
 def _demo_names(data: h5py.Group, f: h5py.File, filter_key: str | None) -> list[str]:
@@ -50,7 +59,7 @@ def _demo_names(data: h5py.Group, f: h5py.File, filter_key: str | None) -> list[
 
 def env_args(path: str | Path) -> dict:
     """The ``data.attrs["env_args"]`` metadata (env_name, env_version, type, env_kwargs)."""
-    with h5py.File(path, "r") as f:
+    with _h5py().File(path, "r") as f:
         return json.loads(f["data"].attrs["env_args"])
 
 
@@ -58,7 +67,7 @@ def iter_demos(path: str | Path, obs_keys: Sequence[str], filter_key: str | None
                ) -> Iterator[dict[str, np.ndarray]]:
     """Yield each demo as {"obs": {key: [T, ...]}, "actions": [T, A], "rewards": [T],
     "dones": [T]}, reading only the observation keys asked for."""
-    with h5py.File(path, "r") as f:
+    with _h5py().File(path, "r") as f:
         data = f["data"]
         for name in _demo_names(data, f, filter_key):
             demo = data[name]
@@ -136,7 +145,7 @@ def compute_stats(path: str | Path, obs_keys: Sequence[str]) -> NormStats:
 
 
 def write_stats(path: str | Path, stats: NormStats) -> None:
-    with h5py.File(path, "a") as f:
+    with _h5py().File(path, "a") as f:
         if "stats" in f:
             del f["stats"]
         g = f.create_group("stats")
@@ -148,7 +157,7 @@ def write_stats(path: str | Path, stats: NormStats) -> None:
 def read_stats(path: str | Path, obs_keys: Sequence[str]) -> NormStats:
     """The statistics stored with the dataset when they cover ``obs_keys`` in this order,
     else computed from its demos (a downloaded robomimic file has none stored)."""
-    with h5py.File(path, "r") as f:
+    with _h5py().File(path, "r") as f:
         if "stats" in f and json.loads(f["stats"].attrs["obs_keys"]) == list(obs_keys):
             g = f["stats"]
             return NormStats(tuple(obs_keys), *(g[n][()] for n in
@@ -168,7 +177,7 @@ class DemoWriter:
     def __init__(self, path: str | Path, env_args: dict):
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         self.path = Path(path)
-        self._file = h5py.File(self.path, "w")
+        self._file = _h5py().File(self.path, "w")
         self._data = self._file.create_group("data")
         self._data.attrs["env_args"] = json.dumps(env_args, indent=2)
         self.num_demos = 0

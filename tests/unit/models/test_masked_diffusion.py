@@ -411,6 +411,7 @@ def test_4bit_switch_errors_clearly_without_bitsandbytes(tok_dir, monkeypatch):
         md.build_masked_lm({**cfg, "hidden_size": 72, "num_heads": 2})
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="4-bit QLoRA (bitsandbytes) needs a CUDA GPU")
 def test_qlora_4bit_on_cuda_trains_only_adapters(tok_dir):
     bnb = pytest.importorskip("bitsandbytes")
