@@ -41,15 +41,18 @@ def _json_value(value):
     return value.tolist() if hasattr(value, "tolist") else str(value)
 
 
-def write_json(path: str | Path, obj, indent: int = 2) -> Path:
+def write_json(path: str | Path, obj, indent: int | None = None) -> Path:
     """Write ``obj`` as JSON to ``path``: paths inside the repository relative to its root
     (:func:`portable`), numpy values as numbers and lists, other values JSON cannot hold as their
-    ``str``; through a temporary file and a rename, so an interrupted benchmark leaves the
-    previous file whole. Returns the path."""
+    ``str``; compact unless ``indent`` is given (results files hold per-episode outcomes, and the
+    tree a GPU machine takes in is bounded; each file's ``.md`` is the one to read); through a
+    temporary file and a rename, so an interrupted benchmark leaves the previous file whole.
+    Returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    text = json.dumps(portable(obj), indent=indent, default=_json_value) + "\n"
+    text = json.dumps(portable(obj), indent=indent, default=_json_value,
+                      separators=(",", ":") if indent is None else None) + "\n"
     try:
         tmp.write_text(text)
         os.replace(tmp, path)

@@ -113,7 +113,7 @@ def report(results: dict[str, list[dict]], args: argparse.Namespace) -> None:
                               x, "training episode return", "sync vs paced async")
             body.append(f"![{name}]({png.name})")
     write_json(RESULTS_DIR / f"{args.output}.json",
-        {"revision": git_revision(), "results": results}, indent=1)
+        {"revision": git_revision(), "results": results})
     write_results(args.output, "Paced asynchronous sampling vs synchronous sampling", "\n".join(body))
 
 

@@ -171,7 +171,7 @@ def main() -> None:
         load = result.pop("load")
         result["other_cores"] = sum(v for k, v in load["cores_by_process"].items() if k.startswith("other:"))
         runs.append(result)
-        write_json(store, runs, indent=1)
+        write_json(store, runs)
         print(f"[bench] {LABELS[side]} seed {seed}: final training return {result['final_train_return']}, "
               f"eval {result['eval_return']}, loop {result['loop_s']:.0f} s", flush=True)
     selected = [r for r in runs if r["task"] in args.tasks and r["side"] in args.sides and r["seed"] < args.seeds]

@@ -318,7 +318,7 @@ def main() -> None:
     store = write_json(RESULTS_DIR / f"{args.output}.json",
                        {"benchmark": "fpopp_learner", "args": vars(args), "machine": machine_info(),
                         "revision": git_revision(), "elapsed_s": elapsed, "target_ratio": TARGET_RATIO,
-                        "results": results}, indent=1)
+                        "results": results})
     print(f"[bench] raw numbers written to {os.path.relpath(store, Path.cwd())}", flush=True)
 
 

@@ -205,7 +205,7 @@ def main() -> int:
     write_results(args.output, "Learner group: update time on 1 process vs N gloo ranks", body)
     write_json(RESULTS_DIR / f"{args.output}.json",
         {"results": results, "ranks": args.ranks, "devices": args.devices, "reps": args.reps, "load": load,
-         "machine": machine_info(), "revision": git_revision()}, indent=1)
+         "machine": machine_info(), "revision": git_revision()})
     return 0
 
 

@@ -119,6 +119,7 @@ def plot(path: Path, pos, per_state, variants: dict, title: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from flowrl_ray.plotting import save_figure
     import numpy as np
     pos = np.asarray(pos)
     panels = [("base, success over the repeats", per_state)] + \
@@ -132,7 +133,7 @@ def plot(path: Path, pos, per_state, variants: dict, title: str) -> None:
         ax.set_aspect("equal", adjustable="datalim")
     fig.colorbar(sc, ax=axes[0].tolist(), shrink=0.8, label="success rate at the initial state")
     fig.suptitle(title, fontsize=10)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    save_figure(fig, path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 

@@ -476,8 +476,7 @@ def main() -> None:
     store = write_json(RESULTS_DIR / f"{args.output}.json",
                        {"benchmark": "robot_rollout", "args": vars(args), "machine": machine_info(),
                         "revision": git_revision(), "quiet": quiet, "calibration": calibration,
-                        "elapsed_s": elapsed, "target_efficiency": TARGET_EFFICIENCY, "result": result},
-                       indent=1)
+                        "elapsed_s": elapsed, "target_efficiency": TARGET_EFFICIENCY, "result": result})
     print(f"[bench] raw numbers written to {os.path.relpath(store, Path.cwd())}", flush=True)
 
 

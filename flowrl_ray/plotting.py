@@ -14,6 +14,33 @@ import numpy as np
 from flowrl_ray.metrics import read_metrics
 
 
+def save_figure(fig, out: str | os.PathLike, **savefig_kwargs) -> Path:
+    """Write a matplotlib figure as a PNG with a palette of 256 colours: a plot holds few colours,
+    so it looks the same at a third of the size (committed results figures add up, and what a
+    GPU machine takes in is bounded). Written whole through a temporary file and a rename."""
+    import io
+
+    from PIL import Image
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", **savefig_kwargs)
+    buf.seek(0)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        with Image.open(buf) as im:
+            palette(im).save(tmp, format="PNG", optimize=True)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+def palette(im):
+    """``im`` (a PIL image) with 256 colours, no dithering (flat plot colours stay exact)."""
+    from PIL import Image
+    return im.convert("RGB").quantize(colors=256, method=Image.Quantize.MEDIANCUT, dither=Image.Dither.NONE)
+
 def _label(run_dir: Path) -> str:
     """Runs are grouped by their config name; seeds of one config share a label."""
     summary = run_dir / "summary.json"
@@ -92,9 +119,7 @@ def plot_curves(data: dict[str, list[tuple[np.ndarray, np.ndarray]]], out_png: s
     ax.grid(alpha=0.3)
     ax.legend(loc="best", fontsize=8, ncol=2 if many else 1)
     fig.tight_layout()
-    out = Path(out_png)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
+    out = save_figure(fig, out_png)
     plt.close(fig)
     return out
 
@@ -147,7 +172,7 @@ def plot_credit_analysis(data: dict, out_dir: str | os.PathLike, iteration: int,
     fig.suptitle(f"reconstruction error per step (bars) and credit weight (line), iteration {iteration}", fontsize=9)
     fig.tight_layout()
     bars = out_dir / "flowsar_errors.png"
-    fig.savefig(bars)
+    save_figure(fig, bars)
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(7, 0.35 * len(success) + 1.5), dpi=100)
@@ -161,6 +186,6 @@ def plot_credit_analysis(data: dict, out_dir: str | os.PathLike, iteration: int,
     fig.colorbar(im, ax=ax, fraction=0.03)
     fig.tight_layout()
     heat = out_dir / "flowsar_weights.png"
-    fig.savefig(heat)
+    save_figure(fig, heat)
     plt.close(fig)
     return [bars, heat]

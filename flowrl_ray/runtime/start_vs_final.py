@@ -99,9 +99,10 @@ def plot(result: dict, out_png: Path) -> Path:
     """Start and final per rule, bars with the final's paired 95 % CI on the gain (:func:`figure`),
     written to ``out_png``."""
     import matplotlib.pyplot as plt
+
+    from flowrl_ray.plotting import save_figure
     fig = figure(result)
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=110)
+    save_figure(fig, out_png, dpi=110)
     plt.close(fig)
     return out_png
 

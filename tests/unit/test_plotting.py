@@ -54,3 +54,32 @@ def test_plot_curves_gives_every_one_of_many_lines_its_own_look(tmp_path, monkey
     for n in (3, 13, 25):
         plot_curves({f"v{i:02d}": [(x, x * i), (x, x * i + 1)] for i in range(n)}, tmp_path / "c.png")
         assert len(seen["looks"]) == n and len(set(seen["looks"])) == n, n
+
+
+def test_save_figure_writes_a_palette_png_that_keeps_flat_colours_exact(tmp_path):
+    import io
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from PIL import Image
+
+    from flowrl_ray.plotting import save_figure
+    fig, ax = plt.subplots(figsize=(4, 3), dpi=100)
+    ax.bar([0, 1], [1, 2], color=["#1f77b4", "#ff7f0e"])
+    ax.fill_between([0, 1], [0.2, 0.4], [0.6, 0.9], alpha=0.2)           # a translucent band
+    rgba = io.BytesIO()
+    fig.savefig(rgba, format="png")
+    out = save_figure(fig, tmp_path / "sub" / "f.png")
+    plt.close(fig)
+    assert out == tmp_path / "sub" / "f.png" and [p.name for p in out.parent.iterdir()] == ["f.png"]
+    rgba.seek(0)
+    with Image.open(out) as im, Image.open(rgba) as full:
+        assert im.mode == "P" and im.size == full.size
+        got, want = im.convert("RGB"), full.convert("RGB")
+        colours = {c for _, c in want.getcolors(maxcolors=1 << 20)}
+        assert (31, 119, 180) in colours and (255, 127, 14) in colours      # the bars' colours ...
+        for xy in [(x, y) for x in range(0, full.size[0], 7) for y in range(0, full.size[1], 7)]:
+            if want.getpixel(xy) in {(31, 119, 180), (255, 127, 14), (255, 255, 255)}:
+                assert got.getpixel(xy) == want.getpixel(xy), xy           # ... exact where they are flat
+    assert out.stat().st_size < len(rgba.getvalue())
