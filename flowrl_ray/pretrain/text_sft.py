@@ -252,7 +252,7 @@ def pretrain_text(cfg: Config, out: str | Path | None = None, epochs: int | None
             "steps": len(losses), "finished": len(losses) == total_steps,
             "first_loss": finite[0] if finite else None, "final_loss": finite[-1] if finite else None,
             "train_s": round(elapsed(), 1), "parameters": params, "device": str(lm.device),
-            "loss_plot": str(out / "sft_loss.png")}
+            "loss_plot": str(out / "sft_loss.png") if (out / "sft_loss.png").is_file() else None}
 
 
 def _start_model(cfg: Config, out: Path, pairs: list, settings: dict, resume: bool, init_from, seed: int,
@@ -293,7 +293,8 @@ def _start_model(cfg: Config, out: Path, pairs: list, settings: dict, resume: bo
 
 def _write_checkpoint(lm: "MaskedDiffusionLM", out: Path, losses: list[float], extra: dict) -> None:
     """The checkpoint directory ``out``, replaced whole (written next to it, then renamed): the
-    model and tokenizer, the loss of every step (``sft_metrics.jsonl``, ``sft_loss.png``) and
+    model and tokenizer, the loss of every step (``sft_metrics.jsonl``; ``sft_loss.png`` where
+    matplotlib is installed) and
     ``extra`` files ({name: a state dict for torch.save, or a JSON-able mapping})."""
     from flowrl_ray.plotting import plot_curves
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -302,8 +303,11 @@ def _write_checkpoint(lm: "MaskedDiffusionLM", out: Path, losses: list[float], e
         lm.save(tmp)
         metrics = [{"step": i + 1, "loss": v} for i, v in enumerate(losses)]
         (tmp / "sft_metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
-        plot_curves({"sft": [(list(range(1, len(losses) + 1)), losses)]}, tmp / "sft_loss.png",
-                    "optimiser step", "masked-diffusion SFT loss", "SFT on the forms train split")
+        try:
+            plot_curves({"sft": [(list(range(1, len(losses) + 1)), losses)]}, tmp / "sft_loss.png",
+                        "optimiser step", "masked-diffusion SFT loss", "SFT on the forms train split")
+        except ImportError as e:                 # a GPU machine without matplotlib: the numbers stay
+            print(f"[sft] no sft_loss.png ({e}); sft_metrics.jsonl has the losses", flush=True)
         for name, value in extra.items():
             if name.endswith(".json"):
                 (tmp / name).write_text(json.dumps(value, indent=1))

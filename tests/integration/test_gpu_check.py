@@ -134,3 +134,34 @@ def test_what_a_gpu_command_takes_in_fits_the_machine():
     assert tracked + carried <= MACHINE_INPUT_BYTES, (
         f"the tracked tree ({tracked / 2**20:.1f} MiB) plus {carried / 2**20:.1f} MiB carried exceeds "
         f"{MACHINE_INPUT_BYTES / 2**20:.0f} MiB")
+
+
+def test_the_forms_sft_gpu_command_trains_and_scores_copying_without_ray_playwright_or_matplotlib(tmp_path):
+    """benchmarks/forms_sft_gpu.sh, 2 steps of 4 pairs and 4 scored tasks: it continues the
+    committed continuation's weights, writes a checkpoint the RL config can load (its losses,
+    no PNG without matplotlib) and the copy report, in a Python where the browser, Ray and
+    matplotlib fail to import."""
+    from flowrl_ray.models.masked_diffusion import load_sft_checkpoint
+    block = tmp_path / "block"
+    block.mkdir()
+    (block / "sitecustomize.py").write_text(
+        f"import sys\nfor name in {NOT_THERE + ('gymnasium',)!r}:\n    sys.modules[name] = None\n")
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "PYTHONPATH": str(block),
+           "COPY_FLAGS": "--tasks 4 --steps 4 --n-boot 100"}
+    run = subprocess.run(["bash", "benchmarks/forms_sft_gpu.sh", "1", "--steps", "2", "--batch-size", "4",
+                          "--tasks-per-form", "5"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    log = run.stdout + run.stderr
+    assert run.returncode == 0, log[-4000:]
+    ckpt = out / "forms_sft_gpu"
+    assert "no sft_loss.png" in log and not (ckpt / "sft_loss.png").exists()
+    assert len((ckpt / "sft_metrics.jsonl").read_text().splitlines()) == 2
+    run_info = json.loads((ckpt / "sft_run.json").read_text())
+    assert str(run_info.get("init_from", "")).endswith("pretrained/forms_small_sft_cont")
+    from flowrl_ray.config import load_config
+    cfg = load_config(REPO / "configs/flow_grpo/forms_small.yaml")
+    from dataclasses import asdict
+    lm = load_sft_checkpoint(ckpt, asdict(cfg.algo.model))
+    assert sum(p.numel() for p in lm.model.parameters()) == 1_311_872       # forms_small's architecture
+    report = json.loads((out / "forms_sft_gpu_copy.json").read_text())
+    assert report and (out / "forms_sft_gpu_copy.md").is_file()
