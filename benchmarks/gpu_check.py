@@ -152,8 +152,8 @@ def check_update(name: str, reps: int, tolerance: float, cuda: bool) -> dict:
     gpu_device = torch.device("cuda")
     gpu = type(algo)(algo.cfg, algo.spec, gpu_device)
     gpu.load_state_dict(start_state)
-    if pending is not None:
-        gpu.pending = _to(pending, gpu_device)
+    if pending:                                             # the CPU's trajectory, its tensors on the GPU
+        gpu.pending = {**pending, "trajectory": _to(pending["trajectory"], gpu_device)}
     if set(_weights(gpu)) != set(start):
         raise AssertionError("the GPU instance holds other weights than the CPU one")
     gprepared = gpu.prepare(batches)
