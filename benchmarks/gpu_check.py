@@ -67,13 +67,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 # --------------------------------------------------------------------------- helpers
 
 def _weights(algo) -> dict:
-    """Every floating-point network tensor of the algorithm's state, on the CPU, by its path."""
+    """Every floating-point network tensor of the algorithm's state (weights and running
+    statistics, not sample counts), on the CPU, by its path."""
     import torch
     out = {}
 
     def walk(prefix: str, v) -> None:
         if torch.is_tensor(v):
-            if v.is_floating_point():
+            if v.is_floating_point() and not prefix.endswith(".count"):     # (a normaliser's sample count)
                 out[prefix] = v.detach().float().cpu().clone()
         elif isinstance(v, dict):
             for k, x in v.items():

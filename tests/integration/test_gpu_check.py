@@ -165,3 +165,19 @@ def test_the_forms_sft_gpu_command_trains_and_scores_copying_without_ray_playwri
     assert sum(p.numel() for p in lm.model.parameters()) == 1_311_872       # forms_small's architecture
     report = json.loads((out / "forms_sft_gpu_copy.json").read_text())
     assert report and (out / "forms_sft_gpu_copy.md").is_file()
+
+
+def test_the_compared_weights_leave_out_optimisers_random_state_and_sample_counts():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        from gpu_check import _weights
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+
+    class Algo:
+        def state_dict(self):
+            return {"policy": {"w": torch.ones(2, 2), "obs_norm.mean": torch.zeros(3),
+                               "obs_norm.count": torch.tensor(2048.0), "steps": torch.tensor(3)},
+                    "optimizer": {"state": {0: {"exp_avg": torch.ones(2)}}}, "generator": torch.zeros(8, dtype=torch.uint8),
+                    "skipped_updates": 0}
+    assert sorted(_weights(Algo())) == ["policy.obs_norm.mean", "policy.w"]
