@@ -150,6 +150,10 @@ JOBS = {
         "FED-GRPO on QM9 from a base trained by EDM's own code (5 x 128 EGNN with charges, 200 diffusion steps)",
         "scoring", hours=24, eval_cluster="eval_scoring", eval_hours=2, eval_episodes=1000, copy_base=True,
         env_vars={"OMP_NUM_THREADS": "1"}),
+    "fed_grpo/qm9_mid_cpu": Job(
+        "FED-GRPO on QM9 from the GPU base (6 x 128 EGNN, 1000 diffusion steps), sized for a laptop (2 x 8 molecules)",
+        "scoring", hours=24, eval_cluster="eval_scoring", eval_hours=2, eval_episodes=1000, copy_base=True,
+        env_vars={"OMP_NUM_THREADS": "1"}),
     "fed_grpo/qm9_edm": Job(
         "FED-GRPO on QM9 at EDM's full size (9 x 256, 1000 diffusion steps) with ELIGN's QM9 paper settings",
         "scoring", hours=24, eval_cluster="eval_scoring", eval_hours=2, eval_episodes=1000,
@@ -206,9 +210,8 @@ def train_steps(key: str, cfg, job: Job) -> tuple[list[str], list[str], list[str
             lines.append(f'{CLI} pretrain {config} {job.pretrain} --out "$BASE"')
         overrides.append("algo.base_model=$BASE")
         if not job.pretrain:
-            header += [f"First run: the committed base ({cfg.algo.base_model}, imported from an EDM run folder",
-                       f"with `flowrl-ray import-edm`) is copied to {STORAGE}, then FED-GRPO post-trains it.",
-                       "A retry resumes the run."]
+            header += [f"First run: the committed base ({cfg.algo.base_model}; where it comes from: docs/results.md,",
+                       f"Molecules) is copied to {STORAGE}, then FED-GRPO post-trains it. A retry resumes the run."]
         else:
             start = (f"the committed base ({cfg.algo.base_model}, with its training state) is copied to {STORAGE} "
                      "and its pretraining continues" if job.copy_base else

@@ -96,6 +96,24 @@ def test_the_committed_base_edm_loads_into_its_config_and_samples_molecules(conf
         assert 3 <= len(types) <= 29 and positions.shape == (len(types), 3) and np.isfinite(positions).all()
         assert ((types >= 0) & (types < len(ATOM_TYPES))).all()
 
+def test_the_laptop_config_from_the_gpu_base_is_its_architecture_with_the_imported_bases_post_training():
+    """configs/fed_grpo/qm9_mid_cpu.yaml: qm9_mid.yaml's EDM and base (check_base_model refuses
+    another architecture), qm9_edm_small.yaml's post-training, ELIGN's 600 of 1000 shared steps."""
+    from dataclasses import asdict
+
+    from flowrl_ray.config import load_config
+    from flowrl_ray.models.edm import check_base_model
+    cpu, mid, small = (load_config(REPO / "configs" / "fed_grpo" / f"{n}.yaml") for n in ("qm9_mid_cpu", "qm9_mid",
+                                                                                          "qm9_edm_small"))
+    assert asdict(cpu.algo.model) == asdict(mid.algo.model) and cpu.algo.base_model == mid.algo.base_model
+    check_base_model(cpu, REPO / cpu.algo.base_model)
+    assert cpu.algo.shared_prefix_steps == 600 and cpu.algo.model.diffusion_steps == 1000
+    for key in ("sample_group_size", "each_prompt_sample", "lr", "clip", "kl_coeff", "normalize_over",
+                "zero_mean_groups", "advantage_mode", "train_micro_batch_size"):
+        assert getattr(cpu.algo, key) == getattr(small.algo, key), key
+    assert cpu.env.kwargs == small.env.kwargs and cpu.train.iterations == small.train.iterations
+
+
 def test_pretraining_stops_at_a_checkpoint_after_max_minutes_and_resumes_with_its_batch_and_lr(tmp_path):
     """--checkpoint-every 1 --max-minutes (a moment): the invocation ends after its first step with
     the checkpoint written; --resume without --batch-size / --lr takes the checkpoint's and reaches
