@@ -635,6 +635,8 @@ def test_write_json_is_the_one_results_writer_and_replaces_a_file_whole(tmp_path
     path = write_json(tmp_path / "sub" / "r.json", {"when": Stamp(), "x": [1.5, None], "n": np.int64(3),
                                                     "a": np.arange(2.0)})
     assert json.loads(path.read_text()) == {"when": "2026-11-27", "x": [1.5, None], "n": 3, "a": [0.0, 1.0]}
+    assert path.read_text() == '{"when":"2026-11-27","x":[1.5,null],"n":3,"a":[0.0,1.0]}\n'   # compact
+    assert write_json(tmp_path / "i.json", {"n": 1}, indent=1).read_text() == '{\n "n": 1\n}\n'
     before = path.read_text()
 
     def disk_full(*args):
