@@ -58,7 +58,8 @@ def _anchors(page: Path) -> set[str]:
 
 
 def test_every_link_to_a_section_of_a_page_names_a_heading_it_has():
-    """Results sections get merged and renamed; a link to one of them must follow."""
+    """Results sections get merged and renamed; a link to one of them, from another page or from
+    the same page (`[x](#anchor)`), must follow."""
     assert _anchors_of_text("## FlowSAR on Lift (state): t_mid, beta and T") == {"flowsar-on-lift-state-t_mid-beta-and-t"}
     broken = []
     for page in PAGES:
@@ -66,6 +67,9 @@ def test_every_link_to_a_section_of_a_page_names_a_heading_it_has():
             target = (page.parent / m.group(1)).resolve()
             if target.is_file() and m.group(2) not in _anchors(target):
                 broken.append((page.relative_to(ROOT).as_posix(), f"{m.group(1)}#{m.group(2)}"))
+        own = _anchors(page)
+        broken += [(page.relative_to(ROOT).as_posix(), f"#{a}")
+                   for a in re.findall(r"\]\(#([^)\s]+)\)", page.read_text()) if a not in own]
     assert not broken, broken
 
 
