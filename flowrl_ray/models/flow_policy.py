@@ -6,7 +6,7 @@ for all of them, so that no algorithm imports another and pretraining imports no
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -14,8 +14,14 @@ from flowrl_ray.config import Config, ConfigError
 from flowrl_ray.models.flow import FLOW_ARCH_DEFAULTS, FlowPolicy
 from flowrl_ray.utils import load_torch_file
 
-if TYPE_CHECKING:                     # the env's shapes only: obs_dim, action_dim
-    from flowrl_ray.envs import EnvSpec
+
+class Shapes(Protocol):
+    """What a flow policy needs of an env: its flat observation and action sizes (an env's
+    ``EnvSpec`` has them; models import no env)."""
+    @property
+    def obs_dim(self) -> int: ...
+    @property
+    def action_dim(self) -> int: ...
 
 
 ARCH_KEYS = ("hidden_sizes", "time_dim", "feature_dim", *FLOW_ARCH_DEFAULTS)
@@ -40,7 +46,7 @@ def image_shape(cfg: Config) -> tuple[int, int, int] | None:
     return 3 * len(cfg.env.cameras), cfg.env.image_size, cfg.env.image_size
 
 
-def make_flow_policy(cfg: Config, spec: EnvSpec) -> FlowPolicy:
+def make_flow_policy(cfg: Config, spec: Shapes) -> FlowPolicy:
     """The flow policy a config describes (pretraining builds the same one)."""
     c = cfg.algo
     # n_mc: the (tau, eps) pairs FPO++ records per action; other algorithms record none.

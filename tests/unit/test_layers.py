@@ -1,5 +1,6 @@
 """The package's layers (docs/architecture.md): every module imports only its own layer and the
-ones below, inside functions too; imports for type checking alone do not count."""
+ones below, inside functions and under ``if TYPE_CHECKING:`` too (a model that needs an env's
+shapes says so with a protocol of its own, not by importing the env)."""
 
 import ast
 from pathlib import Path
@@ -13,19 +14,10 @@ LAYERS = [("errors", "utils", "batch", "stats", "optim", "video"),
 RANK = {name: i for i, names in enumerate(LAYERS) for name in names}
 
 
-def _type_checking_only(tree: ast.AST) -> set[int]:
-    """ids of the import nodes under ``if TYPE_CHECKING:``."""
-    return {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-            and getattr(node.test, "id", None) == "TYPE_CHECKING" for n in ast.walk(node)}
-
-
 def upward_imports(path: Path, rank: int) -> list[str]:
     tree = ast.parse(path.read_text())
-    skip = _type_checking_only(tree)
     found = []
     for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
         if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             names = [node.module]
         elif isinstance(node, ast.Import):
@@ -55,4 +47,4 @@ def test_an_upward_import_is_found(tmp_path):
     module = tmp_path / "m.py"
     module.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from flowrl_ray.envs import EnvSpec\n"
                       "def f():\n    from flowrl_ray.runtime.trainer import Trainer\n    import flowrl_ray.cli\n")
-    assert upward_imports(module, RANK["models"]) == ["flowrl_ray.runtime.trainer", "flowrl_ray.cli"]
+    assert upward_imports(module, RANK["models"]) == ["flowrl_ray.envs", "flowrl_ray.runtime.trainer", "flowrl_ray.cli"]
