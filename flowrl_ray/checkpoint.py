@@ -22,8 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from flowrl_ray.errors import UserError
-
+from flowrl_ray.errors import ConfigError, UserError
 from flowrl_ray.utils import atomic_write_bytes, atomic_write_text, load_torch_file
 
 
@@ -104,3 +103,20 @@ def load_latest(run_dir: str | os.PathLike, log: Callable[[str], None] | None = 
 def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     # tensors, containers and numpy arrays only: a file naming anything else is refused (utils)
     return load_torch_file(path)
+
+
+def load_base_checkpoint(path: str | os.PathLike, key: str, required: tuple[str, ...], kind: str,
+                         make_hint: str) -> dict[str, Any]:
+    """The base checkpoint that config key ``key`` names (a pretraining file an algorithm starts
+    from), read without running code from it: ConfigError naming the key when the file is missing
+    (``make_hint`` says how to make one), unreadable, or not a dict holding ``required``."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config key {key!r}: no such file {str(path)!r} ({make_hint})")
+    try:
+        ckpt = load_torch_file(p)                       # runs no code from the file
+    except Exception as e:  # noqa: BLE001 - any unreadable file is the same user mistake
+        raise ConfigError(f"config key {key!r}: cannot read {str(path)!r}: {e}") from None
+    if not isinstance(ckpt, dict) or any(k not in ckpt for k in required):
+        raise ConfigError(f"config key {key!r}: {str(path)!r} is not {kind}")
+    return ckpt

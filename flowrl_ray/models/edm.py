@@ -62,10 +62,10 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from flowrl_ray.checkpoint import load_base_checkpoint
 from flowrl_ray.config import ConfigError, check
 from flowrl_ray.models.egnn import EGNNDynamics, remove_mean
 from flowrl_ray.optim import ema_update, optimizer_step
-from flowrl_ray.utils import load_torch_file
 
 __all__ = ["EDMModelConfig", "check_model_config", "remove_mean", "NoiseSchedule", "NodeDistribution", "SampleResult",
            "EDM", "transition_log_prob", "step_log_prob", "reference_kl", "fit_edm", "load_base_model",
@@ -409,17 +409,8 @@ def fit_edm(model: EDM, positions, atom_types, *, steps: int, batch_size: int, l
 
 def load_base_model(path: str | Path) -> dict:
     """A `flowrl-ray pretrain` EDM checkpoint: {"model_config", "state_dict", "node_histogram", ...}."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config key 'algo.base_model': no such file {str(path)!r} "
-                          f"(make it with `flowrl-ray pretrain CONFIG`)")
-    try:
-        ckpt = load_torch_file(p)                       # runs no code from the file
-    except Exception as e:  # noqa: BLE001 - any unreadable file is the same user mistake
-        raise ConfigError(f"config key 'algo.base_model': cannot read {str(path)!r}: {e}") from None
-    if not isinstance(ckpt, dict) or "state_dict" not in ckpt or "model_config" not in ckpt:
-        raise ConfigError(f"config key 'algo.base_model': {str(path)!r} is not an EDM pretraining checkpoint")
-    return ckpt
+    return load_base_checkpoint(path, "algo.base_model", ("state_dict", "model_config"),
+                                "an EDM pretraining checkpoint", "make it with `flowrl-ray pretrain CONFIG`")
 
 
 def check_base_model(cfg, path: str | Path | None = None) -> None:

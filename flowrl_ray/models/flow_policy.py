@@ -10,9 +10,9 @@ from typing import Protocol
 
 import torch
 
+from flowrl_ray.checkpoint import load_base_checkpoint
 from flowrl_ray.config import Config, ConfigError
 from flowrl_ray.models.flow import FLOW_ARCH_DEFAULTS, FlowPolicy
-from flowrl_ray.utils import load_torch_file
 
 
 class Shapes(Protocol):
@@ -70,18 +70,8 @@ def records_old_losses(cfg: Config) -> bool:
 
 def load_base_policy(path: str | Path) -> dict:
     """A pretraining checkpoint: {"policy": state dict, "arch": {...}, ...}."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config key 'algo.base_policy': no such file {str(path)!r} "
-                          f"(make one with `flowrl-ray pretrain`)")
-    try:
-        ckpt = load_torch_file(path)                    # runs no code from the file
-    except Exception as e:  # noqa: BLE001 - any unreadable file is the same user mistake
-        raise ConfigError(f"config key 'algo.base_policy': cannot read {str(path)!r}: {e}") from None
-    if not isinstance(ckpt, dict) or "policy" not in ckpt or "arch" not in ckpt:
-        raise ConfigError(f"config key 'algo.base_policy': {str(path)!r} is not a flowrl-ray "
-                          f"pretraining checkpoint")
-    return ckpt
+    return load_base_checkpoint(path, "algo.base_policy", ("policy", "arch"),
+                                "a flowrl-ray pretraining checkpoint", "make one with `flowrl-ray pretrain`")
 
 
 def check_base_policy(cfg: Config) -> None:

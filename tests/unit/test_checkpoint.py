@@ -117,3 +117,23 @@ def test_a_planted_payload_is_refused_by_name_and_never_runs(tmp_path, monkeypat
     monkeypatch.setenv(TRUST_FILES_ENV, "1")
     ck.load_checkpoint(tmp_path / "run" / "checkpoints" / "iter_000001.pt")
     assert marker.exists()
+
+
+def test_a_base_checkpoint_that_is_missing_unreadable_or_foreign_names_the_config_key(tmp_path):
+    from flowrl_ray.errors import ConfigError
+    from flowrl_ray.models.edm import load_base_model
+    from flowrl_ray.models.flow_policy import load_base_policy
+
+    with pytest.raises(ConfigError, match=r"^config key 'algo\.base_model': no such file .*none\.pt.*flowrl-ray pretrain"):
+        load_base_model(tmp_path / "none.pt")
+    (tmp_path / "junk.pt").write_bytes(b"not a torch file")
+    with pytest.raises(ConfigError, match=r"^config key 'algo\.base_policy': cannot read .*junk\.pt"):
+        load_base_policy(tmp_path / "junk.pt")
+    torch.save({"policy": {}, "arch": {}}, tmp_path / "flow.pt")          # a flow policy's base, not an EDM's
+    with pytest.raises(ConfigError, match=r"'algo\.base_model': .*flow\.pt' is not an EDM pretraining checkpoint"):
+        load_base_model(tmp_path / "flow.pt")
+    torch.save([1, 2], tmp_path / "list.pt")
+    with pytest.raises(ConfigError, match=r"is not a flowrl-ray pretraining checkpoint"):
+        load_base_policy(tmp_path / "list.pt")
+    ckpt = load_base_policy(tmp_path / "flow.pt")
+    assert ckpt == {"policy": {}, "arch": {}}
