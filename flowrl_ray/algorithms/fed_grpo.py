@@ -496,6 +496,35 @@ class FEDGRPO(GroupAlgorithm):
         self.iteration += 1
         return self._metrics(stats, p)
 
+    def policy_gradients(self, p: dict, advantages: list[torch.Tensor],
+                         steps: list[int] | None = None) -> torch.Tensor:
+        """The gradient of the update's policy term at the weights that generated (every ratio
+        1, so the clip is inactive; no KL: its gradient is 0 at the reference) for each of
+        several advantage tensors ``[B_r, K]`` over the same transitions, as ``[V, P]`` float64
+        over the model's parameters:
+
+            g_v = (1 / |S|) sum_{j in S} (1 / B_r) sum_i A_v[i, j] grad log p_theta(z_{j+1,i} | z_{j,i})
+
+        ``S``: the transitions ``steps`` (indices into the trajectory's K, default all). The
+        direction the update's first step follows before clipping and Adam, one forward pass per
+        transition for all V. Diagnostics (two disjoint batches' agreement); weights untouched."""
+        traj = p["trajectory"]
+        z, t_of, node_mask = traj["z"], traj["t"], traj["node_mask"]     # [K+1, B_r, N, D], [K], [B_r, N]
+        steps = list(range(len(t_of))) if steps is None else list(steps)
+        adv = torch.stack([a.to(self.device, torch.float64) for a in advantages])      # [V, B_r, K]
+        params = [q for q in self.model.parameters() if q.requires_grad]
+        total = torch.zeros(len(advantages), sum(q.numel() for q in params), dtype=torch.float64)
+        self.model.train()
+        for j in steps:
+            logp, _ = step_log_prob(self.model, z[j], z[j + 1], int(t_of[j]), node_mask)   # [B_r]
+            for v in range(len(advantages)):
+                objective = (adv[v, :, j] * logp.double()).mean() / len(steps)
+                grads = torch.autograd.grad(objective, params, retain_graph=v + 1 < len(advantages),
+                                            allow_unused=True)
+                total[v] += torch.cat([(g if g is not None else torch.zeros_like(q)).double().flatten()
+                                       for g, q in zip(grads, params)])
+        return total
+
     @staticmethod
     def _reduce_stats(stats: dict[str, list[float]], entries: int) -> dict[str, list[float]]:
         """Each loss statistic's mean over its (micro-batch, step) entries, summed over the ranks

@@ -250,3 +250,41 @@ def test_the_gpu_command_for_edm_runs_without_ray_rdkit_qm9pack_or_matplotlib(tm
                            text=True, cwd=REPO, timeout=300)
     assert demos.returncode == 2
     assert "flowrl_ray.envs.robot cannot be imported" in demos.stderr and "pip install -e '.[robot]'" in demos.stderr
+
+
+def test_the_agreement_benchmarks_channels_by_hand_and_its_report(tmp_path):
+    """benchmarks/fed_grpo_gradient_agreement.py: each channel's advantages from a hand-made
+    batch (force and energy over the valid members, 0 for the invalid; validity over the group;
+    the shuffle a permutation within each group), then a tiny EDM end to end with the real
+    force field: every variant's cosines over every pair, the results files."""
+    import sys
+
+    import yaml
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import fed_grpo_gradient_agreement as bench
+    algo = _algo()
+    p = algo.prepare(_scored(algo.generate(2), force=[-1, -3, -9, -2, -2, -2], energy=[0, 0, 0, 1, 3, 5],
+                             valid=[1, 1, 0, 1, 1, 1]))
+    adv = bench.channel_advantages(p, algo.pending["group_index"], torch.Generator().manual_seed(0))
+    k = p["advantages"].shape[1]
+    assert torch.allclose(adv["force"][:, 0], torch.tensor([1.0, -1.0, 0.0, 0.0, 0.0, 0.0]), atol=1e-6)
+    e = 1.0 / (8 / 3) ** 0.5                                   # (1, 3, 5): mean 3, population std sqrt(8/3)
+    assert torch.allclose(adv["energy"][:, 0], torch.tensor([0.0, 0.0, 0.0, -2 * e, 0.0, 2 * e]), atol=1e-6)
+    v = 1 / 2 ** 0.5                                           # (1, 1, 0): mean 2/3, std sqrt(2)/3
+    assert torch.allclose(adv["validity"][:3, 0].float(), torch.tensor([v, v, -2 * v]), atol=1e-6)
+    assert torch.equal(adv["validity"][3:], torch.zeros(3, k, dtype=adv["validity"].dtype))
+    for name in bench.CHANNELS:
+        assert adv[name].shape == (6, k) and torch.equal(adv[name], adv[name][:, :1].expand(-1, k))
+        for rows in (slice(0, 3), slice(3, 6)):                # the same values, within each group
+            assert sorted(adv[f"{name} shuffled"][rows, 0].tolist()) == sorted(adv[name][rows, 0].tolist())
+    assert bench.signal_to_noise(0.5, 16) == pytest.approx(1 / 16) and np.isnan(bench.signal_to_noise(-0.1, 16))
+
+    config = tmp_path / "fed.yaml"
+    config.write_text(yaml.safe_dump(_config()))
+    r = bench.main(["--config", str(config), "--batches", "3", "--steps", "2", "--threads", "1",
+                    "--n-boot", "100", "--results-dir", str(tmp_path), "--output", "agree"])
+    assert set(r["variants"]) == {*bench.CHANNELS, *(f"{c} shuffled" for c in bench.CHANNELS)}
+    for v in r["variants"].values():
+        assert v["cosine"]["n"] == 3 and all(-1.0 <= c <= 1.0 for c in v["pair_cosines"])
+    saved = json.loads((tmp_path / "agree.json").read_text())
+    assert saved["steps"] == [0, 5] and (tmp_path / "agree.md").read_text().startswith("# FED-GRPO")

@@ -406,3 +406,28 @@ def test_a_non_finite_loss_skips_the_epochs_step_and_counts_it(monkeypatch):
     algo.update(prepared)
     assert algo.skipped_updates == 1
     assert any(not torch.equal(v, before[k]) for k, v in algo.model.state_dict().items())
+
+
+def test_policy_gradients_are_the_direction_of_the_updates_first_step():
+    """At the weights that generated, one plain SGD step of the update (one micro-batch, no KL,
+    no clipping of the norm) moves the weights by lr x the policy gradient of its advantages;
+    gradients are linear in the advantages and average over the chosen transitions."""
+    algo = _algo(kl_coeff=0.0, epochs=1, max_grad_norm=1e9)
+    prepared = algo.prepare(_scored(algo.generate(2), force=[1, 2, 3, 0, 1, 2], energy=[0, 1, 0, 2, 0, 1]))
+    adv = prepared["advantages"]                                              # [6, K]
+    other = torch.linspace(-1, 1, adv.numel()).reshape(adv.shape)
+    g, g_other, g_sum = algo.policy_gradients(prepared, [adv, other, adv + other])
+    k = adv.shape[1]
+    g_first, g_rest = algo.policy_gradients(prepared, [adv], steps=[0])[0], algo.policy_gradients(
+        prepared, [adv], steps=range(1, k))[0]
+    close = lambda a, b: float((a - b).norm() / b.norm()) < 1e-5      # noqa: E731  (float32 gradients)
+    assert g.norm() > 0 and close(g_sum, g + g_other)
+    assert close((g_first + (k - 1) * g_rest) / k, g)
+    before = torch.cat([q.detach().flatten() for q in algo.model.parameters()]).double()
+    lr = 1e-3
+    algo.opt = torch.optim.SGD(algo.model.parameters(), lr=lr)
+    algo.scheduler = torch.optim.lr_scheduler.LambdaLR(algo.opt, lambda _: 1.0)
+    algo.update(prepared)
+    moved = torch.cat([q.detach().flatten() for q in algo.model.parameters()]).double() - before
+    assert torch.nn.functional.cosine_similarity(moved, g, dim=0) > 0.9999
+    assert close(moved, lr * g)
