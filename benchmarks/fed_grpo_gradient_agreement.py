@@ -5,6 +5,7 @@ alone and for the no-signal control (the same advantages permuted within each gr
 
     .venv/bin/python benchmarks/fed_grpo_gradient_agreement.py --batches 12
     .venv/bin/python benchmarks/fed_grpo_gradient_agreement.py --config configs/fed_grpo/qm9_mid_cpu.yaml
+    .venv/bin/python benchmarks/fed_grpo_gradient_agreement.py --from-json FILE.json   # the report again
 
 Each batch is one training iteration's groups (the config's ``sample_group_size`` atom counts x
 ``each_prompt_sample`` molecules, the shared prefix as configured), sampled from the base and
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import sys
 import time
 from pathlib import Path
@@ -51,6 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--n-boot", type=int, default=10_000)
     p.add_argument("--results-dir", default=str(RESULTS_DIR))
     p.add_argument("--output", default="fed_grpo_gradient_agreement")
+    p.add_argument("--from-json", help="write the report again from a results JSON (no sampling)")
     p.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
     return p.parse_args(argv)
 
@@ -98,9 +101,13 @@ def main(argv=None) -> dict:
     from flowrl_ray.algorithms.fed_grpo import FEDGRPO
     from flowrl_ray.config import load_config
     from flowrl_ray.envs import env_family
-    from flowrl_ray.stats import mean_interval
 
     args = parse_args(argv)
+    if args.from_json:                                    # the report again from saved results
+        results = json.loads(Path(args.from_json).read_text())
+        results["args"].update(results_dir=args.results_dir, output=args.output)
+        report(results, args.n_boot)
+        return results
     if args.batches < 2:
         raise SystemExit("--batches: at least 2 to compare")
     torch.set_num_threads(args.threads)
@@ -130,38 +137,61 @@ def main(argv=None) -> dict:
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
     finally:
         scorer.close()
-    molecules = batch_stats[0]["molecules"]
+    c = cfg.algo
     results = {"command": command_line(), "args": vars(args), "machine": machine_info(), "git": git_revision(),
-               "base_model": cfg.algo.base_model, "transitions": k, "steps": steps, "batches": batch_stats,
+               "setting": {"base_model": c.base_model, "groups": c.sample_group_size, "group_size": c.each_prompt_sample,
+                           "shared_prefix_steps": c.shared_prefix_steps, "diffusion_steps": c.model.diffusion_steps},
+               "transitions": k, "steps": steps, "batches": batch_stats,
                "seconds": round(time.perf_counter() - t0, 1), "variants": {}}
     pairs = list(itertools.combinations(range(args.batches), 2))
     for name, gs in grads.items():
-        cos = [cosine(gs[i], gs[j]) for i, j in pairs]
-        c = mean_interval(cos, args.n_boot)
-        snr = signal_to_noise(c["mean"], molecules)
-        results["variants"][name] = {"cosine": c, "pair_cosines": cos, "signal_to_noise": snr,
-                                     "molecules_for_cosine_half": 1.0 / snr if snr > 0 else None,
+        results["variants"][name] = {"pair_cosines": [cosine(gs[i], gs[j]) for i, j in pairs],
                                      "norm_mean": float(np.mean([float(g.norm()) for g in gs]))}
+    report(results, args.n_boot)
+    return results
+
+
+def report(results: dict, n_boot: int) -> None:
+    """Each variant's mean cosine with its interval, what it says of one molecule's signal and of
+    the molecules an update needs; ``<results-dir>/<output>.{json,md}``."""
+    from flowrl_ray.stats import mean_interval
+    args, setting = results["args"], results["setting"]
+    molecules = results["batches"][0]["molecules"]
+    for v in results["variants"].values():
+        v["cosine"] = c = mean_interval(v["pair_cosines"], n_boot)
+        v["signal_to_noise"] = signal_to_noise(c["mean"], molecules)
+        # molecules for cosine 0.5 = 1 / s: at least 1 / s(upper bound); at most 1 / s(lower bound) when > 0
+        v["molecules_for_cosine_half"] = {"at_least": 1.0 / signal_to_noise(c["ci_high"], molecules)
+                                          if c["ci_high"] > 0 else None,
+                                          "at_most": 1.0 / signal_to_noise(c["ci_low"], molecules)
+                                          if c["ci_low"] > 0 else None}
     ci = lambda c: f"{c['mean']:+.4f} [{c['ci_low']:+.4f}, {c['ci_high']:+.4f}]"   # noqa: E731
+
+    def need(v):
+        lo, hi = v["molecules_for_cosine_half"]["at_least"], v["molecules_for_cosine_half"]["at_most"]
+        if lo is None:
+            return "no agreement"
+        return f"{lo:,.0f}-{hi:,.0f}" if hi is not None else f">= {lo:,.0f}"
     rows = []
     for name in CHANNELS:
         v, sh = results["variants"][name], results["variants"][f"{name} shuffled"]
-        need = v["molecules_for_cosine_half"]
-        rows.append([name, ci(v["cosine"]), ci(sh["cosine"]), f"{v['norm_mean']:.3g}",
-                     f"{need:,.0f}" if need else "no signal"])
-    body = (f"Base `{cfg.algo.base_model}` (`{args.config}`); {args.batches} disjoint batches of "
-            f"{cfg.algo.sample_group_size} x {cfg.algo.each_prompt_sample} molecules ({molecules} a batch, the "
-            f"first {cfg.algo.shared_prefix_steps} of {cfg.algo.model.diffusion_steps} steps shared in a group), "
-            f"scored by the force field; gradients over {len(steps)} of the {k} branched transitions; "
-            f"{len(pairs)} pairs; {results['seconds']:.0f} s.\n\n"
+        rows.append([name, ci(v["cosine"]), ci(sh["cosine"]), f"{v['norm_mean']:.3g}", need(v)])
+    body = (f"Base `{setting['base_model']}` (`{args['config']}`); {args['batches']} disjoint batches of "
+            f"{setting['groups']} x {setting['group_size']} molecules ({molecules} a batch, the first "
+            f"{setting['shared_prefix_steps']} of {setting['diffusion_steps']} steps shared in a group), scored by "
+            f"the force field; gradients over {len(results['steps'])} of the {results['transitions']} branched "
+            f"transitions; {len(results['variants']['run']['pair_cosines'])} pairs; {results['seconds']:.0f} s.\n\n"
             + md_table(["advantages", "cosine of two batches (mean [95 % CI over pairs])",
                         "the same, shuffled within groups", "gradient norm",
-                        "molecules an update needs for cosine 0.5"], rows)
-            + "\n\nBatch validity: " + ", ".join(f"{s['validity']:.2f}" for s in batch_stats) + ".\n")
-    write_results(args.output, "FED-GRPO: do disjoint batches' gradients agree at the base?", body,
-                  results_dir=Path(args.results_dir))
-    write_json(Path(args.results_dir) / f"{args.output}.json", results)
-    return results
+                        "molecules an update needs for cosine 0.5 (from the CI)"], rows)
+            + "\n\nIf a molecule's gradient is a common direction plus independent noise (signal-to-noise s), two "
+              "batches of B agree with cosine B s / (1 + B s), so cosine 0.5 needs B = 1 / s molecules; the last "
+              "column turns the CI's bounds into bounds on B (no agreement: the CI's upper bound <= 0).\n\n"
+              "Batch validity: " + ", ".join(f"{s['validity']:.2f}" for s in results["batches"]) + ".\n")
+    results_dir = Path(args["results_dir"])
+    write_results(args["output"], "FED-GRPO: do disjoint batches' gradients agree at the base?", body,
+                  command=results["command"], results_dir=results_dir)
+    write_json(results_dir / f"{args['output']}.json", results)
 
 
 if __name__ == "__main__":

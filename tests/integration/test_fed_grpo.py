@@ -288,3 +288,7 @@ def test_the_agreement_benchmarks_channels_by_hand_and_its_report(tmp_path):
         assert v["cosine"]["n"] == 3 and all(-1.0 <= c <= 1.0 for c in v["pair_cosines"])
     saved = json.loads((tmp_path / "agree.json").read_text())
     assert saved["steps"] == [0, 5] and (tmp_path / "agree.md").read_text().startswith("# FED-GRPO")
+    bench.main(["--from-json", str(tmp_path / "agree.json"), "--n-boot", "100", "--results-dir", str(tmp_path),
+                "--output", "again"])                          # the report again, the same table
+    table = lambda name: (tmp_path / name).read_text().split("| advantages")[1]    # noqa: E731
+    assert table("again.md") == table("agree.md")
