@@ -301,6 +301,20 @@ def load_lines(load: dict, top: int = 8) -> list[str]:
     return lines
 
 
+# --------------------------------------------------------------------------- statistics
+
+def pair_cosines(vectors: list, pairs=None) -> list[float]:
+    """The cosine of ``vectors[i]`` and ``vectors[j]`` (tensors, flattened) for every ``(i, j)``
+    in ``pairs`` (default: every i < j), as floats: whether gradients or weight shifts of
+    different batches, seeds or variants point the same way."""
+    import itertools
+
+    import torch
+    pairs = itertools.combinations(range(len(vectors)), 2) if pairs is None else pairs
+    return [float(torch.nn.functional.cosine_similarity(vectors[i].flatten(), vectors[j].flatten(), dim=0))
+            for i, j in pairs]
+
+
 # --------------------------------------------------------------------------- output
 
 def md_table(headers: list[str], rows: list[list]) -> str:

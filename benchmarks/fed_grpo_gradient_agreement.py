@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (RESULTS_DIR, command_line, git_revision, machine_info, md_table,  # noqa: E402
-                     write_json, write_results)
+                     pair_cosines, write_json, write_results)
 
 CONFIG = "configs/fed_grpo/qm9_edm_small.yaml"
 CHANNELS = ("run", "force", "energy", "validity")
@@ -56,11 +56,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--from-json", help="write the report again from a results JSON (no sampling)")
     p.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
     return p.parse_args(argv)
-
-
-def cosine(a, b) -> float:
-    import torch
-    return float(torch.dot(a, b) / (a.norm() * b.norm()).clamp(min=1e-300))
 
 
 def signal_to_noise(c: float, batch: int) -> float:
@@ -145,7 +140,7 @@ def main(argv=None) -> dict:
                "seconds": round(time.perf_counter() - t0, 1), "variants": {}}
     pairs = list(itertools.combinations(range(args.batches), 2))
     for name, gs in grads.items():
-        results["variants"][name] = {"pair_cosines": [cosine(gs[i], gs[j]) for i, j in pairs],
+        results["variants"][name] = {"pair_cosines": pair_cosines(gs, pairs),
                                      "norm_mean": float(np.mean([float(g.norm()) for g in gs]))}
     report(results, args.n_boot)
     return results

@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (RESULTS_DIR, command_line, git_revision, machine_info, md_table,  # noqa: E402
-                     write_json, write_results)
+                     pair_cosines, write_json, write_results)
 
 CONFIG = "configs/flow_grpo/forms_small.yaml"
 VARIANTS = (("sequence", False), ("sequence", True), ("line", False), ("line", True))
@@ -51,11 +51,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output", default="flow_grpo_gradient_agreement")
     p.add_argument("overrides", nargs="*", help="key.sub=value config overrides")
     return p.parse_args(argv)
-
-
-def cosine(a, b) -> float:
-    import torch
-    return float(torch.dot(a, b) / (a.norm() * b.norm()).clamp(min=1e-300))
 
 
 def main(argv=None) -> dict:
@@ -108,13 +103,14 @@ def main(argv=None) -> dict:
     same = [(i, j) for i, j in pairs if args.same_prompts and i % 2 == 0 and j == i + 1]
     pairs = [pair for pair in pairs if pair not in same]            # different prompts
     for name, gs in grads.items():
-        cos = [cosine(gs[i], gs[j]) for i, j in pairs]
+        cos = pair_cosines(gs, pairs)
         results["variants"][name] = {"cosine": mean_interval(cos, args.n_boot), "pair_cosines": cos,
                                      "norm_mean": float(np.mean([float(g.norm()) for g in gs]))}
         if same:
-            results["variants"][name]["same_prompts"] = mean_interval([cosine(gs[i], gs[j]) for i, j in same],
+            results["variants"][name]["same_prompts"] = mean_interval(pair_cosines(gs, same),
                                                                       args.n_boot)
-    results["sequence_vs_line"] = mean_interval([cosine(a, b) for a, b in zip(grads["sequence"], grads["line"])],
+    results["sequence_vs_line"] = mean_interval(pair_cosines(grads["sequence"] + grads["line"],
+                                                           [(i, args.batches + i) for i in range(args.batches)]),
                                           args.n_boot)
     ci = lambda c: f"{c['mean']:+.4f} [{c['ci_low']:+.4f}, {c['ci_high']:+.4f}] (n={c['n']})"   # noqa: E731
     rows = [[name, ci(v["cosine"]), ci(v["same_prompts"]) if same else "-", f"{v['norm_mean']:.3g}"]

@@ -36,7 +36,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS_DIR, command_line, git_revision, machine_info, md_table, write_json, write_results  # noqa: E402
+from _common import (RESULTS_DIR, command_line, git_revision, machine_info, md_table, pair_cosines,  # noqa: E402
+                     write_json, write_results)
 from _robot import base_policy, run_config  # noqa: E402
 from robot_protocol import UsageError, parse_variant  # noqa: E402
 
@@ -86,18 +87,15 @@ def measure(policy, obs, chunks, progress, eps, rows: int, base_mean=None) -> tu
 
 def seed_agreement(shifts: list) -> float | None:
     """The mean cosine over pairs of the seeds' shift vectors (None for one seed)."""
-    import torch
-    pairs = [torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0).item()
-             for i, a in enumerate(shifts) for b in shifts[i + 1:]]
+    pairs = pair_cosines(shifts)
     return sum(pairs) / len(pairs) if pairs else None
 
 
 def cross_agreement(shifts_a: list, shifts_b: list) -> float:
     """The mean cosine over every (seed of A, seed of B) pair of shift vectors: whether two
     variants move the policy the same way."""
-    import torch
-    pairs = [torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0).item()
-             for a in shifts_a for b in shifts_b]
+    n = len(shifts_a)
+    pairs = pair_cosines(list(shifts_a) + list(shifts_b), [(i, n + j) for i in range(n) for j in range(len(shifts_b))])
     return sum(pairs) / len(pairs)
 
 

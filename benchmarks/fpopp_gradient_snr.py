@@ -25,7 +25,6 @@ No assertion is made.
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import pickle
 import sys
@@ -34,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (RESULTS_DIR, git_revision, machine_info, md_table,  # noqa: E402
-                     write_json, write_results)
+                     pair_cosines, write_json, write_results)
 
 os.environ.setdefault("MUJOCO_GL", "egl")
 CONFIG = "configs/fpopp/lift_state_quickstart.yaml"
@@ -66,8 +65,7 @@ def actor_gradient(algo, b: dict, rows, permute: bool, generator) -> "torch.Tens
 
 
 def mean_pairwise_cosine(grads: list) -> float:
-    import torch
-    cos = [float(torch.nn.functional.cosine_similarity(a, b, dim=0)) for a, b in itertools.combinations(grads, 2)]
+    cos = pair_cosines(grads)
     return sum(cos) / len(cos)
 
 

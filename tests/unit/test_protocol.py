@@ -670,3 +670,15 @@ def test_flow_grpo_iteration_parts_by_hand():
     parts = it.iteration_parts(rows, skip=1)           # iteration 1 skipped, iteration 3 has an evaluation
     assert parts == [{"generate": 16.0, "scoring": 6.0, "update": 17.0, "update: old log-probs": 1.0,
                       "update: KL reference": 2.0, "update: gradient passes": 14.0, "other": 1.0, "iteration": 40.0}]
+
+
+def test_pair_cosines_by_hand():
+    """benchmarks/_common.pair_cosines: every pair i < j by default, or the pairs given, of
+    flattened tensors."""
+    import torch
+    from _common import pair_cosines
+    v = [torch.tensor([1.0, 0.0]), torch.tensor([[1.0, 1.0]]), torch.tensor([0.0, -2.0])]
+    h = 2 ** -0.5
+    assert pair_cosines(v) == pytest.approx([h, 0.0, -h])                  # (0, 1), (0, 2), (1, 2)
+    assert pair_cosines(v, [(2, 1), (0, 0)]) == pytest.approx([-h, 1.0])
+    assert pair_cosines(v[:1]) == []
