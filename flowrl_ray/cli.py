@@ -85,9 +85,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.dry_run:                 # every check has run (config, env spec, preflight): no Ray
         print(_dry_run_summary(cfg, trainer, run_dir, resume), flush=True)
         return 0
-    # Ctrl-C / SIGINT preempts the run (checkpoint, then stop) also when the process was started
-    # with SIGINT ignored (a shell's background job, or a parent that ignores it): Python then
-    # installs no handler of its own
+    # Ctrl-C / SIGINT stops the run, also when the process was started with SIGINT ignored (a
+    # shell's background job, or a parent that ignores it: Python then installs no handler of its
+    # own). No checkpoint is written at the interrupt (the learner may be mid-update); a re-launch
+    # continues from the last periodic one (runtime.checkpoint_interval)
     import signal
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
