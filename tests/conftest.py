@@ -100,9 +100,10 @@ def run_trainer(cfg, run_dir, quiet: bool = True, **kwargs) -> dict:
         trainer.close()
 
 
-def train_killing(trainer, pid: int, after: int = 2) -> dict:
+def train_killing(trainer, pid, after: int = 2) -> dict:
     """``trainer.train()`` while a thread SIGKILLs process ``pid`` once ``after`` iterations are
-    done (a learner rank, say); -> the run's summary."""
+    done (a learner rank, say; ``pid`` may be a callable that names the process then); -> the
+    run's summary."""
     import signal
     import threading
     import time
@@ -110,7 +111,7 @@ def train_killing(trainer, pid: int, after: int = 2) -> dict:
     def kill():
         while trainer.counters.iteration < after:
             time.sleep(0.01)
-        os.kill(pid, signal.SIGKILL)
+        os.kill(pid() if callable(pid) else pid, signal.SIGKILL)
 
     killer = threading.Thread(target=kill, daemon=True)
     killer.start()

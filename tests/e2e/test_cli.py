@@ -27,19 +27,15 @@ def test_every_verb_explains_itself(verb):
 
 
 @pytest.mark.slow
-def test_train_resume_eval_plot(tmp_path):
+def test_train_eval_plot(tmp_path):
+    """(`train --resume`: tests/e2e/test_resume.py.)"""
     run = tmp_path / "run"
-    proc = _cli("train", "configs/ppo/pendulum.yaml", *TINY, "train.iterations=2", "runtime.checkpoint_interval=1", "env.max_episode_steps=50",
+    proc = _cli("train", "configs/ppo/pendulum.yaml", *TINY, "train.iterations=2", "env.max_episode_steps=50",
                 "--run-dir", str(run))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "it 2/2" in proc.stdout and "ETA" in proc.stdout and "done:" in proc.stdout
     assert [r["iteration"] for r in read_metrics(run)] == [1, 2]
-
-    proc = _cli("train", "--resume", str(run), "train.iterations=3")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "resumed from iteration 2" in proc.stdout
-    assert [r["iteration"] for r in read_metrics(run)] == [1, 2, 3]
-    assert json.loads((run / "summary.json").read_text())["iterations"] == 3
+    assert json.loads((run / "summary.json").read_text())["iterations"] == 2
 
     proc = _cli("eval", str(run), "--episodes", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]

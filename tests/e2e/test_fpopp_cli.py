@@ -44,11 +44,11 @@ def test_demos_pretrain_train_eval_serve(tmp_path, capsys):
     assert [r["iteration"] for r in rows] == [0, 1, 2]
     assert rows[1]["fpopp/actor_frozen"] == 1.0 and "pg_loss" in rows[2] and "clipfrac" in rows[2]
 
-    for sampling in ("zero", "random"):
-        assert main(["eval", str(run), "--episodes", "2", "--sampling", sampling]) == 0
-        result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-        assert result["sampling"] == sampling and result["episodes"] == 2
-        assert 0.0 <= result["success_rate"] <= 1.0
+    # zero sampling (FPO++'s deployed rule) here; random sampling through the CLI: test_reinflow_cli.py
+    assert main(["eval", str(run), "--episodes", "2", "--sampling", "zero"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["sampling"] == "zero" and result["episodes"] == 2
+    assert 0.0 <= result["success_rate"] <= 1.0
 
     import requests
 

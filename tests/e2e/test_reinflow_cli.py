@@ -68,10 +68,10 @@ def test_demos_pretrain_train_resume_eval_serve(tmp_path, capsys):
     for k in pa:
         assert torch.equal(pa[k], pb[k]), k
 
-    for sampling in ("zero", "random"):
-        assert main(["eval", str(run), "--episodes", "2", "--sampling", sampling]) == 0
-        result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-        assert result["sampling"] == sampling and 0.0 <= result["success_rate"] <= 1.0
+    # random sampling here; zero sampling through the CLI: test_fpopp_cli.py (and /act below)
+    assert main(["eval", str(run), "--episodes", "2", "--sampling", "random"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["sampling"] == "random" and 0.0 <= result["success_rate"] <= 1.0
 
     import requests
 

@@ -3,6 +3,7 @@ finished run extended from its last lr, a relaunch that starts, resumes or refus
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -51,6 +52,8 @@ def test_extending_a_finished_ppo_run_goes_on_from_its_last_lr(tmp_path):
     proc = _cli("train", str(PENDULUM), *RUN, "train.iterations=6", "--resume", str(run))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resuming " + str(run) + " with train.iterations 3 -> 6" in proc.stdout
+    assert "resumed from iteration 3" in proc.stdout and "it 6/6" in proc.stdout
+    assert json.loads((run / "summary.json").read_text())["iterations"] == 6
     assert ("train.iterations 3 -> 6: ppo lr schedule (iterations 3 -> 6) re-anchored after iteration 3 "
             "(lr 0.000333): lr 0.00025 at iteration 4 (was 0)") in proc.stdout
     rows = read_metrics(run)

@@ -2,6 +2,7 @@
 gives on the same batches, every rank holds the same weights, a two-rank run resumes exactly, and
 a killed rank is survived."""
 
+import shutil
 import time
 
 import pytest
@@ -48,24 +49,21 @@ def test_two_learner_ranks_update_as_one_learner(local_ray, tmp_path):
     assert rows_two[-1]["ppo/advantage_mean"] == pytest.approx(rows_one[-1]["ppo/advantage_mean"], rel=1e-3)
 
 
-def test_a_two_rank_run_resumes_exactly(local_ray, tmp_path):
+def test_a_two_rank_run_resumes_exactly_and_with_another_number_of_learners(local_ray, tmp_path):
     cfg = ("runtime.checkpoint_interval=1", "algo.lr_schedule=constant", *TWO)   # constant: a longer run changes no lr
     run_trainer(tiny_config("train.iterations=3", *cfg), tmp_path / "whole")
     run_trainer(tiny_config("train.iterations=2", *cfg), tmp_path / "parts")
+    shutil.copytree(tmp_path / "parts", tmp_path / "parts_one")
     run_trainer(tiny_config("train.iterations=3", *cfg), tmp_path / "parts", resume=True)
     a, b = _final_policy(tmp_path / "whole"), _final_policy(tmp_path / "parts")
     for k in a:
         assert torch.equal(a[k], b[k]), k
-
-
-def test_a_run_resumes_with_another_number_of_learners(local_ray, tmp_path):
-    cfg = ("runtime.checkpoint_interval=1", "algo.lr_schedule=constant")
-    run_trainer(tiny_config("train.iterations=3", *cfg), tmp_path / "whole")
-    run_trainer(tiny_config("train.iterations=2", *cfg, *TWO), tmp_path / "parts")        # 2 ranks,
-    run_trainer(tiny_config("train.iterations=3", *cfg), tmp_path / "parts", resume=True)  # then 1
-    a, b = _final_policy(tmp_path / "whole"), _final_policy(tmp_path / "parts")
+    # the same checkpoint resumed by one learner: the same iteration 3 up to float reordering
+    one = tuple(x for x in cfg if x not in TWO)
+    run_trainer(tiny_config("train.iterations=3", *one), tmp_path / "parts_one", resume=True)
+    c = _final_policy(tmp_path / "parts_one")
     for k in a:
-        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5, msg=k)
+        torch.testing.assert_close(c[k], a[k], rtol=1e-4, atol=1e-5, msg=k)
 
 
 def test_a_killed_rank_is_survived_from_the_last_checkpoint(local_ray, tmp_path):

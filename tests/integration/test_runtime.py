@@ -58,12 +58,13 @@ def test_run_directory_contents(local_ray, tmp_path):
     assert json.loads((run / "summary.json").read_text())["iterations"] == summary["iterations"] == 4
 
 
-@pytest.mark.parametrize("sampling", ["zero", "random"])
-def test_the_periodic_evaluation_is_flowrl_ray_eval_of_its_checkpoint(local_ray, tmp_path, capsys, sampling):
+def test_the_periodic_evaluation_is_flowrl_ray_eval_of_its_checkpoint(local_ray, tmp_path, capsys):
     """The run's last evaluation (two workers, each its share of the evaluation envs) and
     `flowrl-ray eval` of the checkpoint written at that iteration, same episodes and rule: the
-    same returns (the workers' seeds and env counts play no part)."""
+    same returns (the workers' seeds and env counts play no part). By random sampling here; by
+    zero sampling (the default) in the start-vs-final test below."""
     from flowrl_ray.cli import main
+    sampling = "random"
     cfg = tiny_config("train.iterations=2", "eval.interval=2", "eval.episodes=5", "eval.at_start=false",
                       f"eval.sampling={sampling}", "env.max_episode_steps=50")
     run = tmp_path / "run"
@@ -91,9 +92,13 @@ def test_start_vs_final_plays_flowrl_ray_evals_episodes_with_both_policies(local
     assert data["start"]["zero"]["keys"] == [[0, 0], [1, 0], [2, 0], [3, 0]]
     first = next(r for r in read_metrics(run) if r["iteration"] == 0)
     assert sum(data["start"]["zero"]["values"]) / 4 == pytest.approx(first["eval/return_mean"], rel=1e-6)
+    last = next(r for r in read_metrics(run) if r["iteration"] == 2)     # periodic, zero sampling
     for rule in ("zero", "random"):
         assert main(["eval", str(run), "--episodes", "4", "--sampling", rule]) == 0
         standalone = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        if rule == "zero":      # the periodic evaluation is `flowrl-ray eval` of its checkpoint
+            assert standalone["return_mean"] == pytest.approx(last["eval/return_mean"], rel=1e-6)
+            assert standalone["return_std"] == pytest.approx(last["eval/return_std"], rel=1e-5)
         r = data["rules"][rule]
         assert standalone["return_mean"] == pytest.approx(r["final"], rel=1e-6)
         assert r["gain"] == pytest.approx(r["final"] - r["start"]) and r["ci_low"] <= r["gain"] <= r["ci_high"]
@@ -178,7 +183,7 @@ def test_resume_gives_the_same_next_iteration_as_an_uninterrupted_run(local_ray,
         assert torch.equal(pa[k], pb[k]), k
 
 
-@pytest.mark.parametrize("staleness", [0, 1, 2])
+@pytest.mark.parametrize("staleness", [0, 2])      # on-policy, and more than one version behind
 def test_async_mode_paces_sampling_instead_of_dropping(local_ray, tmp_path, staleness):
     cfg = tiny_config("train.iterations=5", "runtime.mode=async", f"runtime.max_staleness={staleness}")
     summary = run_trainer(cfg, tmp_path / "run")
