@@ -118,11 +118,10 @@ def test_train_against_a_ray_start_cluster(tmp_path):
         r = _train(tmp, tmp_path / "gpu", "--address", "auto", "runtime.learner_num_gpus=1")
         assert r.returncode == 2 and "no node has room for one learner (1 CPU + 1 GPU)" in r.stderr, r.stderr
 
-        # an unclean stop leaves the record pointing at a dead cluster
+        # an unclean stop leaves the record pointing at a dead cluster ("private" above: no address
+        # starts a private Ray whatever the record says)
         _kill_tree(proc)
         assert record.read_text().strip().endswith(f":{gcs_port}")
-        r = _train(tmp, tmp_path / "after_kill")
-        assert r.returncode == 0 and "Ray: started a private local Ray" in r.stdout, (r.stdout + r.stderr)[-4000:]
         r = _train(tmp, tmp_path / "auto_dead", "--address", "auto", timeout=120)
         err = _our_lines(r.stderr)
         assert r.returncode == 2 and len(err) == 1 and "Traceback" not in r.stderr, r.stdout + r.stderr

@@ -1,5 +1,5 @@
 """ReinFlow end to end through the CLI on real robosuite Lift and a real local Ray: demos ->
-pretrain -> train from the base -> exact resume -> eval with the noise off -> Serve."""
+pretrain -> train from the base -> exact resume -> eval -> the policy Serve deploys, noise off."""
 
 import json
 import os
@@ -12,13 +12,12 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 
 from flowrl_ray.checkpoint import latest_checkpoint, load_checkpoint  # noqa: E402
-from conftest import free_port  # noqa: E402
 from flowrl_ray.cli import main  # noqa: E402
 from flowrl_ray.metrics import read_metrics  # noqa: E402
 
 
 @pytest.mark.slow
-def test_demos_pretrain_train_resume_eval_serve(tmp_path, capsys):
+def test_demos_pretrain_train_resume_eval_and_the_served_policy(tmp_path, capsys):
     demos, base, run = tmp_path / "lift.hdf5", tmp_path / "base.pt", tmp_path / "run"
     assert main(["demos", "lift", "--episodes", "2", "--out", str(demos)]) == 0
     config = tmp_path / "reinflow.yaml"
@@ -73,16 +72,13 @@ def test_demos_pretrain_train_resume_eval_serve(tmp_path, capsys):
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["sampling"] == "random" and 0.0 <= result["success_rate"] <= 1.0
 
-    import requests
-
-    from flowrl_ray.runtime.serve import deploy, shutdown
-    url = deploy(run, host="127.0.0.1", port=free_port())
-    try:
-        r = requests.post(url + "/act", json={"observation": [0.0] * 19}, timeout=30)
-        assert r.status_code == 200, r.text
-        body = r.json()
-        assert len(body["action"]) == 4 and all(len(row) == 7 for row in body["action"])
-        again = requests.post(url + "/act", json={"observation": [0.0] * 19}, timeout=30).json()
-        assert again["action"] == body["action"]             # zero-sampling, noise off: deterministic
-    finally:
-        shutdown()
+    # what `flowrl-ray serve` deploys from this run (the HTTP server itself: test_fpopp_cli.py)
+    from flowrl_ray.runtime.serve import policy_info
+    _, policy, info = policy_info(run)
+    assert info["algorithm"] == "reinflow" and info["horizon_steps"] == 4 and len(info["action_low"]) == 7
+    obs = torch.zeros(1, 19)
+    with torch.no_grad():
+        a, _ = policy.eval().act(obs, deterministic=True, record=False)
+        b, _ = policy.act(obs, deterministic=True, record=False)
+    assert a.shape == (1, 4, 7) and torch.equal(a, b)          # zero-sampling, noise off: deterministic
+    assert a.abs().max() <= 1.0

@@ -20,31 +20,27 @@ from conftest import REPO, TINY_RUNTIME, run_trainer, tiny_config, train_killing
 pytestmark = pytest.mark.slow
 
 
-def test_weights_reach_every_worker_with_their_version(local_ray, tmp_path):
-    trainer = Trainer(tiny_config("train.iterations=2"), tmp_path / "run", quiet=True)
+def test_weights_reach_every_worker_with_their_version_and_the_run_directory_contents(local_ray, tmp_path):
+    run = tmp_path / "run"
+    trainer = Trainer(tiny_config("eval.interval=2", "eval.episodes=3", "runtime.checkpoint_interval=2",
+                                  "train.iterations=4"), run, quiet=True)
     try:
         trainer.setup()
-        trainer.train()
+        summary = trainer.train()
         learner_policy = ray.get(trainer.learner.policy_weights.remote())
-        assert trainer.version == 2
+        assert trainer.version == 4
         for w in trainer.workers:
-            assert ray.get(w.policy_version.remote()) == 2
+            assert ray.get(w.policy_version.remote()) == 4
             worker_policy = ray.get(w.policy_state.remote())
             for k, v in learner_policy.items():
                 assert torch.equal(v, worker_policy[k]), k
     finally:
         trainer.close()
-    rows = read_metrics(tmp_path / "run")
-    assert [r["policy_version"] for r in rows] == [1, 2]
+    rows = read_metrics(run)
+    assert [r["policy_version"] for r in rows] == [1, 2, 3, 4]
     assert all(r["policy_lag_mean"] == 0 for r in rows)      # sync mode: on-policy batches
     assert all(r["batches"] == 2 for r in rows)
-
-
-def test_run_directory_contents(local_ray, tmp_path):
-    run = tmp_path / "run"
-    summary = run_trainer(tiny_config("eval.interval=2", "eval.episodes=3", "runtime.checkpoint_interval=2",
-                               "train.iterations=4"), run)
-    rows = read_metrics(run)
+    # the run directory
     assert [r["iteration"] for r in rows] == [1, 2, 3, 4]
     for key in ("iteration", "env_steps", "episode_return_mean", "time_s", "ppo/policy_loss",
                 "ppo/value_loss", "ppo/approx_kl", "worker_restarts", "dropped_batches"):

@@ -75,17 +75,17 @@ def test_two_trial_sweep(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_trial_with_a_learner_group_places_its_ranks_in_the_trials_bundles(tmp_path):
+def test_a_trial_with_a_learner_group_places_its_ranks_in_the_trials_bundles(tmp_path, local_ray):
     """num_learners 2 in a sweep: the trial reserves a bundle per rank and both ranks land in the
-    trial's placement group (no group of their own), and the trial trains."""
-    import ray
+    trial's placement group (no group of their own), and the trial trains. On the module's local
+    Ray (after the sweep above, which starts its own)."""
     overrides = [*SWEEP_OVERRIDES, "runtime.num_learners=2", "runtime.learner_num_cpus=0.5"]
     base_cfg = load_config(PENDULUM, overrides)
     space = parse_search_space(["algo.lr=1e-3"], [], [], [], base=base_cfg)
     out = tmp_path / "sweep"
-    assert not ray.is_initialized()
     result = run_sweep(PENDULUM, overrides, space, seeds=1, num_samples=1, out_dir=out,
                        metric="episode_return_mean", mode="max", max_concurrent=0)
+    assert local_ray.is_initialized()            # not ours to stop
     assert result["trials"] == 1 and result["errored"] == 0
     run_dir = Path(result["best_run_dir"])
     placement = json.loads((run_dir / "placement.json").read_text())
