@@ -1,4 +1,4 @@
-"""`flowrl-ray` end to end: train on a local Ray it starts itself, resume, eval, plot, help."""
+"""`flowrl-ray` end to end: compare (training on a local Ray it starts itself), eval, plot, help."""
 
 import json
 import os
@@ -9,7 +9,7 @@ import pytest
 
 from flowrl_ray.metrics import read_metrics
 
-from conftest import REPO, TINY, TINY_RUNTIME
+from conftest import REPO, TINY_RUNTIME
 
 CLI = [sys.executable, "-m", "flowrl_ray.cli"]
 
@@ -27,45 +27,9 @@ def test_every_verb_explains_itself(verb):
 
 
 @pytest.mark.slow
-def test_train_eval_plot(tmp_path):
-    """(`train --resume`: tests/e2e/test_resume.py.)"""
-    run = tmp_path / "run"
-    proc = _cli("train", "configs/ppo/pendulum.yaml", *TINY, "train.iterations=2", "env.max_episode_steps=50",
-                "--run-dir", str(run))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "it 2/2" in proc.stdout and "ETA" in proc.stdout and "done:" in proc.stdout
-    assert [r["iteration"] for r in read_metrics(run)] == [1, 2]
-    assert json.loads((run / "summary.json").read_text())["iterations"] == 2
-
-    proc = _cli("eval", str(run), "--episodes", "2")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["episodes"] == 2 and result["length_mean"] == 50.0 and result["return_mean"] < 0
-
-    out = tmp_path / "curves.png"
-    proc = _cli("plot", str(run), str(run), "--out", str(out))
-    assert proc.returncode == 0, proc.stderr
-    assert out.stat().st_size > 1000 and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-    proc = _cli("plot", str(tmp_path / "nothing"))
-    assert proc.returncode == 2 and "metrics.jsonl" in proc.stderr
-
-
-@pytest.mark.slow
-def test_cma_ppo_trains_and_evaluates_through_the_cli(tmp_path):
-    run = tmp_path / "cma"
-    proc = _cli("train", "configs/cma_ppo/pendulum.yaml", *TINY_RUNTIME, "env.max_episode_steps=50", "eval.interval=2",
-                "eval.episodes=2", "algo.minibatch_size=64", "--run-dir", str(run), "--no-tensorboard")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = read_metrics(run)
-    assert [r["iteration"] for r in rows] == [1, 2, 3]
-    assert rows[-1]["cma_ppo/history_len"] == 3 and "episode_reward" in rows[1]
-    proc = _cli("eval", str(run), "--episodes", "2")
-    assert proc.returncode == 0 and json.loads(proc.stdout.strip().splitlines()[-1])["episodes"] == 2
-
-
-@pytest.mark.slow
-def test_compare_runs_every_config_with_the_same_seeds(tmp_path):
+def test_compare_runs_every_config_with_the_same_seeds_then_eval_and_plot_them(tmp_path):
+    """`compare` trains PPO and CMA-PPO (2 seeds each, on one local Ray); `eval` and `plot` then
+    read its run directories. (`train`'s progress lines and `train --resume`: tests/e2e/test_resume.py.)"""
     out = tmp_path / "cmp"
     proc = _cli("compare", "configs/ppo/pendulum.yaml", "configs/cma_ppo/pendulum.yaml", *TINY_RUNTIME,
                 "train.iterations=2", "env.max_episode_steps=50", "--seeds", "2", "--out-dir", str(out))
@@ -77,3 +41,24 @@ def test_compare_runs_every_config_with_the_same_seeds(tmp_path):
         assert row["seeds"] == 2 and row["env_steps"] == 2 * 2 * 2 * 64 and row["final_return_mean"] < 0
     assert sorted(p.name for p in (out / "ppo-pendulum").iterdir()) == ["seed0", "seed1"]
     assert (out / "comparison.png").stat().st_size > 1000 and "± " in (out / "comparison.md").read_text()
+    ppo, cma = out / "ppo-pendulum" / "seed0", out / "cma-ppo-pendulum" / "seed0"
+    assert [r["iteration"] for r in read_metrics(ppo)] == [1, 2]
+    assert json.loads((ppo / "summary.json").read_text())["iterations"] == 2
+    rows = read_metrics(cma)
+    assert [r["iteration"] for r in rows] == [1, 2]
+    assert rows[-1]["cma_ppo/history_len"] == 2
+
+    proc = _cli("eval", str(ppo), "--episodes", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["episodes"] == 2 and result["length_mean"] == 50.0 and result["return_mean"] < 0
+    proc = _cli("eval", str(cma), "--episodes", "2")
+    assert proc.returncode == 0 and json.loads(proc.stdout.strip().splitlines()[-1])["episodes"] == 2
+
+    png = tmp_path / "curves.png"
+    proc = _cli("plot", str(ppo), str(cma), "--out", str(png))
+    assert proc.returncode == 0, proc.stderr
+    assert png.stat().st_size > 1000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    proc = _cli("plot", str(tmp_path / "nothing"))
+    assert proc.returncode == 2 and "metrics.jsonl" in proc.stderr

@@ -48,6 +48,7 @@ def test_extending_a_finished_ppo_run_goes_on_from_its_last_lr(tmp_path):
     run = tmp_path / "run"
     proc = _cli("train", str(PENDULUM), *RUN, "--run-dir", str(run))
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "it 3/3" in proc.stdout and "ETA" in proc.stdout and "done:" in proc.stdout     # progress
     # the habit: the same command, with --resume and a longer run
     proc = _cli("train", str(PENDULUM), *RUN, "train.iterations=6", "--resume", str(run))
     assert proc.returncode == 0, proc.stderr[-3000:]
