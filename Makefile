@@ -68,9 +68,13 @@ run-ppo: install
 # spent waiting (start-up, actors, subprocesses), so 2 processes pay even on 2 cores.
 # TEST_WORKERS=0 runs the suite in one process. The 25 slowest tests are listed at the end (the
 # suite's budget is 20 minutes on 2 cores).
+# OMP_NUM_THREADS=1: one torch (OpenMP) thread in the pytest processes and the CLI and benchmark
+# processes they start (Ray's actors already run one: runtime.torch_threads); two processes of two
+# threads each on 2 cores spend time contending (tests/unit with 2 processes: 60-61 s -> 53-54 s).
 TEST_WORKERS ?= 2
+TEST_THREADS ?= 1
 test: install
-	PYTHONFAULTHANDLER=1 $(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile --durations=25 tests
+	OMP_NUM_THREADS=$(TEST_THREADS) PYTHONFAULTHANDLER=1 $(PY) -m pytest -q -ra -n $(TEST_WORKERS) --dist loadfile --durations=25 tests
 
 test-unit: install
 	$(PY) -m pytest -q tests/unit
