@@ -11,8 +11,8 @@ def test_the_committed_sft_base_loads_into_forms_small_and_copies_held_out_value
     """pretrained/forms_small_sft (made by the command in docs/results.md) is the start and KL
     reference of configs/flow_grpo/forms_small.yaml. Greedy decoding of 16 evaluation tasks (values
     neither SFT nor RL saw): it writes well-formed gold action lines, free-text values copied among
-    them. Measured on these 16 tasks: 0.34 of the gold lines, 19 of 57 free-text values (0.372 on
-    96 tasks in docs/results.md); the 2,000-step CPU base scores 0.02 and copies none, so the bound
+    them. Measured on these 16 tasks: 0.42 of the gold lines, 21 of 57 free-text values (f14ba8d;
+    0.372 on 96 tasks in docs/results.md); the 2,000-step CPU base scores 0.02 and copies none, so the bound
     fails for a base that does not copy."""
     from dataclasses import asdict
 
