@@ -26,6 +26,8 @@ position, the clean token (no shift: position i's logits are for token i, as in 
   passes an explicit full (non-causal) 4-D additive mask ``[B, 1, L, L]`` that only hides padded
   keys (:func:`masked_lm_logits`). Remote-code models (LLaDA, ReFusion) get the 2-D mask and do
   their own (bidirectional) attention.
+* :func:`masked_lm_from_packaged`: a causal LM that a package ships (SmolLM2) with full attention
+  and a mask token, the start of a Dream / DiffuLLaMA adaptation (not a trained policy by itself).
 * :func:`check_model_config` is the driver's preflight (pure checks, errors name the key);
   :meth:`MaskedDiffusionLM.save` writes a checkpoint (after ``pretrain.text_sft.fit_sft``) that
   :func:`load_sft_checkpoint` reads back with the config's switches.
@@ -92,7 +94,7 @@ region, and :meth:`MaskedDiffusionLM.decode` stops at the first [EOS]/[PAD].
 from flowrl_ray.models.masked_diffusion.config import (DEFAULT_LORA_CFG, DEFAULT_MODEL_CFG, DTYPES, MaskedLMConfig,
                                                        check_model_config, looks_like_hub_id, validate_model_cfg)
 from flowrl_ray.models.masked_diffusion.model import (REFERENCE_ADAPTER, KLReference, MaskedDiffusionLM,
-                                                      build_masked_lm, load_sft_checkpoint)
+                                                      build_masked_lm, load_sft_checkpoint, masked_lm_from_packaged)
 from flowrl_ray.models.masked_diffusion.sampling import (SAMPLERS, full_attention_bias, generate,
                                                          generate_with_trajectory, masked_lm_logits, step_log_prob,
                                                          step_log_prob64, step_token_log_probs64,
@@ -102,5 +104,5 @@ from flowrl_ray.models.masked_diffusion.sft import SFT_T_EPS, sft_loss
 __all__ = ["DEFAULT_LORA_CFG", "DEFAULT_MODEL_CFG", "DTYPES", "KLReference", "MaskedDiffusionLM", "MaskedLMConfig",
            "REFERENCE_ADAPTER", "SAMPLERS", "SFT_T_EPS", "build_masked_lm", "check_model_config",
            "full_attention_bias", "generate", "generate_with_trajectory", "load_sft_checkpoint", "looks_like_hub_id",
-           "masked_lm_logits", "sft_loss", "step_log_prob", "step_log_prob64", "step_token_log_probs64",
-           "trajectory_log_probs", "unmask_schedule", "validate_model_cfg"]
+           "masked_lm_from_packaged", "masked_lm_logits", "sft_loss", "step_log_prob", "step_log_prob64",
+           "step_token_log_probs64", "trajectory_log_probs", "unmask_schedule", "validate_model_cfg"]

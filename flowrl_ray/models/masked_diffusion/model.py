@@ -284,6 +284,47 @@ def load_sft_checkpoint(path: str | os.PathLike, model_cfg: Mapping | Any, token
                            device=device, prefix=prefix)
 
 
+def masked_lm_from_packaged(name: str, mask_token: str = "<|mask|>", max_len: int | None = None,
+                            dtype: torch.dtype = torch.float32) -> MaskedDiffusionLM:
+    """A pretrained causal LM that a package ships (:mod:`flowrl_ray.models.packaged_lm`), made the
+    starting point of a masked-diffusion adaptation (Dream / DiffuLLaMA): the same weights with
+    full (non-causal) attention and a mask token.
+
+    * ``config.is_causal = False``: :func:`masked_lm_logits` passes the explicit full 4-D mask.
+    * ``mask_token``: a token of the vocabulary, or else a new special token whose embedding row
+      (and output row, when untied) is the mean of the existing ones (the vocabulary grows by one).
+    * Positions predict their own token, the project's convention (LLaDA); Dream's variant that
+      keeps the causal model's next-token shift is not built here.
+
+    Before any adaptation the model is not a masked-diffusion model: it is what adaptation would
+    start from (its cost per step is what ``benchmarks/forms_packaged_lm_cost.py`` measures)."""
+    from flowrl_ray.models.packaged_lm import load_packaged_lm
+    lm = load_packaged_lm(name, dtype=dtype)
+    model, tokenizer = lm.model, lm.tokenizer
+    tokenizer.padding_side = "left"
+    vocab = tokenizer.get_vocab()
+    if mask_token in vocab:
+        mask_id = int(vocab[mask_token])
+        if mask_id in (tokenizer.eos_token_id, tokenizer.pad_token_id):
+            raise ValueError(f"mask_token {mask_token!r} is the tokenizer's end or padding token")
+    else:
+        tokenizer.add_special_tokens({"additional_special_tokens": [mask_token]})
+        mask_id = tokenizer.convert_tokens_to_ids(mask_token)
+        old = model.get_input_embeddings().weight.shape[0]
+        if mask_id >= old:                    # a new row, set to the mean of the others (deterministic)
+            model.resize_token_embeddings(mask_id + 1, mean_resizing=False)
+            with torch.no_grad():
+                for layer in {model.get_input_embeddings(), model.get_output_embeddings()} - {None}:
+                    layer.weight[old:] = layer.weight[:old].mean(0)
+    model.config.is_causal = False
+    model.config.mask_token_id = mask_id
+    model.config.use_cache = False
+    model.eval()
+    return MaskedDiffusionLM(model=model, tokenizer=tokenizer, mask_token_id=mask_id,
+                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                             max_len=max_len)
+
+
 def _default_tokenizer(cfg: dict, prefix: str):
     from flowrl_ray.models.text_tokenizer import load_tokenizer
     path = cfg["tokenizer_path"]

@@ -210,3 +210,56 @@ def test_greedy_generation_is_batched_with_left_padding(tiny_gguf_package):
     # a stop string ends the completion and is cut off with what follows
     i = next(i for i, ch in enumerate(longer[0]) if i > 0 and ch.isascii() and ch.isalnum())
     assert lm.generate(prompts[:1], 30, stop=[longer[0][i]]) == [longer[0][:longer[0].index(longer[0][i])]]
+
+
+# --------------------------------------------------------------------------- as a masked-diffusion start
+
+def test_a_packaged_lm_becomes_bidirectional_with_a_new_mask_token_of_mean_embedding(tiny_gguf_package):
+    import torch
+
+    from flowrl_ray.models.masked_diffusion import masked_lm_from_packaged, masked_lm_logits, sft_loss
+    name, weights = tiny_gguf_package
+    vocab = 256 + len(MERGES) + len(SPECIALS)
+    lm = masked_lm_from_packaged(name, "<|mask|>")
+    model = lm.model
+    # the new token is the last id; its input and output rows are the means of the written ones
+    assert lm.mask_token_id == vocab == model.config.mask_token_id
+    assert model.get_input_embeddings().weight.shape[0] >= vocab + 1 and model.config.is_causal is False
+    emb = torch.from_numpy(weights["model.embed_tokens.weight"])
+    head = torch.from_numpy(weights["lm_head.weight"])
+    torch.testing.assert_close(model.get_input_embeddings().weight[vocab], emb.mean(0))
+    torch.testing.assert_close(model.get_output_embeddings().weight[vocab], head.mean(0))
+    torch.testing.assert_close(model.get_input_embeddings().weight[:vocab], emb)    # the others unchanged
+    assert lm.tokenizer.convert_ids_to_tokens(lm.tokenizer("a<|mask|>b", add_special_tokens=False)["input_ids"]) \
+        == ["a", "<|mask|>", "b"]
+
+    # full attention: a later token changes an earlier position's logits (a causal model's cannot)
+    ids, mask = lm.encode_prompts(["fill the name a", "fill the name b"])
+    assert ids.shape[1] >= 4 and not torch.equal(ids[0, -1], ids[1, -1]) and torch.equal(ids[0, :-1], ids[1, :-1])
+    with torch.no_grad():
+        logits = masked_lm_logits(model, ids, mask)
+    assert not torch.allclose(logits[0, 0], logits[1, 0])
+    assert torch.isinf(logits[..., lm.mask_token_id]).all()              # [MASK] never proposed
+    # and the causal model it came from: the first position does not see the last token
+    raw = load_packaged_lm(name).model
+    with torch.no_grad():
+        first = raw(input_ids=ids, attention_mask=mask.long()).logits[:, 0]
+    torch.testing.assert_close(first[0], first[1])
+
+    # the SFT loss trains it: finite, with gradients reaching the new mask token's embedding row
+    ans = lm.encode_answers(["Ada", "Bob"], 6)
+    model.train()
+    loss = sft_loss(model, ids, mask, ans, torch.ones_like(ans, dtype=torch.bool), lm.mask_token_id,
+                    generator=torch.Generator().manual_seed(0))
+    loss.backward()
+    assert torch.isfinite(loss) and model.get_input_embeddings().weight.grad[vocab].abs().sum() > 0
+
+
+def test_a_token_of_the_vocabulary_can_be_the_mask_but_not_the_end_token(tiny_gguf_package):
+    from flowrl_ray.models.masked_diffusion import masked_lm_from_packaged
+    name, _ = tiny_gguf_package
+    vocab = 256 + len(MERGES) + len(SPECIALS)
+    lm = masked_lm_from_packaged(name, "<|endoftext|>")
+    assert lm.mask_token_id == 0 and lm.model.get_input_embeddings().weight.shape[0] == vocab
+    with pytest.raises(ValueError, match="end or padding token"):
+        masked_lm_from_packaged(name, "<|im_end|>")
