@@ -147,6 +147,12 @@ def project(parts: dict, steps: int, k: int, epochs: int) -> dict:
     return {"generate_s": generate, "update_s": update, "iteration_s": generate + update}
 
 
+def sft_rates(step_s: float, batch: int) -> dict:
+    """An SFT step's seconds as pairs an hour and hours for one pass over the base's SFT data."""
+    return {"step_s": step_s, "pairs_per_hour": 3600 * batch / step_s,
+            "hours_per_base_data_pass": BASE_SFT_PAIRS * step_s / batch / 3600}
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     import torch
@@ -181,10 +187,8 @@ def main(argv=None) -> dict:
         print(f"[bench] {label}: {n / 1e6:.1f}M parameters, gen_length {gen_length}", flush=True)
         parts = iteration_parts(policy, prompts, gen_length, steps, args.probe_steps, int(c.max_prompt_len),
                                 args.repeats, float(c.generation_temperature), str(c.sampler))
-        entry = {"parameters": n, **parts, **project(parts, steps, k, epochs), "sft": sft}
-        for name, s in sft.items():
-            entry["sft"][name] = {"step_s": s, "pairs_per_hour": 3600 * args.sft_batch / s,
-                                  "hours_per_base_data_pass": BASE_SFT_PAIRS * s / args.sft_batch / 3600}
+        entry = {"parameters": n, **parts, **project(parts, steps, k, epochs),
+                 "sft": {name: sft_rates(s, args.sft_batch) for name, s in sft.items()}}
         out["models"][label] = entry
         print(f"[bench] {label}: {entry}", flush=True)
 
@@ -208,9 +212,7 @@ def main(argv=None) -> dict:
         target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
     lora_s = sft_step_seconds(packaged, batch, gen_length, args.repeats)
     trainable = sum(p.numel() for p in packaged.trainable_parameters())
-    out["models"][args.model]["sft"]["lora"] = {
-        "step_s": lora_s, "pairs_per_hour": 3600 * args.sft_batch / lora_s, "trainable_parameters": trainable,
-        "hours_per_base_data_pass": BASE_SFT_PAIRS * lora_s / args.sft_batch / 3600}
+    out["models"][args.model]["sft"]["lora"] = {**sft_rates(lora_s, args.sft_batch), "trainable_parameters": trainable}
     out["models"][args.model]["load_s"] = load_s
 
     headers = ["model", "parameters", "completion tokens", "prompt tokens", "SFT step (s)", "pairs / hour",
